@@ -1,0 +1,214 @@
+"""Throughput of hidden-state extraction on one GPU: the naive approach against the worker's path.
+
+Random-initialised decoders of real shape (dense qwen3: 36 layers, hidden 4096, ~7B non-embedding
+parameters; and a qwen3_5_text hybrid of the same size), ShareGPT-like lengths (lognormal, mean 728
+tokens). In one process: a bf16 matmul peak, then for each shape
+
+  naive : batch 1, output_hidden_states=True through the causal LM (logits computed), the chosen
+          layers stacked, .cpu(), safetensors written synchronously;
+  ours  : worker.extract.run_extraction (sorted batches under a token budget, hooks, side-stream
+          copies, background writer) writing to local disk, and again to tmpfs (/dev/shm).
+
+Prints a table and writes JSON (``--json``). MFU = 2 x non-embedding parameters x tokens/s / peak.
+
+    python bench/extract.py --shape dense --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np
+import torch
+
+from worker.data import Sample
+from worker.demo import sharegpt_lengths
+from worker.events import EventLog
+from worker.extract import Options, run_extraction
+from worker.model import Capture, find_decoder, resolve_layers
+from worker.writer import Stats, write_sample_file
+
+
+def matmul_peak() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * n ** 3 / sorted(times)[len(times) // 2]
+
+
+def make_config(shape: str, vocab: int):
+    from transformers import AutoConfig
+    common = dict(vocab_size=vocab, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  max_position_embeddings=32768, tie_word_embeddings=False)
+    if shape == "dense":
+        return AutoConfig.for_model("qwen3", **common)
+    types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(36)]
+    return AutoConfig.for_model("qwen3_5_text", layer_types=types, linear_num_key_heads=16,
+                                linear_num_value_heads=32, linear_key_head_dim=128,
+                                linear_value_head_dim=128, **common)
+
+
+def make_samples(n: int, vocab: int, seed: int, max_len: int) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for i, length in enumerate(sharegpt_lengths(rng, n, 728)):
+        length = min(length, max_len)
+        ids = np.random.default_rng(seed + i).integers(0, vocab, length, dtype=np.int64)
+        out.append(Sample(i, ids, np.ones(length, dtype=np.uint8)))
+    return out
+
+
+def naive(lm, samples, plan, out_dir) -> dict:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    tokens = 0
+    with torch.inference_mode():
+        for s in samples:
+            ids = torch.from_numpy(s.input_ids)[None].cuda()
+            out = lm(input_ids=ids, output_hidden_states=True)
+            hs = torch.stack([out.hidden_states[i][0] for i in plan.ids], dim=1).cpu()
+            write_sample_file(out_dir, s.index, {"hidden_states": hs,
+                                                 "token_ids": torch.from_numpy(s.input_ids)}, {})
+            tokens += s.length
+    torch.cuda.synchronize()
+    return {"seconds": time.perf_counter() - t0, "tokens": tokens, "samples": len(samples)}
+
+
+def ours(base, samples, plan, out_dir, budget) -> dict:
+    stats = Stats()
+    log = EventLog(None, 0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run_extraction(base, [samples], plan, out_dir, 0, torch.device("cuda:0"),
+                   Options(max_tokens_per_batch=budget, writer_queue=3, writer_threads=8),
+                   log, stats, progress_interval=1e9, total=len(samples))
+    torch.cuda.synchronize()
+    snap = stats.snapshot()
+    return {"seconds": time.perf_counter() - t0, "tokens": snap["tokens"], "samples": snap["done"],
+            "writer_wait_s": snap["writer_wait_s"], "bytes": snap["bytes"]}
+
+
+def reference_error(lm, base, samples, plan) -> float:
+    """Largest relative error of our batched capture against a bs=1 output_hidden_states forward."""
+    capture = Capture(find_decoder(base), plan)
+    worst = 0.0
+    with torch.inference_mode():
+        batch = samples[:8]
+        width = max(s.length for s in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        for r, s in enumerate(batch):
+            ids[r, : s.length] = torch.from_numpy(s.input_ids)
+        base(input_ids=ids.cuda(), use_cache=False)
+        got = capture.take().float()
+        for r, s in enumerate(batch):
+            out = lm.model(input_ids=torch.from_numpy(s.input_ids)[None].cuda(), output_hidden_states=True)
+            hs = list(out.hidden_states)
+            ref = torch.stack([hs[i][0] for i in plan.ids], dim=1).float()
+            if plan.last_layer_norm == "pre":     # hs[L] from transformers is post-norm; ours is pre
+                ref = ref[:, :-1]
+                g = got[r, : s.length, :-1]
+            else:
+                g = got[r, : s.length]
+            worst = max(worst, float((g - ref).norm() / ref.norm()))
+    capture.remove()
+    return worst
+
+
+def rate(r: dict, params: int, peak: float) -> dict:
+    tps = r["tokens"] / r["seconds"]
+    return dict(r, tokens_per_s=round(tps), samples_per_s=round(r["samples"] / r["seconds"], 2),
+                mfu=round(2 * params * tps / peak, 4))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=("dense", "hybrid"), default="dense")
+    p.add_argument("--naive-samples", type=int, default=120)
+    p.add_argument("--samples", type=int, default=1200)
+    p.add_argument("--budget", type=int, default=16384)
+    p.add_argument("--max-len", type=int, default=8192)
+    p.add_argument("--disk", default=os.environ.get("BENCH_DISK", "/tmp"))
+    p.add_argument("--skip-shm", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    peak = matmul_peak()
+    vocab = 32000
+    config = make_config(args.shape, vocab)
+    t0 = time.perf_counter()
+    with torch.device("cuda"):
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    init_s = time.perf_counter() - t0
+    base = lm.model
+    params = sum(p.numel() for p in base.parameters()) - base.get_input_embeddings().weight.numel()
+    plan = resolve_layers("speculators", config.num_hidden_layers)
+    samples = make_samples(args.samples, vocab, 1, args.max_len)
+    naive_samples = make_samples(args.naive_samples, vocab, 2, args.max_len)
+    warm = make_samples(40, vocab, 3, args.max_len)
+    result = {"shape": args.shape, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "transformers": __import__("transformers").__version__, "peak_tflops": round(peak / 1e12, 1),
+              "nonembedding_params": params, "model_init_s": round(init_s, 1),
+              "mean_tokens": round(sum(s.length for s in samples) / len(samples), 1)}
+    fla = __import__("importlib.util").util.find_spec("fla") is not None
+    result["fla"] = fla
+    result["ref_rel_err"] = reference_error(lm, base, warm, plan)
+
+    def scratch(root):
+        d = tempfile.mkdtemp(dir=root, prefix="fleet-bench-")
+        return d
+
+    d = scratch(args.disk)
+    naive(lm, warm[:5], plan, d)                      # warm-up
+    result["naive"] = rate(naive(lm, naive_samples, plan, d), params, peak)
+    shutil.rmtree(d)
+    targets = [("ours_disk", args.disk)] + ([] if args.skip_shm else [("ours_tmpfs", "/dev/shm")])
+    for name, root in targets:
+        d = scratch(root)
+        ours(base, warm, plan, d, args.budget)       # warm-up (allocator, cuBLAS, Triton)
+        torch.cuda.reset_peak_memory_stats()
+        r = ours(base, samples, plan, d, args.budget)
+        r["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        result[name] = rate(r, params, peak)
+        shutil.rmtree(d)
+    import resource
+    result["host_peak_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    result["weights_gib"] = round(sum(p.numel() * p.element_size() for p in lm.parameters()) / 2**30, 2)
+    n = result["naive"]["tokens_per_s"]
+    print(json.dumps(result))
+    print(f"\n{args.shape} on {result['gpu']} (peak {result['peak_tflops']} TFLOP/s, "
+          f"{params / 1e9:.2f}B non-embedding params, fla={fla}, ref err {result['ref_rel_err']:.2e})")
+    print(f"{'approach':<12}{'tokens/s':>10}{'samples/s':>11}{'MFU':>7}{'x naive':>9}")
+    for name in ["naive"] + [t[0] for t in targets]:
+        r = result[name]
+        print(f"{name:<12}{r['tokens_per_s']:>10}{r['samples_per_s']:>11}{r['mfu']:>7.1%}"
+              f"{r['tokens_per_s'] / n:>9.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""`fleet`: the command line (click). Every command takes -c/--config (default ./fleet.toml).
+
+Exit codes: 0 healthy or done, 1 a shard FAILED/FATAL/STALLED (or verify found a problem),
+2 a config error, 3 a host unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Awaitable, Callable
+
+import click
+
+from . import render
+from .config import Config, ConfigError, load_config
+from .state import State, status_exit_code
+from .supervisor import Supervisor
+from .transport import HostError
+
+EXIT_FAULT, EXIT_CONFIG, EXIT_UNREACHABLE = 1, 2, 3
+
+config_option = click.option("-c", "--config", "config_path", default="fleet.toml", show_default=True,
+                             type=click.Path(dir_okay=False), help="the run's fleet.toml")
+
+
+def fail(message: str, code: int) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def load(path: str) -> Config:
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        fail(str(e), EXIT_CONFIG)
+        raise                                             # unreachable
+
+
+def run_async(fn: Callable[[], Awaitable[int]]) -> None:
+    try:
+        code = asyncio.run(fn())
+    except KeyboardInterrupt:
+        click.echo("interrupted; workers keep running (fleet status to see them)", err=True)
+        code = 130
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="fleet")
+def main() -> None:
+    """Run one hidden-state extraction worker per GPU across a fleet of hosts, and watch it.
+
+    \b
+    fleet up            deploy, launch every shard, open the live view
+    fleet status        one snapshot (--json for scripts)
+    fleet logs SHARD    a shard's log (-f to follow)
+    fleet restart SHARD restart a shard (it resumes)
+    fleet down          stop every shard
+    fleet verify        check the output: every sample once, every file sound
+    """
+
+
+# --- up ----------------------------------------------------------------------------------------
+
+async def deploy_and_plan(sup: Supervisor, quiet: bool = False) -> int:
+    config = sup.config
+    if not quiet:
+        click.echo(f"deploying to {len(config.hosts)} host(s)…", err=True)
+    results, failures = await sup.deploy()
+    from .deploy import format_preflight
+    click.echo(format_preflight(results, failures), err=True)
+    if failures:
+        fail(f"{len(failures)} host(s) unreachable: " + "; ".join(failures.values()), EXIT_UNREACHABLE)
+    errors = [f"{r.host}: {e}" for r in results for e in r.errors]
+    if errors:
+        fail("preflight refused: " + "; ".join(errors), EXIT_FAULT)
+    gpus = {r.host: r.gpus for r in results}
+    sup.plan(gpus)
+    return 0
+
+
+@main.command()
+@config_option
+@click.option("--headless", is_flag=True, help="no TUI: print one line per state change; exit when "
+                                                 "every shard is DONE or FATAL")
+def up(config_path: str, headless: bool) -> None:
+    """Deploy the worker, launch a shard on every GPU and supervise them.
+
+    Re-running `fleet up` on a live run re-attaches: live shards are never started twice, failed
+    ones are restarted and resume where they stopped. Quitting leaves the workers running.
+    """
+    config = load(config_path)
+    if not headless:
+        from .tui.app import run_tui
+        sys.exit(run_tui(config))
+
+    async def go() -> int:
+        sup = Supervisor(config, on_log=lambda m: click.echo(f"  {m}", err=True))
+        await deploy_and_plan(sup)
+        await sup.start()
+        await sup.launch_all()
+        seen: dict[int, str] = {}
+        try:
+            while True:
+                snap = sup.snapshot()
+                for line in render.transitions(seen, snap):
+                    click.echo(line)
+                if sup.all_terminal():
+                    break
+                await asyncio.sleep(0.25)
+        finally:
+            await sup.close()
+        snap = sup.snapshot()
+        click.echo(render.format_status(snap))
+        ok = all(s["state"] == State.DONE.value for s in snap["shards"])
+        return 0 if ok else EXIT_FAULT
+    run_async(go)
+
+
+# --- status ------------------------------------------------------------------------------------
+
+@main.command()
+@config_option
+@click.option("--json", "as_json", is_flag=True, help=f"print the snapshot as JSON (schema fleet.status/1)")
+def status(config_path: str, as_json: bool) -> None:
+    """One snapshot of the run: hosts, GPUs, shards, throughput, ETA.
+
+    Exit 0 healthy or done, 1 a shard FAILED/FATAL/STALLED, 2 config error, 3 a host unreachable.
+    """
+    config = load(config_path)
+
+    async def go() -> int:
+        sup = Supervisor(config)
+        try:
+            snap = await sup.read_once()
+        finally:
+            await sup.close()
+        if as_json:
+            click.echo(json.dumps(snap, indent=2))
+        elif not snap["shards"] and all(h["reachable"] for h in snap["hosts"]):
+            click.echo(f"run {config.run.name}: nothing launched yet (fleet up starts it)")
+        else:
+            click.echo(render.format_status(snap))
+        return status_exit_code(snap)
+    run_async(go)
+
+
+# --- down / restart ----------------------------------------------------------------------------
+
+@main.command()
+@config_option
+@click.option("--yes", "-y", is_flag=True, help="do not ask")
+@click.option("--timeout", default=10.0, show_default=True, help="seconds before SIGKILL")
+def down(config_path: str, yes: bool, timeout: float) -> None:
+    """Stop every shard of the run (SIGTERM, then SIGKILL). Output already written stays."""
+    config = load(config_path)
+    if not yes and not click.confirm(f"stop every shard of run {config.run.name}?", default=False):
+        fail("not confirmed; nothing stopped", EXIT_FAULT)
+
+    async def go() -> int:
+        sup = Supervisor(config)
+        try:
+            results = await sup.stop_all(timeout)
+        finally:
+            await sup.close()
+        code = 0
+        for host, r in results.items():
+            if "error" in r:
+                click.echo(f"{host}: {r['error']}", err=True)
+                code = EXIT_UNREACHABLE
+            else:
+                stopped = [k for k, v in r.items() if v in ("stopped", "killed")]
+                click.echo(f"{host}: stopped {len(stopped)} shard(s)" +
+                           (f" ({', '.join(stopped)})" if stopped else ""))
+        return code
+    run_async(go)
+
+
+@main.command()
+@config_option
+@click.argument("shard")
+def restart(config_path: str, shard: str) -> None:
+    """Restart SHARD (an id, or HOST:GPU); it resumes from its manifest."""
+    config = load(config_path)
+
+    async def go() -> int:
+        sup = Supervisor(config)
+        try:
+            await sup.read_once()
+            try:
+                k = sup.resolve_shard(shard)
+            except KeyError as e:
+                fail(str(e.args[0]), EXIT_FAULT)
+            if sup.links[sup.shards[k].host].host.reachable is False:
+                fail(sup.links[sup.shards[k].host].host.error or "host unreachable", EXIT_UNREACHABLE)
+            result = await sup.relaunch(k, by="manual")
+        finally:
+            await sup.close()
+        if result.get("status") == "error":
+            fail(result["error"], EXIT_UNREACHABLE)
+        click.echo(f"shard {k}: {result.get('status')}")
+        return 0
+    run_async(go)
+
+
+# --- logs --------------------------------------------------------------------------------------
+
+@main.command()
+@config_option
+@click.argument("shard")
+@click.option("-f", "--follow", is_flag=True, help="keep printing new lines")
+@click.option("-n", "--lines", default=100, show_default=True, help="lines from the end")
+def logs(config_path: str, shard: str, follow: bool, lines: int) -> None:
+    """Print SHARD's log (an id, or HOST:GPU)."""
+    config = load(config_path)
+
+    async def go() -> int:
+        from .jobs import shard_dir
+        sup = Supervisor(config)
+        try:
+            await sup.read_once()
+            try:
+                k = sup.resolve_shard(shard)
+            except KeyError as e:
+                fail(str(e.args[0]), EXIT_FAULT)
+            link = sup.links[sup.shards[k].host]
+            path = f"{shard_dir(config, link.spec, k)}/log"
+            argv = ["tail", "-n", str(lines)] + (["-F"] if follow else []) + [path]
+            if follow:
+                stream = await link.transport.stream(argv)
+                try:
+                    async for line in stream.lines():
+                        click.echo(line.rstrip("\n"))
+                finally:
+                    await stream.close()
+            else:
+                r = await link.transport.run(argv)
+                click.echo(r.stdout, nl=False)
+        except HostError as e:
+            fail(str(e), EXIT_UNREACHABLE)
+        finally:
+            await sup.close()
+        return 0
+    run_async(go)
+
+
+# --- verify ------------------------------------------------------------------------------------
+
+@main.command()
+@config_option
+@click.option("--shallow", is_flag=True, help="check the manifests only, not every file")
+def verify(config_path: str, shallow: bool) -> None:
+    """Check the output: every global index present exactly once (written or recorded as skipped),
+    every file readable, shapes as declared, values finite. Exit 1 listing what is wrong."""
+    config = load(config_path)
+
+    async def go() -> int:
+        from .verify import verify_fleet
+        sup = Supervisor(config)
+        try:
+            result, failures = await verify_fleet(
+                config, {n: l.transport for n, l in sup.links.items()}, deep=not shallow)
+        except HostError as e:
+            fail(str(e), EXIT_FAULT)
+        finally:
+            await sup.close()
+        for host, why in failures.items():
+            click.echo(f"unreachable: {why}", err=True)
+        click.echo(f"{result.written} written, {len(result.skipped)} skipped, "
+                   f"{result.num_samples if result.num_samples is not None else '?'} in the dataset")
+        for i, why in list(result.skipped.items())[:20]:
+            click.echo(f"  skipped {i}: {why}")
+        if result.missing:
+            shown = ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in result.missing[:20])
+            click.echo(f"missing: {sum(b - a for a, b in result.missing)} sample(s): {shown}")
+        for p in result.problems[:50]:
+            click.echo(f"problem: {p}")
+        if result.unrecorded_files:
+            click.echo(f"note: {result.unrecorded_files} file(s) not in a manifest (a restart rewrites them)")
+        if failures:
+            return EXIT_UNREACHABLE
+        if result.ok:
+            click.echo("verify: OK")
+            return 0
+        return EXIT_FAULT
+    run_async(go)
+
+
+if __name__ == "__main__":
+    main()

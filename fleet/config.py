@@ -1,0 +1,342 @@
+"""fleet.toml: the validated run spec.
+
+pydantic does the validation (types, ranges, unknown keys); this module turns its errors into one
+line that names the file, the line and the key path, with a suggestion for a misspelt key. Paths in
+[run] are paths on the hosts; for the `local` host, relative paths are taken from fleet.toml's
+folder.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import string
+import sys
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:                                     # pragma: no cover
+    import tomli as tomllib
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+PLACEHOLDERS = {"python", "shard", "num_shards", "gpu", "host", "output", "run", "model", "data",
+                "shard_dir"}
+
+
+class ConfigError(Exception):
+    """A user error in fleet.toml: the message is one line naming file:line and the key."""
+
+
+def parse_duration(value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*", str(value))
+    if not m:
+        raise ValueError(f"not a duration: {value!r} (use e.g. \"120s\", \"2m\", \"1h\")")
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunSpec(Strict):
+    name: str
+    model: str = ""
+    data: str = ""
+    output: str
+    layers: Union[Literal["speculators", "eagle3", "dflash"], list[int]] = "speculators"
+    last_layer_norm: Literal["pre", "post"] | None = None
+    max_tokens_per_batch: int = Field(16384, gt=0)
+    max_length: int | None = Field(None, gt=0)
+    too_long: Literal["truncate", "skip"] = "skip"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    extra_args: list[str] = []          # more flags for python -m worker.extract
+    env: dict[str, str] = {}            # environment for every shard process
+    demo: bool = False                  # make the tiny demo model and dataset on first use
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"bad environment variable name {key!r}")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("use letters, digits, '.', '_' or '-' (it names folders)")
+        return v
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v):
+        if isinstance(v, list):
+            if not v or any(i < 0 for i in v) or len(set(v)) != len(v):
+                raise ValueError("a non-empty list of distinct non-negative hs indices")
+        return v
+
+    @property
+    def layers_arg(self) -> str:
+        return self.layers if isinstance(self.layers, str) else ",".join(map(str, self.layers))
+
+
+class ExpectedSpec(Strict):
+    samples_per_s_per_gpu: float | None = Field(None, gt=0)
+    tokens_per_s_per_gpu: float | None = Field(None, gt=0)
+    alert_ratio: float = Field(0.8, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _one(self):
+        if self.samples_per_s_per_gpu and self.tokens_per_s_per_gpu:
+            raise ValueError("give samples_per_s_per_gpu or tokens_per_s_per_gpu, not both")
+        return self
+
+
+class SuperviseSpec(Strict):
+    stall_timeout: float = 120.0
+    max_restarts: int = Field(3, ge=0)
+    backoff_base: float = 2.0
+    backoff_max: float = 60.0
+    restart_stalled: bool = True
+    telemetry_interval: float = 0.25
+    connect_timeout: float = 10.0
+    keepalive_interval: float = 5.0
+    keepalive_count_max: int = Field(3, ge=1)
+    reconnect_max: float = 30.0
+    max_concurrent_connects: int = Field(8, ge=1)
+
+    @field_validator("stall_timeout", "backoff_base", "backoff_max", "telemetry_interval",
+                     "connect_timeout", "keepalive_interval", "reconnect_max", mode="before")
+    @classmethod
+    def _duration(cls, v):
+        d = parse_duration(v)
+        if d <= 0:
+            raise ValueError("must be positive")
+        return d
+
+
+class JobSpec(Strict):
+    """A custom command instead of the built-in worker, supervised through log sentinels."""
+    command: str
+    cwd: str | None = None
+    done: str | None = None              # regex over log lines: the job finished well
+    fail: str | None = None              # regex over log lines: the job failed
+    progress: str | None = None          # regex with (?P<done>\d+) and optionally (?P<total>\d+)
+    progress_glob: str | None = None     # output files counted as progress; {shard} allowed
+    total: int | None = Field(None, gt=0)  # samples per shard, when progress gives no total
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: str) -> str:
+        import shlex
+        try:
+            argv = shlex.split(v)
+        except ValueError as e:
+            raise ValueError(f"cannot split command: {e}") from None
+        if not argv:
+            raise ValueError("empty command")
+        for token in argv:
+            for _, field, _, _ in string.Formatter().parse(token):
+                if field is not None and field not in PLACEHOLDERS:
+                    raise ValueError(f"unknown placeholder {{{field}}}; known: "
+                                     f"{', '.join(sorted(PLACEHOLDERS))}")
+        return v
+
+    @field_validator("done", "fail", "progress")
+    @classmethod
+    def _regex(cls, v):
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"bad regex: {e}") from None
+        return v
+
+
+class HostSpec(Strict):
+    name: str
+    address: str
+    port: int = Field(22, ge=1, le=65535)
+    user: str | None = None
+    identity_file: str | None = None
+    known_hosts: str = "~/.ssh/known_hosts"
+    accept_new: bool = False
+    python: str | None = None
+    gpus: Union[Literal["all"], list[int]] = "all"
+    root: str = "fleet"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not NAME_RE.match(v):
+            raise ValueError("use letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("address", "user")
+    @classmethod
+    def _no_option(cls, v):
+        if v is not None and (not v or v.startswith("-") or any(c.isspace() for c in v)):
+            raise ValueError("must not be empty, start with '-' or hold spaces")
+        return v
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v):
+        if isinstance(v, list) and (not v or any(g < 0 for g in v) or len(set(v)) != len(v)):
+            raise ValueError("\"all\" or a non-empty list of distinct GPU indices")
+        return v
+
+    @property
+    def is_local(self) -> bool:
+        return self.address == "local"
+
+
+class FleetSpec(Strict):
+    run: RunSpec
+    expected: ExpectedSpec = ExpectedSpec()
+    supervise: SuperviseSpec = SuperviseSpec()
+    job: JobSpec | None = None
+    hosts: list[HostSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _checks(self):
+        names = [h.name for h in self.hosts]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate host name {sorted(dup)[0]!r}")
+        if self.job is None and not (self.run.model and self.run.data):
+            raise ValueError("[run] needs model and data (or a [job] section with a custom command)")
+        return self
+
+
+class Config:
+    """A validated FleetSpec plus where it came from (for resolving local paths)."""
+
+    def __init__(self, spec: FleetSpec, path: str):
+        self.spec = spec
+        self.path = os.path.abspath(path)
+        self.base_dir = os.path.dirname(self.path)
+
+    @property
+    def run(self) -> RunSpec:
+        return self.spec.run
+
+    @property
+    def hosts(self) -> list[HostSpec]:
+        return self.spec.hosts
+
+    def host_path(self, host: HostSpec, path: str) -> str:
+        """A [run]/root path as the host sees it: local relative paths from fleet.toml's folder."""
+        if host.is_local:
+            return os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(path)))
+        return path
+
+    def run_dir(self, host: HostSpec) -> str:
+        return os.path.join(self.host_path(host, host.root), self.run.name)
+
+    def python(self, host: HostSpec) -> str:
+        return host.python or (sys.executable if host.is_local else "python3")
+
+
+# --- loading with located errors ---------------------------------------------------------------
+
+def _key_lines(text: str) -> dict[tuple, int]:
+    """Map key paths like ('hosts', 1, 'port') and table paths to 1-based line numbers."""
+    lines: dict[tuple, int] = {}
+    table: tuple = ()
+    counts: dict[str, int] = {}
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if m := re.match(r"^\[\[\s*([A-Za-z0-9_.-]+)\s*\]\]", line):
+            name = m.group(1)
+            counts[name] = counts.get(name, -1) + 1
+            table = (name, counts[name])
+            lines.setdefault(table, n)
+            lines.setdefault((name,), n)
+        elif m := re.match(r"^\[\s*([A-Za-z0-9_.-]+)\s*\]", line):
+            table = tuple(m.group(1).split("."))
+            lines.setdefault(table, n)
+        elif m := re.match(r"^([A-Za-z0-9_-]+|\"[^\"]*\")\s*=", line):
+            lines.setdefault(table + (m.group(1).strip('"'),), n)
+    return lines
+
+
+def _locate(lines: dict[tuple, int], loc: tuple) -> int | None:
+    loc = tuple(x for x in loc if not (isinstance(x, str) and x in ("list[int]", "literal['all']",
+                                                                      "str", "function-after")))
+    for cut in range(len(loc), 0, -1):
+        if loc[:cut] in lines:
+            return lines[loc[:cut]]
+    return None
+
+
+def _section_name(loc: tuple) -> str:
+    if not loc:
+        return "the top level"
+    if len(loc) >= 2 and isinstance(loc[1], int):
+        return f"[[{loc[0]}]] #{loc[1] + 1}"
+    return f"[{'.'.join(str(x) for x in loc)}]"
+
+
+_MODELS = {"run": RunSpec, "expected": ExpectedSpec, "supervise": SuperviseSpec, "job": JobSpec,
+           "hosts": HostSpec, "": FleetSpec}
+
+
+def _format_error(err: dict, lines: dict[tuple, int], path: str) -> str:
+    loc = tuple(err["loc"])
+    clean = tuple(x for x in loc if isinstance(x, int) or x in lines or not x.startswith(("literal", "list")))
+    line = _locate(lines, clean)
+    where = f"{path}:{line}" if line else path
+    keypath = (f"{_section_name(clean[:2])} {'.'.join(str(x) for x in clean[2:])}"
+               if len(clean) > 2 and isinstance(clean[1], int)
+               else ".".join(str(x) for x in clean) or "(top level)")
+    if err["type"] == "extra_forbidden":
+        key = str(clean[-1])
+        parent = clean[:-1]
+        model = _MODELS.get(str(parent[0]) if parent else "", FleetSpec)
+        if key == "password":
+            return (f"{where}: {keypath}: passwords are not accepted in fleet.toml; use "
+                    f"identity_file or the SSH agent")
+        fields = list(model.model_fields)
+        hint = [f for f in fields if sorted(f) == sorted(key)] or \
+            difflib.get_close_matches(key, fields, n=1)
+        suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+        return f"{where}: unknown key {key!r} in {_section_name(parent)}{suggestion}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return f"{where}: {keypath}: required key missing"
+    return f"{where}: {keypath}: {msg}"
+
+
+def load_config(path: str) -> Config:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file (give one with -c/--config)") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 (byte {e.start})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        m = re.search(r"\(at line (\d+), column (\d+)\)", str(e))
+        msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(e))
+        where = f"{path}:{m.group(1)}" if m else path
+        raise ConfigError(f"{where}: invalid TOML: {msg}") from None
+    try:
+        spec = FleetSpec.model_validate(data)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        raise ConfigError(_format_error(first, _key_lines(text), path)) from None
+    return Config(spec, path)

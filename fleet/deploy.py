@@ -1,0 +1,150 @@
+"""Putting the worker on a host and checking the host can run its shards.
+
+The worker package is uploaded into a content-hashed folder (`<root>/<run>/code/<hash>/worker`):
+an unchanged worker is never uploaded twice, and processes still running old code keep it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from functools import cache
+
+import worker
+
+from .config import Config, HostSpec
+from .transport import HostError, Transport
+
+WORKER_DIR = os.path.dirname(os.path.abspath(worker.__file__))
+
+
+@cache
+def worker_bundle() -> tuple[str, str]:
+    """(hash, staging folder holding worker/*.py): what travels to the hosts."""
+    files = sorted(f for f in os.listdir(WORKER_DIR) if f.endswith(".py"))
+    digest = hashlib.sha256()
+    for name in files:
+        digest.update(name.encode() + b"\0")
+        with open(os.path.join(WORKER_DIR, name), "rb") as f:
+            digest.update(f.read() + b"\0")
+    h = digest.hexdigest()[:16]
+    staging = tempfile.mkdtemp(prefix=f"fleet-worker-{h}-")
+    os.makedirs(os.path.join(staging, "worker"))
+    for name in files:
+        shutil.copy2(os.path.join(WORKER_DIR, name), os.path.join(staging, "worker", name))
+    return h, staging
+
+
+def code_dir(config: Config, host: HostSpec) -> str:
+    return os.path.join(config.run_dir(host), "code", worker_bundle()[0])
+
+
+def python_argv(config: Config, host: HostSpec, module: str, *args: str) -> list[str]:
+    """`python -m worker.<module>` with the deployed code on PYTHONPATH (no shell involved)."""
+    return ["env", f"PYTHONPATH={code_dir(config, host)}", config.python(host), "-m",
+            f"worker.{module}", *args]
+
+
+def _python_missing(config: Config, host: HostSpec, stderr: str) -> str | None:
+    if "No such file" in stderr or "not found" in stderr:
+        return f"{host.name}: python {config.python(host)} not found (set python = ... for this host)"
+    return None
+
+
+async def run_worker_module(t: Transport, config: Config, host: HostSpec, module: str, *args: str,
+                            timeout: float | None = 300) -> dict:
+    """Run a worker module that prints one JSON object; its errors become a HostError."""
+    r = await t.run(python_argv(config, host, module, *args), timeout=timeout)
+    if r.rc != 0:
+        why = _python_missing(config, host, r.stderr) or \
+            f"{host.name}: worker.{module} failed (exit {r.rc}): {_last_line(r.stderr)}"
+        raise HostError(why)
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise HostError(f"{host.name}: worker.{module} printed no result: {_last_line(r.stdout)}") from None
+
+
+def _last_line(text: str) -> str:
+    lines = [l for l in text.strip().splitlines() if l.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+async def upload_worker(t: Transport, config: Config, host: HostSpec) -> bool:
+    """Upload the worker unless this exact content is already there; True when uploaded."""
+    target = code_dir(config, host)
+    probe = await t.run(["test", "-f", os.path.join(target, "worker", "protocol.py")], timeout=60)
+    if probe.rc == 0:
+        return False
+    mk = await t.run(["mkdir", "-p", os.path.dirname(target)], timeout=60)
+    if mk.rc != 0:
+        raise HostError(f"{host.name}: cannot create {os.path.dirname(target)}: {_last_line(mk.stderr)}")
+    await t.put_dir(worker_bundle()[1], target)
+    return True
+
+
+@dataclass
+class Preflight:
+    host: str
+    gpus: list[int] = field(default_factory=list)
+    uploaded: bool = False
+    report: dict = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+async def deploy_host(t: Transport, config: Config, host: HostSpec) -> Preflight:
+    """Upload, make demo assets if asked, then preflight. Raises HostError if unreachable."""
+    result = Preflight(host.name)
+    await t.connect()
+    result.uploaded = await upload_worker(t, config, host)
+    run = config.run
+    model = config.host_path(host, run.model) if run.model else ""
+    data = config.host_path(host, run.data) if run.data else ""
+    if run.demo:
+        await run_demo_assets(t, config, host, model, data)
+    args = ["--gpus", "all" if host.gpus == "all" else ",".join(map(str, host.gpus)),
+            "--device", run.device, "--layers", run.layers_arg,
+            "--output", config.host_path(host, run.output)]
+    if model:
+        args += ["--model", model]
+    if data:
+        args += ["--data", data]
+    if config.spec.job is None:
+        args.append("--builtin")
+    report = await run_worker_module(t, config, host, "preflight", *args, timeout=300)
+    result.report = report
+    result.gpus = report.get("gpus", [])
+    for c in report.get("checks", []):
+        (result.errors if c["level"] == "error" else result.warnings).append(c["message"])
+    return result
+
+
+async def run_demo_assets(t: Transport, config: Config, host: HostSpec, model: str, data: str) -> None:
+    r = await t.run(python_argv(config, host, "demo", "--model", model, "--data", data), timeout=900)
+    if r.rc != 0:
+        raise HostError(_python_missing(config, host, r.stderr) or
+                        f"{host.name}: making the demo model failed: {_last_line(r.stderr)}")
+
+
+def format_preflight(results: list[Preflight], failures: dict[str, str]) -> str:
+    """One table: host, python, torch, GPUs, free disk, estimate, verdict."""
+    rows = [("host", "python", "torch", "gpus", "free", "needs", "result")]
+    for p in results:
+        r = p.report
+        free = r.get("free_bytes")
+        need = r.get("estimated_bytes")
+        verdict = "ERROR: " + p.errors[0] if p.errors else ("warning: " + p.warnings[0] if p.warnings else "ok")
+        rows.append((p.host, r.get("python", "?"), r.get("torch", "-"),
+                     ",".join(map(str, p.gpus)) or "-",
+                     f"{free / 1e9:.1f} GB" if free is not None else "?",
+                     f"{need / 1e9:.1f} GB" if need is not None else "?", verdict))
+    for host, why in failures.items():
+        rows.append((host, "-", "-", "-", "-", "-", "UNREACHABLE: " + why))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r[:-1], widths)) + "  " + str(r[-1])
+                     for r in rows)

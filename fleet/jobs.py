@@ -1,0 +1,83 @@
+"""The command each shard runs: the built-in worker, or a custom template from [job].
+
+Commands are argv lists from start to end. A custom template is split with shlex first and each
+token formatted on its own, so a placeholder's value stays one argument whatever it holds.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+
+from .config import Config, HostSpec
+
+AGENT_SENTINEL_KEYS = ("done", "fail", "progress", "progress_glob", "total")
+
+
+@dataclass(frozen=True)
+class Placement:
+    shard: int
+    host: str
+    gpu: int
+
+
+@dataclass
+class ShardCommand:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str | None
+
+
+def place_shards(config: Config, gpus_by_host: dict[str, list[int]]) -> list[Placement]:
+    """One shard per GPU, numbered in fleet.toml's host order, then GPU order."""
+    out = []
+    for host in config.hosts:
+        for gpu in gpus_by_host[host.name]:
+            out.append(Placement(len(out), host.name, gpu))
+    return out
+
+
+def shard_dir(config: Config, host: HostSpec, shard: int) -> str:
+    return os.path.join(config.run_dir(host), "shards", str(shard))
+
+
+def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: int) -> ShardCommand:
+    run = config.run
+    python = config.python(host)
+    values = {"python": python, "shard": place.shard, "num_shards": num_shards, "gpu": place.gpu,
+              "host": host.name, "run": run.name, "output": config.host_path(host, run.output),
+              "model": config.host_path(host, run.model) if run.model else "",
+              "data": config.host_path(host, run.data) if run.data else "",
+              "shard_dir": shard_dir(config, host, place.shard)}
+    env = {"CUDA_VISIBLE_DEVICES": str(place.gpu), "PYTHONUNBUFFERED": "1", **run.env}
+    job = config.spec.job
+    if job is not None:
+        argv = [token.format(**values) for token in shlex.split(job.command)]
+        cwd = config.host_path(host, job.cwd) if job.cwd else None
+        return ShardCommand(argv, env, cwd)
+    argv = [python, "-m", "worker.extract", "--model", values["model"], "--data", values["data"],
+            "--out", values["output"], "--state", values["shard_dir"],
+            "--shard-index", str(place.shard), "--num-shards", str(num_shards),
+            "--layers", run.layers_arg, "--max-tokens-per-batch", str(run.max_tokens_per_batch),
+            "--too-long", run.too_long]
+    if run.last_layer_norm:
+        argv += ["--last-layer-norm", run.last_layer_norm]
+    if run.max_length:
+        argv += ["--max-length", str(run.max_length)]
+    if run.device == "cpu":
+        argv += ["--device", "cpu"]
+    elif run.device == "cuda":
+        argv += ["--device", "cuda:0"]
+    return ShardCommand(argv + list(run.extra_args), env, None)
+
+
+def sentinel_spec(config: Config, host: HostSpec) -> dict | None:
+    """What the agent needs to supervise a custom job through its log and output files."""
+    job = config.spec.job
+    if job is None:
+        return None
+    spec = {k: getattr(job, k) for k in AGENT_SENTINEL_KEYS if getattr(job, k) is not None}
+    if "progress_glob" in spec:
+        spec["progress_glob"] = config.host_path(host, spec["progress_glob"])
+    return spec

@@ -1,0 +1,1 @@
+"""The live Textual view of a run (fed by fleet.supervisor snapshots)."""

@@ -1,0 +1,221 @@
+"""Reading a shard of the dataset: pre-tokenized rows or raw chats, each row by its global index.
+
+Global index = row number in the dataset (for JSONL, the line number counted from 0). Shards are
+contiguous index ranges, so output files named by global index make a resume independent of how
+many shards there are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+
+class DataError(Exception):
+    """The dataset as a whole cannot be read (missing path, unknown format)."""
+
+
+@dataclass
+class Sample:
+    index: int
+    input_ids: np.ndarray      # int64 [T]
+    loss_mask: np.ndarray      # uint8 [T]
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class BadRow:
+    index: int
+    reason: str
+
+
+def shard_range(num_rows: int, num_shards: int, shard: int) -> tuple[int, int]:
+    """Contiguous [start, stop) of shard `shard`: every index in exactly one shard, sizes within 1."""
+    if num_shards < 1 or not 0 <= shard < num_shards:
+        raise ValueError(f"shard index {shard} out of range for {num_shards} shard(s)")
+    return shard * num_rows // num_shards, (shard + 1) * num_rows // num_shards
+
+
+# --- formats -----------------------------------------------------------------------------------
+
+class Dataset:
+    """A dataset on disk: knows its row count and yields raw rows (dict) or BadRow by index."""
+
+    num_rows: int
+
+    def rows(self, start: int, stop: int) -> Iterator[tuple[int, Any]]:
+        raise NotImplementedError
+
+
+class JsonlDataset(Dataset):
+    def __init__(self, path: str):
+        self.path = path
+        count, last = 0, b"\n"
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                count += chunk.count(b"\n")
+                last = chunk[-1:]
+        self.num_rows = count + (0 if last == b"\n" else 1)
+
+    def rows(self, start: int, stop: int) -> Iterator[tuple[int, Any]]:
+        with open(self.path, "rb") as f:
+            for index, raw in enumerate(f):
+                if index < start:
+                    continue
+                if index >= stop:
+                    break
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield index, BadRow(index, f"not UTF-8 at byte {e.start}")
+                    continue
+                if not text.strip():
+                    yield index, BadRow(index, "empty line")
+                    continue
+                try:
+                    yield index, json.loads(text)
+                except ValueError as e:
+                    yield index, BadRow(index, f"not valid JSON: {e}")
+
+
+class ArrowTableDataset(Dataset):
+    """Parquet file(s) or a Hugging Face `save_to_disk` folder, read through pyarrow in slices."""
+
+    def __init__(self, table: Any):
+        self.table = table
+        self.num_rows = table.num_rows
+
+    def rows(self, start: int, stop: int) -> Iterator[tuple[int, Any]]:
+        step = 1024
+        for lo in range(start, stop, step):
+            part = self.table.slice(lo, min(step, stop - lo)).to_pylist()
+            for offset, row in enumerate(part):
+                yield lo + offset, row
+
+
+def _arrow_table(path: str) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if os.path.isfile(path):
+        return pq.read_table(path, memory_map=True)
+    if os.path.exists(os.path.join(path, "state.json")):        # datasets.save_to_disk layout
+        state = json.load(open(os.path.join(path, "state.json")))
+        tables = []
+        for entry in state.get("_data_files", []):
+            with pa.memory_map(os.path.join(path, entry["filename"])) as source:
+                tables.append(pa.ipc.open_stream(source).read_all())
+        if not tables:
+            raise DataError(f"{path}: state.json lists no data files")
+        return pa.concat_tables(tables)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".parquet"))
+    if not files:
+        raise DataError(f"{path}: folder holds neither a save_to_disk dataset nor .parquet files")
+    return pa.concat_tables(pq.read_table(os.path.join(path, f), memory_map=True) for f in files)
+
+
+def open_dataset(path: str) -> Dataset:
+    if not os.path.exists(path):
+        raise DataError(f"{path}: no such file or folder")
+    if os.path.isdir(path) or path.endswith(".parquet"):
+        return ArrowTableDataset(_arrow_table(path))
+    if path.endswith((".jsonl", ".json")):
+        return JsonlDataset(path)
+    raise DataError(f"{path}: unknown dataset format (expected .jsonl, .parquet or a folder)")
+
+
+# --- rows to samples ---------------------------------------------------------------------------
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
+          "system": "system"}
+
+
+def _chat_messages(row: dict) -> list[dict]:
+    """ShareGPT `conversations: [{from, value}]` or OpenAI `messages: [{role, content}]`."""
+    if "messages" in row:
+        turns, role_key, text_key = row["messages"], "role", "content"
+    else:
+        turns, role_key, text_key = row["conversations"], "from", "value"
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("conversation is empty or not a list")
+    messages = []
+    for n, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise ValueError(f"turn {n} is not an object")
+        role = _ROLES.get(str(turn.get(role_key, "")).lower())
+        text = turn.get(text_key)
+        if role is None:
+            raise ValueError(f"turn {n} has unknown role {turn.get(role_key)!r}")
+        if not isinstance(text, str):
+            raise ValueError(f"turn {n} has no text")
+        messages.append({"role": role, "content": text})
+    return messages
+
+
+def tokenize_chat(messages: list[dict], tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Render with the model's chat template; loss_mask = 1 on the tokens of assistant turns.
+
+    The mask comes from character spans: each assistant message's text is found in the rendered
+    conversation, and a token is an assistant token when its characters overlap such a span.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans, pos = [], 0
+    for m in messages:
+        at = text.find(m["content"], pos) if m["content"] else -1
+        if at < 0:
+            continue
+        if m["role"] == "assistant":
+            spans.append((at, at + len(m["content"])))
+        pos = at + len(m["content"])
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for t, (a, b) in enumerate(enc["offset_mapping"]):
+        if any(a < e and b > s for s, e in spans):
+            mask[t] = 1
+    return ids, mask
+
+
+def row_to_sample(index: int, row: Any, vocab_size: int,
+                  tokenizer: Callable[[], Any]) -> Sample | BadRow:
+    """Validate one row. `tokenizer` is called only for raw chats (loading it is not free)."""
+    if isinstance(row, BadRow):
+        return row
+    if not isinstance(row, dict):
+        return BadRow(index, "row is not an object")
+    try:
+        if row.get("input_ids") is not None:
+            raw = row["input_ids"]
+            if not isinstance(raw, (list, tuple)) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in raw):
+                return BadRow(index, "input_ids is not a list of integers")
+            ids = np.asarray(raw, dtype=np.int64)
+            if row.get("loss_mask") is not None:
+                mask_raw = row["loss_mask"]
+                if not isinstance(mask_raw, (list, tuple)) or len(mask_raw) != len(raw):
+                    return BadRow(index, f"loss_mask length {len(mask_raw) if isinstance(mask_raw, (list, tuple)) else '?'}"
+                                         f" differs from input_ids length {len(raw)}")
+                mask = np.asarray([1 if x else 0 for x in mask_raw], dtype=np.uint8)
+            else:
+                mask = np.ones(len(ids), dtype=np.uint8)
+        elif "conversations" in row or "messages" in row:
+            ids, mask = tokenize_chat(_chat_messages(row), tokenizer())
+        else:
+            return BadRow(index, "row has none of input_ids, conversations, messages")
+    except (ValueError, TypeError, OverflowError) as e:
+        return BadRow(index, f"malformed row: {e}")
+    if len(ids) == 0:
+        return BadRow(index, "no tokens")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        return BadRow(index, f"token id {bad} out of range for vocab size {vocab_size}")
+    return Sample(index, ids, mask)

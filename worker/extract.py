@@ -1,0 +1,325 @@
+"""`python -m worker.extract`: run one shard of a dataset through a causal LM and save hidden states.
+
+Resumable (a restart skips everything in the output's manifests, whatever the shard count), atomic
+(a kill at any moment leaves no file that `hs_*.safetensors` matches half-written), and fast:
+length-sorted batches under a token budget, no attention mask (right padding under a causal mask
+never reaches a real token), hooks on exactly the requested layers, copies to the host on a side
+stream, a bounded background writer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import resource
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from . import __version__, protocol
+from .batching import make_batches, padded_length
+from .data import BadRow, DataError, Sample, open_dataset, row_to_sample, shard_range
+from .events import EventLog
+from .model import (Capture, LayerPlan, ModelError, find_decoder, load_model, missing_fast_kernels,
+                    resolve_layers, text_config)
+from .writer import (BackgroundWriter, DiskFullError, Manifest, Stats, load_finished, manifest_path,
+                     write_json_atomic)
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_TERMINATED = 143
+
+
+class Terminated(Exception):
+    pass
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m worker.extract",
+        description="Extract chosen intermediate hidden states of a Hugging Face causal LM over one "
+                    "shard of a tokenized (or raw chat) dataset into hs_<index>.safetensors files.")
+    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--data", required=True,
+                   help="JSONL, Parquet or a save_to_disk folder; rows with input_ids [+ loss_mask] "
+                        "or raw chats (ShareGPT conversations / OpenAI messages)")
+    p.add_argument("--out", required=True, help="output folder for hs_<index>.safetensors")
+    p.add_argument("--state", default=None,
+                   help="folder for events.jsonl (what fleet reads); default: no event file")
+    p.add_argument("--shard-index", type=int, default=0)
+    p.add_argument("--num-shards", type=int, default=1)
+    p.add_argument("--layers", default="speculators",
+                   help="speculators | eagle3 | dflash | comma list of hs indices (default speculators)")
+    p.add_argument("--last-layer-norm", choices=("pre", "post"), default=None,
+                   help="for an explicit list holding L: raw last-layer output (pre, default) or "
+                        "final-normed (post)")
+    p.add_argument("--max-tokens-per-batch", type=int, default=16384)
+    p.add_argument("--max-length", type=int, default=None, help="longest sample kept (tokens)")
+    p.add_argument("--too-long", choices=("truncate", "skip"), default="skip",
+                   help="what to do with a sample over --max-length (default skip, reported)")
+    p.add_argument("--device", default=None, help="cuda:0 | cpu (default: cuda:0 when available)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="model dtype (default bf16; fp32 allowed on the CPU). Files are always bf16")
+    p.add_argument("--writer-queue", type=int, default=3,
+                   help="batches waiting for the disk before the GPU waits (bounds host memory)")
+    p.add_argument("--writer-threads", type=int, default=4, help="files written in parallel")
+    p.add_argument("--sort-window", type=int, default=20000,
+                   help="samples read and length-sorted at a time (bounds host memory)")
+    p.add_argument("--progress-interval", type=float, default=2.0, help="seconds between progress events")
+    p.add_argument("--random-weights", action="store_true",
+                   help="initialise from config.json with random weights (benchmarks, dry runs)")
+    args = p.parse_args(argv)
+    if args.max_tokens_per_batch < 1 or args.writer_queue < 1 or args.writer_threads < 1:
+        p.error("--max-tokens-per-batch, --writer-queue and --writer-threads must be positive")
+    if not 0 <= args.shard_index < args.num_shards:
+        p.error(f"--shard-index {args.shard_index} out of range for --num-shards {args.num_shards}")
+    return args
+
+
+@dataclass
+class Options:
+    max_tokens_per_batch: int = 16384
+    max_length: int | None = None
+    too_long: str = "skip"
+    writer_queue: int = 3
+    writer_threads: int = 4
+    sort_window: int = 20000
+    pad_multiple: int = 8
+
+
+def gpu_memory(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    return {"gpu_mem_bytes": torch.cuda.memory_allocated(device),
+            "gpu_peak_bytes": torch.cuda.max_memory_allocated(device)}
+
+
+def host_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Extractor:
+    """Runs batches through the model; splits a batch that runs out of GPU memory."""
+
+    def __init__(self, model: torch.nn.Module, plan: LayerPlan, device: torch.device,
+                 writer: BackgroundWriter, pad_multiple: int):
+        self.model = model
+        self.capture = Capture(find_decoder(model), plan)
+        self.device = device
+        self.writer = writer
+        self.pad_multiple = pad_multiple
+
+    def run(self, batch: list[Sample]) -> None:
+        if not self._try(batch):
+            if len(batch) == 1:
+                self.writer.skip(batch[0].index, f"out of GPU memory at {batch[0].length} tokens")
+                return
+            half = len(batch) // 2
+            self.run(batch[:half])
+            self.run(batch[half:])
+
+    def _try(self, batch: list[Sample]) -> bool:
+        try:
+            self._forward(batch)
+            return True
+        except torch.cuda.OutOfMemoryError:
+            pass
+        self.capture.slots = [None] * len(self.capture.slots)   # outside the except: frames freed
+        torch.cuda.empty_cache()
+        return False
+
+    def _forward(self, batch: list[Sample]) -> None:
+        width = padded_length(max(s.length for s in batch), self.pad_multiple)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        lengths = torch.tensor([s.length for s in batch])
+        for row, s in enumerate(batch):
+            ids[row, : s.length] = torch.from_numpy(s.input_ids)
+        ids = ids.to(self.device, non_blocking=True)
+        with torch.inference_mode():
+            self.model(input_ids=ids, use_cache=False)
+            hidden = self.capture.take()                         # [B, S, n, H] bf16
+            valid = torch.arange(width, device=self.device)[None, :] < lengths.to(self.device)[:, None]
+            bad = ~torch.isfinite(hidden).flatten(2).all(-1)     # [B, S]
+            finite = ~(bad & valid).any(1)
+        self.writer.submit(batch, hidden, finite)
+
+
+def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: int,
+               tokenizer: Callable, options: Options) -> Iterator[list[Sample] | BadRow]:
+    """Unfinished rows of [start, stop): valid samples in chunks of at most `sort_window`, and a
+    BadRow for each row that will not be extracted (malformed, too long)."""
+    chunk: list[Sample] = []
+    for index, row in dataset.rows(start, stop):
+        if index in finished:
+            continue
+        sample = row_to_sample(index, row, vocab_size, tokenizer)
+        if isinstance(sample, BadRow):
+            yield sample
+            continue
+        if options.max_length and sample.length > options.max_length:
+            if options.too_long == "skip":
+                yield BadRow(index, f"too long: {sample.length} tokens > --max-length {options.max_length}")
+                continue
+            sample = Sample(index, sample.input_ids[: options.max_length],
+                            sample.loss_mask[: options.max_length])
+        chunk.append(sample)
+        if len(chunk) >= options.sort_window:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def file_metadata(plan: LayerPlan) -> dict[str, str]:
+    return {"layer_ids": ",".join(map(str, plan.ids)), "last_layer_norm": plan.last_layer_norm,
+            "format": "fleet-hs-1"}
+
+
+def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow], plan: LayerPlan,
+                   out_dir: str, shard: int, device: torch.device, options: Options,
+                   log: EventLog, stats: Stats, progress_interval: float = 2.0,
+                   total: int = 0) -> Stats:
+    """The GPU loop: sample chunks in, files out; bad rows recorded as skipped. Shared by the CLI
+    and the benchmark."""
+    os.makedirs(out_dir, exist_ok=True)
+    writer = BackgroundWriter(
+        out_dir, Manifest(manifest_path(out_dir, shard)), file_metadata(plan), stats,
+        depth=options.writer_queue, file_threads=options.writer_threads, device=device,
+        on_skip=lambda index, reason: log.emit(protocol.SAMPLE_SKIPPED, index=index, reason=reason),
+        reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0)
+    extractor = Extractor(model, plan, device, writer, options.pad_multiple)
+    stop_ticker = threading.Event()
+
+    def tick() -> None:
+        while not stop_ticker.wait(progress_interval):
+            log.emit(protocol.PROGRESS, total=total, **stats.snapshot(), **gpu_memory(device))
+
+    ticker = threading.Thread(target=tick, name="progress", daemon=True)
+    ticker.start()
+    try:
+        for item in items:
+            if isinstance(item, BadRow):
+                writer.skip(item.index, item.reason)
+                continue
+            for batch in make_batches(item, options.max_tokens_per_batch, options.pad_multiple):
+                extractor.run(batch)
+        writer.close()
+    finally:
+        stop_ticker.set()
+        extractor.capture.remove()
+    log.emit(protocol.PROGRESS, total=total, **stats.snapshot(), **gpu_memory(device))
+    return stats
+
+
+def write_meta(out_dir: str, meta: dict) -> None:
+    """meta.json describes every file in the folder; a run with other layers must not mix in."""
+    path = os.path.join(out_dir, protocol.META_FILE)
+    if os.path.exists(path):
+        import json
+        try:
+            old = json.load(open(path))
+        except ValueError:
+            old = {}
+        for key in ("layer_ids", "last_layer_norm", "hidden_size", "num_samples"):
+            if key in old and old[key] != meta[key]:
+                raise ModelError(f"{out_dir} already holds a run with {key}={old[key]} "
+                                 f"(meta.json); this run has {key}={meta[key]}: use another --out")
+    write_json_atomic(path, meta)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = EventLog(args.state, args.shard_index)
+
+    def on_term(signum, frame):
+        raise Terminated(f"terminated by signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
+
+    device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+        dataset = open_dataset(args.data)
+        start, stop = shard_range(dataset.num_rows, args.num_shards, args.shard_index)
+        log.emit(protocol.STARTED, pid=os.getpid(), host=socket.gethostname(), device=str(device),
+                 shard=args.shard_index, num_shards=args.num_shards, start=start, stop=stop,
+                 total=stop - start)
+        finished = load_finished(args.out)
+        log.emit(protocol.LOADING, model=args.model)
+        t0 = time.perf_counter()
+        model = load_model(args.model, str(device), dtype, args.random_weights)
+        vocab_size = model.get_input_embeddings().num_embeddings
+        config = text_config(model)
+        plan = resolve_layers(args.layers, config.num_hidden_layers, args.last_layer_norm)
+        log.emit(protocol.LOADED, seconds=round(time.perf_counter() - t0, 2), **gpu_memory(device),
+                 layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm)
+        if warning := missing_fast_kernels(model):
+            log.emit(protocol.WARNING, message=warning)
+        os.makedirs(args.out, exist_ok=True)
+        write_meta(args.out, {
+            "model": os.path.abspath(args.model), "model_type": config.model_type,
+            "dtype": "bfloat16", "model_dtype": str(dtype).removeprefix("torch."),
+            "layer_ids": list(plan.ids), "last_layer_norm": plan.last_layer_norm,
+            "num_layers": plan.num_layers, "hidden_size": config.hidden_size,
+            "num_samples": dataset.num_rows, "data": os.path.abspath(args.data),
+            "random_weights": args.random_weights,
+            "versions": {"worker": __version__, "torch": torch.__version__,
+                         "transformers": __import__("transformers").__version__,
+                         "safetensors": __import__("safetensors").__version__}})
+
+        stats = Stats()
+        in_range = [rec for i, rec in finished.items() if start <= i < stop]
+        stats.done = sum(1 for r in in_range if "skipped" not in r)
+        stats.skipped = len(in_range) - stats.done
+        stats.tokens = sum(r.get("tokens", 0) for r in in_range)
+        stats.bytes = sum(r.get("bytes", 0) for r in in_range)
+
+        @functools.cache
+        def tokenizer():
+            from transformers import AutoTokenizer
+            try:
+                return AutoTokenizer.from_pretrained(args.model)
+            except (OSError, ValueError) as e:
+                raise ModelError(f"{args.model}: raw chat rows need the model's tokenizer, which "
+                                 f"did not load: {str(e).splitlines()[0]}") from None
+
+        options = Options(args.max_tokens_per_batch, args.max_length, args.too_long,
+                          args.writer_queue, args.writer_threads, args.sort_window,
+                          pad_multiple=8 if device.type == "cuda" else 1)
+        items = iter_shard(dataset, start, stop, set(finished), vocab_size, tokenizer, options)
+        stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
+                               stats, args.progress_interval, stop - start)
+        log.emit(protocol.DONE, **stats.snapshot(), total=stop - start,
+                 host_peak_bytes=host_peak_bytes(), **gpu_memory(device))
+        return 0
+    except (DataError, ModelError) as e:
+        return fail(log, str(e), EXIT_USAGE)
+    except DiskFullError as e:
+        return fail(log, str(e), EXIT_FAILED)
+    except Terminated as e:
+        return fail(log, str(e), EXIT_TERMINATED)
+    except KeyboardInterrupt:
+        return fail(log, "interrupted", EXIT_TERMINATED)
+    except Exception as e:
+        return fail(log, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                    EXIT_FAILED, traceback.format_exc())
+
+
+def fail(log: EventLog, reason: str, code: int, tb: str = "") -> int:
+    tail = tb.strip().splitlines()[-12:] if tb else []
+    log.emit(protocol.FAILED, reason=reason, exit_code=code, traceback=tail)
+    print(f"error: shard {log.shard}: {reason}", file=sys.stderr, flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

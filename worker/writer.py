@@ -1,0 +1,300 @@
+"""Output side of the worker: atomic sample files, the shard manifest, a bounded background writer.
+
+A sample is done only once its file is complete on disk (temp name, fsync, rename) and its line is
+in the manifest. The GPU hands each batch over as one device->host copy on a side stream into a
+reusable pinned buffer; the writer thread waits for that copy, checks each sample and writes it.
+The GPU waits for the disk only when every buffer is in use, and that wait is measured.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import save_file
+
+from . import protocol
+
+
+class DiskFullError(Exception):
+    pass
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_sample_file(out_dir: str, index: int, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str]) -> int:
+    """Write hs_<index>.safetensors atomically; returns its size in bytes."""
+    final = os.path.join(out_dir, protocol.sample_file_name(index))
+    tmp = os.path.join(out_dir, f"{protocol.TEMP_PREFIX}{index}-{os.getpid()}-{threading.get_ident()}")
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(f"disk full writing sample {index} to {out_dir}") from None
+        if "No space left" in str(e):     # safetensors reports I/O errors as its own exception
+            raise DiskFullError(f"disk full writing sample {index} to {out_dir}") from None
+        raise
+    return os.path.getsize(final)
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    tmp = os.path.join(os.path.dirname(path), f"{protocol.TEMP_PREFIX}{os.path.basename(path)}-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def manifest_path(out_dir: str, shard: int) -> str:
+    return os.path.join(out_dir, protocol.MANIFEST_DIR, f"{shard}.jsonl")
+
+
+def load_finished(out_dir: str) -> dict[int, dict]:
+    """Every index any shard's manifest records (written or skipped), whatever the shard count."""
+    done: dict[int, dict] = {}
+    folder = os.path.join(out_dir, protocol.MANIFEST_DIR)
+    if not os.path.isdir(folder):
+        return done
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".jsonl"):
+            for rec in protocol.iter_jsonl(os.path.join(folder, name)):
+                if isinstance(rec.get("index"), int):
+                    done[rec["index"]] = rec
+    return done
+
+
+class Manifest:
+    """Append-only record of finished samples. A torn last line (kill mid-append) is cut off."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.path = path
+        if os.path.exists(path):
+            with open(path, "rb+") as f:
+                data = f.read()
+                if data and not data.endswith(b"\n"):
+                    f.truncate(data.rfind(b"\n") + 1)
+
+    def append(self, records: list[dict]) -> None:
+        if not records:
+            return
+        data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(f"disk full appending to {self.path}") from None
+            raise
+        finally:
+            os.close(fd)
+
+
+class HostBuffers:
+    """A fixed number of reusable (pinned, when on CUDA) host buffers; acquiring blocks when all are
+    out, which is how the writer's backlog bounds host memory and how the GPU's wait is measured."""
+
+    def __init__(self, count: int, pinned: bool):
+        self.pinned = pinned
+        self._free: queue.Queue[torch.Tensor | None] = queue.Queue()
+        for _ in range(count):
+            self._free.put(None)          # allocated lazily at the first size needed
+        self.peak_bytes = 0
+        self._sizes: dict[int, int] = {}
+
+    def acquire(self, numel: int, reserve: int = 0) -> tuple[torch.Tensor, float]:
+        """A buffer of at least `numel` elements; a new one is sized max(numel, reserve) so that
+        batches under the token budget never reallocate (pinning is slow)."""
+        t0 = time.perf_counter()
+        buf = self._free.get()
+        waited = time.perf_counter() - t0
+        if buf is None or buf.numel() < numel:
+            if buf is not None:
+                self._sizes.pop(id(buf), None)
+            buf = torch.empty(max(numel, reserve), dtype=torch.bfloat16, pin_memory=self.pinned)
+            self._sizes[id(buf)] = buf.numel() * 2
+            self.peak_bytes = max(self.peak_bytes, sum(self._sizes.values()))
+        return buf, waited
+
+    def release(self, buf: torch.Tensor) -> None:
+        self._free.put(buf)
+
+
+@dataclass
+class Stats:
+    """Counters the writer updates and the progress ticker reads."""
+    done: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    skipped: int = 0
+    writer_wait_s: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"done": self.done, "tokens": self.tokens, "bytes": self.bytes,
+                    "skipped": self.skipped, "writer_wait_s": round(self.writer_wait_s, 3)}
+
+
+@dataclass
+class BatchJob:
+    samples: list                 # data.Sample, in batch row order
+    host: torch.Tensor            # flat host buffer holding [B, S, n, H]
+    shape: tuple[int, int, int, int]
+    finite: torch.Tensor          # bool [B] (host)
+    ready: Any                    # torch.cuda.Event or None
+
+
+class BackgroundWriter:
+    """One thread takes batches off a bounded queue; a small pool writes their files in parallel."""
+
+    def __init__(self, out_dir: str, manifest: Manifest, metadata: dict[str, str], stats: Stats,
+                 depth: int, file_threads: int, device: torch.device,
+                 on_skip: Callable[[int, str], None], reserve_tokens: int = 0):
+        self.out_dir = out_dir
+        self.reserve_tokens = reserve_tokens
+        self.manifest = manifest
+        self.metadata = metadata
+        self.stats = stats
+        self.on_skip = on_skip
+        self.cuda = device.type == "cuda"
+        self.buffers = HostBuffers(depth + 1, pinned=self.cuda)
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.jobs: queue.Queue = queue.Queue()
+        self.files = ThreadPoolExecutor(max_workers=file_threads, thread_name_prefix="hs-write")
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="hs-writer", daemon=True)
+        self.thread.start()
+
+    # --- called from the GPU loop ---------------------------------------------------------------
+    def submit(self, samples: list, hidden: torch.Tensor, finite: torch.Tensor) -> None:
+        """Hand over one batch: hidden [B, S, n, H] bf16 on the device, finite bool [B]."""
+        self.raise_if_failed()
+        shape = tuple(hidden.shape)
+        numel = hidden.numel()
+        n, H = shape[2], shape[3]
+        buf, waited = self.buffers.acquire(numel, reserve=self.reserve_tokens * n * H)
+        with self.stats.lock:
+            self.stats.writer_wait_s += waited
+        target = buf[:numel].view(shape)
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(hidden.device))
+            with torch.cuda.stream(self.copy_stream):
+                target.copy_(hidden, non_blocking=True)
+                finite_host = finite.to("cpu", non_blocking=True)
+                hidden.record_stream(self.copy_stream)
+                finite.record_stream(self.copy_stream)
+                ready = torch.cuda.Event()
+                ready.record(self.copy_stream)
+        else:
+            target.copy_(hidden)
+            finite_host, ready = finite.clone(), None
+        self.jobs.put(BatchJob(samples, buf, shape, finite_host, ready))
+
+    def skip(self, index: int, reason: str) -> None:
+        """Record a sample that will not be written (malformed row, too long, OOM)."""
+        self.raise_if_failed()
+        self.jobs.put(("skip", index, reason))
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+        self.files.shutdown()
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    # --- writer thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if self.error is not None:
+                if isinstance(job, BatchJob):
+                    self.buffers.release(job.host)
+                continue
+            try:
+                if isinstance(job, tuple):
+                    self._record_skip(job[1], job[2])
+                else:
+                    self._write_batch(job)
+            except BaseException as e:       # surfaced to the GPU loop at its next submit
+                self.error = e
+
+    def _record_skip(self, index: int, reason: str) -> None:
+        self.manifest.append([{"index": index, "skipped": reason}])
+        with self.stats.lock:
+            self.stats.skipped += 1
+        self.on_skip(index, reason)
+
+    def _write_batch(self, job: BatchJob) -> None:
+        try:
+            if job.ready is not None:
+                job.ready.synchronize()
+            B, S, n, H = job.shape
+            view = job.host[: B * S * n * H].view(job.shape)
+            futures = []
+            for row, sample in enumerate(job.samples):
+                if not bool(job.finite[row]):
+                    futures.append((sample, None, "non-finite hidden states"))
+                    continue
+                T = sample.length
+                tensors = {"hidden_states": view[row, :T],
+                           "token_ids": torch.from_numpy(sample.input_ids),
+                           "loss_mask": torch.from_numpy(sample.loss_mask)}
+                if tensors["hidden_states"].shape != (T, n, H) or tensors["loss_mask"].shape != (T,):
+                    futures.append((sample, None, "shape mismatch"))
+                    continue
+                meta = dict(self.metadata, sample_index=str(sample.index))
+                futures.append((sample, self.files.submit(write_sample_file, self.out_dir,
+                                                          sample.index, tensors, meta), None))
+            records, first_error = [], None
+            for sample, fut, problem in futures:
+                if problem is not None:
+                    self._record_skip(sample.index, problem)
+                    continue
+                try:
+                    size = fut.result()
+                except BaseException as e:       # keep what did get written, then fail
+                    first_error = first_error or e
+                    continue
+                records.append({"index": sample.index, "tokens": sample.length, "bytes": size})
+            self.manifest.append(records)
+            with self.stats.lock:
+                self.stats.done += len(records)
+                self.stats.tokens += sum(r["tokens"] for r in records)
+                self.stats.bytes += sum(r["bytes"] for r in records)
+            if first_error is not None:
+                raise first_error
+        finally:
+            self.buffers.release(job.host)
