@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: installs what it needs (OpenSSH server and tmux from the
+# distribution, the package with its worker and test extras from PyPI), then runs pytest.
+# Extra arguments go to pytest. Needs root (or sudo) for apt-get and for the sshd the tests start.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO="sudo"
+if ! [ -x /usr/sbin/sshd ] || ! command -v tmux >/dev/null || ! command -v ssh-keygen >/dev/null; then
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server tmux >/dev/null
+fi
+
+PY="${PYTHON:-python3}"
+# torch is pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build.
+"$PY" -m pip install -q --disable-pip-version-check -e '.[worker,test]' torch==2.13.0
+exec "$PY" -m pytest -q "$@"

@@ -1,0 +1,124 @@
+"""fleet.toml validation: every bad input gets one line naming file:line and the key, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fleet.config import ConfigError, load_config, parse_duration
+
+GOOD = """\
+[run]
+name = "qwen-hs"
+model = "/models/m"
+data = "/data/d.jsonl"
+output = "/workspace/hs"
+layers = "speculators"
+
+[expected]
+samples_per_s_per_gpu = 3.5
+
+[supervise]
+stall_timeout = "120s"
+max_restarts = 3
+
+[[hosts]]
+name = "box1"
+address = "203.0.113.7"
+port = 22280
+user = "root"
+gpus = [0, 1]
+root = "/workspace/fleet"
+
+[[hosts]]
+name = "box2"
+address = "203.0.113.8"
+"""
+
+
+def write(tmp_path, text: str) -> str:
+    p = tmp_path / "fleet.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def error_of(tmp_path, text: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    return str(e.value)
+
+
+def test_good_config_loads_with_defaults(tmp_path):
+    c = load_config(write(tmp_path, GOOD))
+    assert c.run.name == "qwen-hs" and c.spec.supervise.stall_timeout == 120.0
+    assert c.hosts[0].port == 22280 and c.hosts[1].port == 22 and c.hosts[1].gpus == "all"
+    assert c.hosts[1].known_hosts == "~/.ssh/known_hosts" and c.hosts[1].accept_new is False
+    assert c.run_dir(c.hosts[0]) == "/workspace/fleet/qwen-hs"
+
+
+@pytest.mark.parametrize("old, new, line, expected", [
+    ('port = 22280', 'prot = 22280', 18, "unknown key 'prot' in [[hosts]] #1; did you mean 'port'?"),
+    ('port = 22280', 'port = "x"', 18, "[[hosts]] #1 port: Input should be a valid integer"),
+    ('port = 22280', 'port = 70000', 18, "port: Input should be less than or equal to 65535"),
+    ('gpus = [0, 1]', 'gpus = [0, 0]', 20, "distinct GPU indices"),
+    ('gpus = [0, 1]', 'gpus = "some"', 20, "gpus"),
+    ('name = "box2"', 'name = "box1"', None, "duplicate host name 'box1'"),
+    ('max_restarts = 3', 'max_restarts = -1', 13, "greater than or equal to 0"),
+    ('stall_timeout = "120s"', 'stall_timeout = "soon"', 12, "not a duration"),
+    ('user = "root"', 'password = "hunter2"', 19, "passwords are not accepted"),
+    ('address = "203.0.113.8"', 'address = "-oProxyCommand=x"', 25, "must not be empty, start with '-'"),
+    ('name = "qwen-hs"', 'name = "../escape"', 2, "letters, digits"),
+    ('layers = "speculators"', 'layers = "fancy"', 6, "layers"),
+    ('samples_per_s_per_gpu = 3.5', 'samples_per_s_per_gpu = 0', 9, "greater than 0"),
+    ('[supervise]', '[superviseX]', 11, "unknown key 'superviseX' in the top level; did you mean 'supervise'?"),
+])
+def test_bad_values_name_file_line_and_key(tmp_path, old, new, line, expected):
+    assert old in GOOD
+    msg = error_of(tmp_path, GOOD.replace(old, new, 1))
+    assert expected in msg, msg
+    prefix = f"{tmp_path / 'fleet.toml'}:{line}:" if line else f"{tmp_path / 'fleet.toml'}"
+    assert msg.startswith(prefix), msg
+    assert "\n" not in msg
+
+
+def test_malformed_toml_and_missing_file(tmp_path):
+    msg = error_of(tmp_path, GOOD.replace("[run]", "[run", 1))
+    assert msg.startswith(f"{tmp_path / 'fleet.toml'}:1: invalid TOML")
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(str(tmp_path / "absent.toml"))
+    (tmp_path / "bin.toml").write_bytes(b"\xff\xfe[run]")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(str(tmp_path / "bin.toml"))
+
+
+def test_missing_required_keys(tmp_path):
+    msg = error_of(tmp_path, GOOD.replace('output = "/workspace/hs"\n', ""))
+    assert "run.output: required key missing" in msg
+    msg = error_of(tmp_path, GOOD.split("[[hosts]]")[0])
+    assert "hosts: required key missing" in msg
+
+
+def test_custom_job_template_is_checked(tmp_path):
+    job = GOOD + '\n[job]\ncommand = "{python} x.py --shard {shard} --rm {rm}"\n'
+    assert "unknown placeholder {rm}" in error_of(tmp_path, job)
+    job = GOOD + '\n[job]\ncommand = "{python} x.py"\ndone = "(unclosed"\n'
+    assert "bad regex" in error_of(tmp_path, job)
+    ok = GOOD + '\n[job]\ncommand = "{python} x.py --shard {shard} --num-shards {num_shards}"\ndone = "^DONE"\n'
+    assert load_config(write(tmp_path, ok)).spec.job.done == "^DONE"
+
+
+def test_durations():
+    assert parse_duration("120s") == 120 and parse_duration("2m") == 120 and parse_duration(5) == 5
+    assert parse_duration("1h") == 3600 and parse_duration("250ms") == 0.25
+    with pytest.raises(ValueError):
+        parse_duration("two minutes")
+
+
+def test_cli_reports_config_errors_with_exit_2(tmp_path):
+    path = write(tmp_path, GOOD.replace("port = 22280", "prot = 22280"))
+    for cmd in (["status", "--json"], ["up", "--headless"], ["verify"], ["down", "--yes"]):
+        r = subprocess.run([sys.executable, "-m", "fleet.cli", *cmd, "-c", path], capture_output=True, text=True)
+        assert r.returncode == 2, (cmd, r.stderr)
+        assert r.stderr.strip() == f"error: {path}:18: unknown key 'prot' in [[hosts]] #1; did you mean 'port'?"

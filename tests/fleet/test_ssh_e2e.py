@@ -1,0 +1,213 @@
+"""fleet through a real sshd on 127.0.0.1: deploy, preflight, launch, supervise, restart, verify, and
+the ways a host can refuse us. Real worker processes on a tiny model on the CPU."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.fleet.conftest import fleet, fleet_popen, fleet_toml, free_port
+
+pytestmark = pytest.mark.ssh
+
+
+class Output:
+    """Collects a process's output lines in the background."""
+
+    def __init__(self, proc):
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self.thread.start()
+
+    def _read(self, proc):
+        for line in proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def has(self, *parts: str) -> bool:
+        return any(all(p in line for p in parts) for line in self.lines)
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+@pytest.fixture
+def token_rows(tmp_path):
+    from worker.demo import make_token_dataset
+    return lambda n, mean=40: make_token_dataset(str(tmp_path / f"data-{n}.jsonl"), n, vocab_size=500,
+                                                 mean_tokens=mean, seed=11)
+
+
+def cfg(tmp_path, sshd, model, data, **kw):
+    return fleet_toml(tmp_path, model=model, data=data, port=sshd.port, client_key=sshd.client_key,
+                      known_hosts=sshd.known_hosts, **kw)
+
+
+def launches(tmp_path, shard: int) -> list[dict]:
+    path = os.path.join(str(tmp_path), "remote", "fleet", "t", "shards", str(shard), "events.jsonl")
+    return [e for e in map(json.loads, open(path)) if e["event"] == "launch"]
+
+
+def manifest(tmp_path) -> list[int]:
+    return [json.loads(l)["index"] for p in glob.glob(os.path.join(str(tmp_path), "remote", "out", "manifest", "*"))
+            for l in open(p) if l.strip()]
+
+
+def test_up_headless_to_done_then_status_and_verify(tmp_path, sshd, dense_model, token_rows):
+    config = cfg(tmp_path, sshd, dense_model, token_rows(120))
+    r = fleet("up", "--headless", "-c", config)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "\nbox " in r.stderr and r.stderr.split("\nbox ")[1].split("\n")[0].endswith("ok")  # preflight table
+    for shard in (0, 1):
+        assert f"shard {shard} box:{shard} RUNNING -> DONE 60/60" in r.stdout
+    st = fleet("status", "--json", "-c", config)
+    assert st.returncode == 0, st.stderr
+    snap = json.loads(st.stdout)
+    assert snap["schema"] == "fleet.status/1"
+    assert [s["state"] for s in snap["shards"]] == ["DONE", "DONE"]
+    assert snap["totals"]["done"] == 120 and snap["totals"]["total"] == 120
+    host = snap["hosts"][0]
+    assert host["reachable"] is True and isinstance(host["disk"]["free"], int)
+    assert host["telemetry"] in ("none", "nvml", "nvidia-smi")
+    if host["telemetry"] == "none":
+        assert host["gpus"] == []
+    text = fleet("status", "-c", config)
+    assert "DONE 2" in text.stdout and ("no GPU telemetry" in text.stdout or "gpu0" in text.stdout)
+    v = fleet("verify", "-c", config)
+    assert v.returncode == 0 and "120 written" in v.stdout and "verify: OK" in v.stdout
+    # The deployed worker is content-hashed: a second up uploads nothing and starts nothing.
+    again = fleet("up", "--headless", "-c", config)
+    assert again.returncode == 0
+    assert len(launches(tmp_path, 0)) == 1 and len(launches(tmp_path, 1)) == 1
+    assert len(glob.glob(os.path.join(str(tmp_path), "remote", "fleet", "t", "code", "*"))) == 1
+
+
+def test_sigkilled_worker_fails_restarts_resumes_and_completes(tmp_path, sshd, dense_model, token_rows):
+    config = cfg(tmp_path, sshd, dense_model, token_rows(3000, mean=50))
+    proc = fleet_popen("up", "--headless", "-c", config)
+    out = Output(proc)
+    try:
+        pid_file = os.path.join(str(tmp_path), "remote", "fleet", "t", "shards", "0", "pid")
+        wait_for(lambda: out.has("shard 0", "-> RUNNING"), 120, what="shard 0 running")
+        wait_for(lambda: len(manifest(tmp_path)) >= 50, 120, what="some samples written")
+        pid = int(open(pid_file).read())
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(300) == 0, out.text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out.thread.join(5)
+    assert out.has("shard 0", "RUNNING -> FAILED", "killed by signal 9"), out.text()
+    assert out.has("shard 0", "FAILED -> BACKOFF")
+    assert out.has("shard 0", "-> DONE 1500/1500")
+    assert [e["by"] for e in launches(tmp_path, 0)] == ["manual", "auto"]
+    assert sorted(manifest(tmp_path)) == list(range(3000))                    # resumed: nothing twice
+    v = fleet("verify", "-c", config)
+    assert v.returncode == 0, v.stdout
+    st = json.loads(fleet("status", "--json", "-c", config).stdout)
+    assert st["shards"][0]["restarts"] == 1 and st["shards"][1]["restarts"] == 0
+
+
+def test_supervisor_killed_then_up_reattaches_without_starting_twice(tmp_path, sshd, dense_model, token_rows):
+    config = cfg(tmp_path, sshd, dense_model, token_rows(3000, mean=50))
+    first = fleet_popen("up", "--headless", "-c", config)
+    out = Output(first)
+    try:
+        wait_for(lambda: out.has("shard 1", "-> RUNNING") and out.has("shard 0", "-> RUNNING"), 120,
+                 what="both shards running")
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    pids = [int(open(os.path.join(str(tmp_path), "remote", "fleet", "t", "shards", str(k), "pid")).read())
+            for k in (0, 1)]
+    for pid in pids:
+        os.kill(pid, 0)                                   # the workers outlived their supervisor
+    st = fleet("status", "--json", "-c", config)
+    assert st.returncode == 0
+    assert {s["state"] for s in json.loads(st.stdout)["shards"]} <= {"RUNNING", "LOADING", "DONE"}
+    again = fleet("up", "--headless", "-c", config)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "launch (manual): started" not in again.stderr
+    for k in (0, 1):
+        assert len(launches(tmp_path, k)) == 1
+    assert sorted(manifest(tmp_path)) == list(range(3000))
+
+
+def test_restart_logs_and_down_commands(tmp_path, sshd, dense_model, token_rows):
+    config = cfg(tmp_path, sshd, dense_model, token_rows(3000, mean=50))
+    proc = fleet_popen("up", "--headless", "-c", config)
+    out = Output(proc)
+    try:
+        wait_for(lambda: out.has("shard 0", "-> RUNNING"), 120, what="shard 0 running")
+        proc.send_signal(signal.SIGKILL)                  # leave the workers running, unsupervised
+        proc.wait(10)
+        logs = fleet("logs", "box:0", "-c", config)
+        assert logs.returncode == 0 and "[shard 0]" in logs.stdout
+        rs = fleet("restart", "0", "-c", config)
+        assert rs.returncode == 0 and "shard 0: started" in rs.stdout, rs.stdout + rs.stderr
+        assert [e["by"] for e in launches(tmp_path, 0)] == ["manual", "manual"]
+        bad = fleet("restart", "7", "-c", config)
+        assert bad.returncode == 1 and "no shard '7'" in bad.stderr
+        no = fleet("down", "-c", config, input="n\n")
+        assert no.returncode == 1 and "nothing stopped" in no.stderr
+        down = fleet("down", "--yes", "-c", config)
+        assert down.returncode == 0 and "box: stopped" in down.stdout, down.stdout + down.stderr
+        assert "(0" in down.stdout                          # shard 0 was live (just restarted)
+        st = json.loads(fleet("status", "--json", "-c", config).stdout)
+        assert st["shards"][0]["reason"] == "stopped" and st["shards"][0]["state"] == "FAILED"
+        assert st["shards"][1]["state"] == "DONE" or st["shards"][1]["reason"] == "stopped"
+        assert all(s["alive"] is False for s in st["shards"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        fleet("down", "--yes", "-c", config)
+
+
+def test_host_key_unknown_changed_accept_new_and_closed_port(tmp_path, sshd, dense_model, token_rows):
+    data = token_rows(10)
+    empty = tmp_path / "empty_known_hosts"
+    empty.write_text("")
+    config = fleet_toml(tmp_path, model=dense_model, data=data, port=sshd.port, client_key=sshd.client_key,
+                        known_hosts=str(empty))
+    r = fleet("status", "-c", config)
+    assert r.returncode == 3
+    assert "host key unknown" in r.stdout + r.stderr and "ssh-keyscan -p" in r.stdout + r.stderr
+    r = fleet("up", "--headless", "-c", config)
+    assert r.returncode == 3 and "host key unknown" in r.stderr and "Traceback" not in r.stderr
+
+    from tests.fleet.conftest import keygen
+    other = keygen(str(tmp_path / "other"))
+    changed = tmp_path / "changed_known_hosts"
+    changed.write_text(f"[127.0.0.1]:{sshd.port} {' '.join(other.split()[:2])}\n")
+    config = fleet_toml(tmp_path, model=dense_model, data=data, port=sshd.port, client_key=sshd.client_key,
+                        known_hosts=str(changed), extra_host="accept_new = true")
+    r = fleet("status", "--json", "-c", config)
+    assert r.returncode == 3
+    host = json.loads(r.stdout)["hosts"][0]
+    assert host["reachable"] is False and "CHANGED" in host["error"]       # accept_new never trusts a change
+
+    new = tmp_path / "new_known_hosts"
+    config = fleet_toml(tmp_path, model=dense_model, data=data, port=sshd.port, client_key=sshd.client_key,
+                        known_hosts=str(new), extra_host="accept_new = true")
+    r = fleet("status", "-c", config)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sshd.host_pub.split()[1] in new.read_text()
+
+    config = fleet_toml(tmp_path, model=dense_model, data=data, port=free_port(), client_key=sshd.client_key,
+                        known_hosts=sshd.known_hosts)
+    r = fleet("status", "--json", "-c", config)
+    assert r.returncode == 3 and "connection refused" in json.loads(r.stdout)["hosts"][0]["error"]
+
+
+def test_preflight_refuses_missing_paths(tmp_path, sshd, dense_model):
+    config = cfg(tmp_path, sshd, dense_model, str(tmp_path / "no-such-data.jsonl"))
+    r = fleet("up", "--headless", "-c", config)
+    assert r.returncode == 1
+    assert "preflight refused: box: data path" in r.stderr and "does not exist" in r.stderr

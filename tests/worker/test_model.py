@@ -1,0 +1,89 @@
+"""Captured tensors against transformers' own output_hidden_states, on both architectures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.model import Capture, ModelError, find_decoder, load_model, missing_fast_kernels, resolve_layers
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_presets_follow_the_conventions():
+    assert resolve_layers("speculators", 64) == resolve_layers("2,32,61,64", 64)
+    assert resolve_layers("speculators", 64).last_layer_norm == "pre"
+    eagle = resolve_layers("eagle3", 64)
+    assert eagle.ids == (2, 32, 61, 64) and eagle.last_layer_norm == "post"
+    dflash = resolve_layers("dflash", 64)
+    assert len(dflash.ids) == 5 and dflash.ids[0] == 2 and dflash.ids[-1] == 62   # hs[id+1], ids 1..L-3
+    assert dflash.last_layer_norm == "none"
+    assert resolve_layers("0,3", 8, "post").last_layer_norm == "none"          # L not asked for
+    assert resolve_layers("3,8", 8, "post").last_layer_norm == "post"
+
+
+@pytest.mark.parametrize("spec, message", [("2,99", "out of range"), ("2,2", "repeats"),
+                                           ("two", "comma list"), ("", "empty")])
+def test_bad_layer_specs_say_why(spec, message):
+    with pytest.raises(ModelError, match=message):
+        resolve_layers(spec, 8)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_capture_equals_output_hidden_states(models, arch, norm):
+    model = load_model(models[arch], "cpu", torch.float32)
+    plan = resolve_layers("0,1,4,7,8", model.config.num_hidden_layers, norm)
+    decoder = find_decoder(model)
+    capture = Capture(decoder, plan)
+    torch.manual_seed(1)
+    lengths = [13, 7, 10]
+    rows = [torch.randint(0, model.config.vocab_size, (n,)) for n in lengths]
+    batch = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+    for r, ids in enumerate(rows):
+        batch[r, : len(ids)] = ids
+    with torch.inference_mode():
+        model(input_ids=batch, use_cache=False)               # right padding, no attention mask
+        got = capture.take()
+        assert got.dtype == torch.bfloat16 and got.shape[2] == len(plan.ids)
+        for r, ids in enumerate(rows):
+            ref = model(input_ids=ids[None], output_hidden_states=True).hidden_states
+            assert len(ref) == plan.num_layers + 1
+            for slot, k in enumerate(plan.ids):
+                mine = got[r, : len(ids), slot]
+                if k == plan.num_layers and norm == "pre":
+                    # transformers' hs[L] is final-normed; the pre-norm state normed must equal it
+                    normed = decoder.norm(mine.float())
+                    assert rel_err(normed, ref[k][0]) < 2e-2
+                    assert rel_err(mine, ref[k][0]) > 5e-2      # and it really is the raw state
+                else:
+                    assert rel_err(mine, ref[k][0]) < 1e-2, (arch, k)
+    capture.remove()
+
+
+def test_unknown_architecture_names_what_was_looked_for():
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    with pytest.raises(ModelError, match=r"cannot find the decoder layers of Odd.*model\.layers"):
+        find_decoder(Odd())
+
+
+def test_fast_kernel_check_only_for_hybrids(models):
+    dense = load_model(models["qwen3"], "cpu", torch.float32)
+    hybrid = load_model(models["qwen3_5_text"], "cpu", torch.float32)
+    assert missing_fast_kernels(dense) is None
+    import importlib.util
+    if importlib.util.find_spec("fla") is None:
+        assert "flash-linear-attention" in missing_fast_kernels(hybrid)
+
+
+def test_missing_model_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelError, match="model folder not found"):
+        load_model(str(tmp_path / "nope"), "cpu", torch.float32)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="no config.json"):
+        load_model(str(tmp_path / "empty"), "cpu", torch.float32)
