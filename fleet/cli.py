@@ -92,9 +92,22 @@ def up(config_path: str, headless: bool) -> None:
     ones are restarted and resume where they stopped. Quitting leaves the workers running.
     """
     config = load(config_path)
+
+    async def deploy_phase() -> dict[str, list[int]]:
+        sup = Supervisor(config)
+        try:
+            await deploy_and_plan(sup)
+        finally:
+            await sup.close()
+        return {h.name: [p.gpu for p in sup.placements if p.host == h.name] for h in config.hosts}
+
     if not headless:
         from .tui.app import run_tui
-        sys.exit(run_tui(config))
+        try:
+            gpus = asyncio.run(deploy_phase())
+        except KeyboardInterrupt:
+            sys.exit(130)
+        sys.exit(run_tui(config, gpus))
 
     async def go() -> int:
         sup = Supervisor(config, on_log=lambda m: click.echo(f"  {m}", err=True))

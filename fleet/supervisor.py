@@ -93,7 +93,11 @@ class Supervisor:
 
     # --- one-shot reading (status) --------------------------------------------------------------
     async def read_once(self) -> dict:
-        """Connect to every host, replay its record once, judge it (settle), return the snapshot."""
+        """Connect to every host, replay its record once, judge it (settle), return the snapshot.
+        Each call starts from a clean record: the hosts' events are the whole truth."""
+        self.shards, self.placements, self.num_shards = {}, [], 0
+        for link in self.links.values():
+            link.placements = []
         async def one(link: HostLink) -> None:
             try:
                 await link.transport.connect()

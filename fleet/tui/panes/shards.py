@@ -1,0 +1,64 @@
+"""Shards pane: state in colour, progress, rates, restarts, last event, reason; marks, filter, sort."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from ...render import rate_text
+from ..style import FAULTY_STATES, STATE_STYLE, bar
+from .keyed_table import KeyedTable
+
+COLUMNS = [(" ", "mark"), ("shard", "id"), ("host:gpu", "where"), ("state", "state"),
+           ("progress", "progress"), ("samples/s", "sps"), ("tokens/s", "tps"), ("restarts", "restarts"),
+           ("last event", "event"), ("reason", "reason")]
+SORTS = ("shard", "state", "progress", "rate")
+
+
+def _sort_key(mode: str):
+    if mode == "state":
+        order = ["FATAL", "FAILED", "STALLED", "UNKNOWN", "BACKOFF", "STARTING", "LOADING", "RUNNING",
+                 "PENDING", "DONE"]
+        return lambda s: (order.index(s["state"]) if s["state"] in order else 99, s["id"])
+    if mode == "progress":
+        return lambda s: (s["progress"] if s["progress"] is not None else -1, s["id"])
+    if mode == "rate":
+        return lambda s: (-(s["samples_per_s"] or 0.0), s["id"])
+    return lambda s: s["id"]
+
+
+def visible_shards(snap: dict, text_filter: str, faulty_only: bool, sort: str) -> list[dict]:
+    rows = snap["shards"]
+    if faulty_only:
+        rows = [s for s in rows if s["state"] in FAULTY_STATES]
+    if text_filter:
+        needle = text_filter.lower()
+        rows = [s for s in rows if needle in f"{s['id']} {s['host']}:{s['gpu']} {s['state']} "
+                                              f"{s['reason'] or ''}".lower()]
+    return sorted(rows, key=_sort_key(sort))
+
+
+def shard_cells(s: dict, marked: bool) -> tuple:
+    prog = s["progress"]
+    progress = Text.assemble((bar(prog or 0.0, 10), "green" if s["state"] == "DONE" else "cyan"),
+                             f" {s['done'] + s['skipped']}/{s['total']}")
+    age = f" {s['last_event_age_s']:.0f}s ago" if s.get("last_event_age_s") is not None else ""
+    reason = s["reason"] or (s.get("warning") or "")
+    return ("●" if marked else " ", str(s["id"]), f"{s['host']}:{s['gpu']}",
+            Text(s["state"], STATE_STYLE.get(s["state"], "")), progress,
+            rate_text(s["samples_per_s"]), rate_text(s["tokens_per_s"], 0), str(s["restarts"]),
+            f"{s['last_event'] or '—'}{age}", Text(reason[:80], "red" if s["state"] in FAULTY_STATES else "dim"))
+
+
+class ShardTable(KeyedTable):
+    def __init__(self, **kw):
+        super().__init__(COLUMNS, **kw)
+        self.marked: set[int] = set()
+
+    def show(self, snap: dict, text_filter: str = "", faulty_only: bool = False, sort: str = "shard") -> int:
+        rows = visible_shards(snap, text_filter, faulty_only, sort)
+        return self.sync({str(s["id"]): shard_cells(s, s["id"] in self.marked) for s in rows})
+
+    @property
+    def selected_shard(self) -> int | None:
+        key = self.selected_key
+        return int(key) if key is not None else None
