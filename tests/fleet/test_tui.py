@@ -201,10 +201,10 @@ async def test_keys_on_a_synthetic_fleet_mark_stop_sort_and_help():
 def test_tmux_smoke_real_terminal(tmp_path, dense_model, long_data):
     config = local_toml(tmp_path, dense_model, long_data)
     session = f"fleet-smoke-{os.getpid()}"
-    env_cmd = f"cd {REPO} && {sys.executable} -m fleet.cli up -c {config}; sleep 60"
+    env_cmd = f"sleep 1; cd {REPO} && {sys.executable} -m fleet.cli up -c {config}; sleep 60"
+    # The size is set before the window exists: any later resize races the app's start-up.
+    subprocess.run(["tmux", "start-server", ";", "set-option", "-g", "default-size", "170x48"], check=True)
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "170", "-y", "48", env_cmd], check=True)
-    subprocess.run(["tmux", "set-option", "-t", session, "window-size", "manual"], check=True)
-    subprocess.run(["tmux", "resize-window", "-t", session, "-x", "170", "-y", "48"], check=True)
 
     def screen() -> str:
         return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
