@@ -46,8 +46,17 @@ class SyntheticFleet:
         self.tick(0)
 
     def tick(self, dt: float = 1.0) -> None:
-        """Advance the clock by dt seconds: every live shard reports progress."""
+        """Advance the clock by dt seconds: every live shard reports progress, GPUs move like real
+        ones (utilisation, power and memory jitter every second)."""
+        second = int(self.now + dt) != int(self.now)
         self.now += dt
+        if second:
+            for host in self.hosts.values():
+                host.gpu_t = self.now
+                for g in host.gpus:
+                    g["util"] = self.rng.randint(85, 100)
+                    g["power_w"] = round(self.rng.uniform(500, 700), 1)
+                    g["mem_used"] = int(self.rng.uniform(60, 70) * 2**30)
         for i, s in enumerate(self.shards):
             if s.state.value != "RUNNING":
                 continue

@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:                                     # pragma: no cover
     import tomli as tomllib
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 PLACEHOLDERS = {"python", "shard", "num_shards", "gpu", "host", "output", "run", "model", "data",
                 "shard_dir"}
 
@@ -70,7 +70,7 @@ class RunSpec(Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError("use letters, digits, '.', '_' or '-' (it names folders)")
         return v
 
@@ -175,7 +175,7 @@ class HostSpec(Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v):
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError("use letters, digits, '.', '_' or '-'")
         return v
 

@@ -162,7 +162,12 @@ class Shard:
             return None
         if not self.history:
             return None
-        recent = [h for h in self.history if h[0] >= host_now - window]
+        recent = []
+        for h in reversed(self.history):               # newest first; stop at the window's edge
+            if h[0] < host_now - window:
+                break
+            recent.append(h)
+        recent.reverse()
         if len(recent) < 2:
             last = self.history[-1]
             return (0.0, 0.0, 0.0) if host_now - last[0] > window else None

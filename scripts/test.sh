@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: installs what it needs (OpenSSH server and tmux from the
+# The whole test suite on a fresh machine: installs what it needs (OpenSSH server, tmux, iproute2 from the
 # distribution, the package with its worker and test extras from PyPI), then runs pytest.
 # Extra arguments go to pytest. Needs root (or sudo) for apt-get and for the sshd the tests start.
 set -euo pipefail
@@ -7,9 +7,11 @@ cd "$(dirname "$0")/.."
 
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
-if ! [ -x /usr/sbin/sshd ] || ! command -v tmux >/dev/null || ! command -v ssh-keygen >/dev/null; then
+# sshd for the SSH tests, tmux for the terminal smoke test, iproute2 for the network-namespace hosts.
+if ! [ -x /usr/sbin/sshd ] || ! command -v tmux >/dev/null || ! command -v ssh-keygen >/dev/null \
+    || ! command -v ip >/dev/null; then
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server tmux >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server tmux iproute2 >/dev/null
 fi
 
 PY="${PYTHON:-python3}"

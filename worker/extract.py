@@ -237,6 +237,7 @@ def write_meta(out_dir: str, meta: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    os.umask(os.umask(0o022) | 0o022)          # output and state never world- or group-writable
     log = EventLog(args.state, args.shard_index)
 
     def on_term(signum, frame):

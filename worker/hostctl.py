@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     sa.add_argument("--run-dir", required=True)
     sa.add_argument("--timeout", type=float, default=10.0)
     args = ap.parse_args(argv)
+    os.umask(os.umask(0o022) | 0o022)          # state files never world- or group-writable
     command = [a for a in getattr(args, "argv", [])]
     if command and command[0] == "--":
         command = command[1:]

@@ -1,6 +1,7 @@
 """`fleet up`'s live screen: top bar, GPUs, shards, throughput, the selected shard's log, and keys.
 
-Snapshots are pulled on a timer (the supervisor never blocks on the screen); a refresh message
+Snapshots are pulled on a timer every 1.5 s (htop's default; a keypress redraws at once, and the
+supervisor never blocks on the screen); a refresh message
 that a newer one supersedes says so with `can_replace`, so a slow screen skips stale snapshots
 instead of queueing them. Key actions go to the source (the supervisor), never to SSH directly.
 """
@@ -8,6 +9,7 @@ instead of queueing them. Key actions go to the source (the supervisor), never t
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Awaitable, Callable
 
 from textual import work
@@ -36,7 +38,7 @@ class Refresh(Message):
 
 
 class FleetApp(App[str]):
-    CSS_PATH = "app.tcss"
+    CSS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.tcss")  # subclasses too
     TITLE = "fleet"
     BINDINGS = [
         Binding("r", "restart", "restart"),
@@ -53,7 +55,7 @@ class FleetApp(App[str]):
         Binding("q", "quit_fleet", "quit"),
     ]
 
-    def __init__(self, source=None, alert_ratio: float = 0.8, interval: float = 0.5,
+    def __init__(self, source=None, alert_ratio: float = 0.8, interval: float = 1.5,
                  open_source: Callable[[], Awaitable] | None = None):
         """`source` feeds the screen; or `open_source` makes one in the app's own event loop
         (a live supervisor must run there) and the app closes it on exit."""

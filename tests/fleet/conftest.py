@@ -5,87 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 
 import pytest
 
 from tests.conftest import REPO
-
-SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Sshd:
-    port: int
-    client_key: str
-    known_hosts: str
-    host_pub: str
-    dir: str
-
-    def known_hosts_line(self) -> str:
-        return f"[127.0.0.1]:{self.port} {self.host_pub}\n"
-
-
-def keygen(path: str) -> str:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", path], check=True)
-    return open(path + ".pub").read().strip()
-
+from tests.sshd_server import SshdError, free_port, keygen, start_sshd  # noqa: F401 (tests import them)
 
 @pytest.fixture(scope="session")
 def sshd(tmp_path_factory):
-    if not os.path.exists(SSHD):
-        pytest.fail("sshd not installed: .ci/run installs openssh-server (apt-get install -y openssh-server)")
-    d = str(tmp_path_factory.mktemp("sshd"))
-    host_pub = " ".join(keygen(os.path.join(d, "host_key")).split()[:2])
-    client_pub = keygen(os.path.join(d, "client_key"))
-    with open(os.path.join(d, "authorized_keys"), "w") as f:
-        f.write(client_pub + "\n")
-    port = free_port()
-    config = os.path.join(d, "sshd_config")
-    with open(config, "w") as f:
-        f.write(f"""Port {port}
-ListenAddress 127.0.0.1
-HostKey {d}/host_key
-PidFile {d}/sshd.pid
-AuthorizedKeysFile {d}/authorized_keys
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-PubkeyAuthentication yes
-PermitRootLogin yes
-StrictModes no
-UsePAM no
-MaxStartups 100
-MaxSessions 100
-Subsystem sftp internal-sftp
-LogLevel ERROR
-""")
-    os.makedirs("/run/sshd", exist_ok=True)
-    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", config], stdout=subprocess.DEVNULL,
-                            stderr=open(os.path.join(d, "sshd.log"), "w"))
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None:
-                pytest.fail(f"sshd exited: {open(os.path.join(d, 'sshd.log')).read()}")
-            time.sleep(0.1)
-    known = os.path.join(d, "known_hosts")
-    server = Sshd(port, os.path.join(d, "client_key"), known, host_pub, d)
-    with open(known, "w") as f:
-        f.write(server.known_hosts_line())
+    try:
+        server, proc = start_sshd(str(tmp_path_factory.mktemp("sshd")))
+    except SshdError as e:
+        pytest.fail(str(e))
     yield server
     proc.terminate()
     proc.wait(10)

@@ -1,4 +1,5 @@
-"""GPUs pane: per host, per GPU memory bar, utilisation, temperature, power and reading age.
+"""GPUs pane: per host, per GPU memory bar, utilisation, temperature, power, and whether the reading
+is live or stale (with its age).
 
 A host without telemetry says so; an unreachable host is UNKNOWN, never zeros.
 """
@@ -12,7 +13,7 @@ from ..style import bar
 from .keyed_table import KeyedTable
 
 COLUMNS = [("host", "host"), ("gpu", "gpu"), ("memory", "mem"), ("util", "util"), ("temp", "temp"),
-           ("power", "power"), ("age", "age")]
+           ("power", "power"), ("reading", "age")]
 
 
 def _num(v, unit: str, digits: int = 0) -> str:
@@ -34,15 +35,17 @@ def gpu_rows(snap: dict) -> dict[str, tuple]:
         if not gpus:
             rows[f"{name}/x"] = (name, "—", Text("no GPU telemetry", "dim"), "—", "—", "—", "—")
             continue
-        age = _num(h.get("gpu_age_s"), "s")
+        age_s = h.get("gpu_age_s")
+        age = Text(f"stale {age_s:.0f}s", "yellow") if age_s is not None and age_s > 3 else "live"
         for g in gpus:
             if g.get("lost"):
                 rows[f"{name}/{g['index']}"] = (name, str(g["index"]), Text("GPU is lost", "red"), "—", "—", "—", age)
                 continue
             used, total = g.get("mem_used"), g.get("mem_total")
             frac = used / total if used is not None and total else 0.0
-            style = "green" if frac < 0.8 else ("yellow" if frac < 0.95 else "red")
-            mem = Text.assemble((bar(frac, 12), style), f" {human_bytes(used)}/{human_bytes(total)}")
+            mem = f"{bar(frac, 12)} {human_bytes(used)}/{human_bytes(total)}"
+            if frac >= 0.95:
+                mem = Text(mem, "red")                   # colour only where it says something
             rows[f"{name}/{g['index']}"] = (name, str(g["index"]), mem, _num(g.get("util"), "%"),
                                             _num(g.get("temp"), "°C"), _num(g.get("power_w"), " W"), age)
     return rows
@@ -53,4 +56,5 @@ class GpuTable(KeyedTable):
         super().__init__(COLUMNS, **kw)
 
     def show(self, snap: dict) -> int:
-        return self.sync(gpu_rows(snap))
+        rows = gpu_rows(snap)
+        return self.sync(list(rows), rows.__getitem__)

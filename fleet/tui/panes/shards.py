@@ -39,14 +39,13 @@ def visible_shards(snap: dict, text_filter: str, faulty_only: bool, sort: str) -
 
 def shard_cells(s: dict, marked: bool) -> tuple:
     prog = s["progress"]
-    progress = Text.assemble((bar(prog or 0.0, 10), "green" if s["state"] == "DONE" else "cyan"),
-                             f" {s['done'] + s['skipped']}/{s['total']}")
+    progress = f"{bar(prog or 0.0, 10)} {s['done'] + s['skipped']}/{s['total']}"
     age = f" {s['last_event_age_s']:.0f}s ago" if s.get("last_event_age_s") is not None else ""
     reason = s["reason"] or (s.get("warning") or "")
     return ("●" if marked else " ", str(s["id"]), f"{s['host']}:{s['gpu']}",
             Text(s["state"], STATE_STYLE.get(s["state"], "")), progress,
             rate_text(s["samples_per_s"]), rate_text(s["tokens_per_s"], 0), str(s["restarts"]),
-            f"{s['last_event'] or '—'}{age}", Text(reason[:80], "red" if s["state"] in FAULTY_STATES else "dim"))
+            f"{s['last_event'] or '—'}{age}", reason[:80])
 
 
 class ShardTable(KeyedTable):
@@ -55,8 +54,8 @@ class ShardTable(KeyedTable):
         self.marked: set[int] = set()
 
     def show(self, snap: dict, text_filter: str = "", faulty_only: bool = False, sort: str = "shard") -> int:
-        rows = visible_shards(snap, text_filter, faulty_only, sort)
-        return self.sync({str(s["id"]): shard_cells(s, s["id"] in self.marked) for s in rows})
+        rows = {str(s["id"]): s for s in visible_shards(snap, text_filter, faulty_only, sort)}
+        return self.sync(list(rows), lambda key: shard_cells(rows[key], rows[key]["id"] in self.marked))
 
     @property
     def selected_shard(self) -> int | None:

@@ -1,0 +1,249 @@
+"""A whole run on one multi-GPU host through fleet: what issue 3 asks, on whatever GPUs there are.
+
+On the GPU machine (a `local` host in fleet.toml; no SSH server there): a random-initialised
+decoder the size of a 27B model in bf16 (dense qwen3 shape: 64 layers, hidden 5120, ~27.2B
+non-embedding parameters; the worker's --random-weights builds it on each GPU from config.json),
+a synthetic ShareGPT-like dataset (lognormal lengths, mean 728 tokens).
+
+  1. scaling: `fleet up --headless` with 1 shard on GPU 0 over --scale-samples, then with one shard
+     per GPU over the same count: tokens/s per GPU and aggregate, from the workers' own events;
+  2. the main run: one shard per GPU over --samples, `fleet status --json` captured every few
+     seconds, SIGKILL one worker mid-run; fleet notices (time to FAILED), restarts it with backoff
+     and it resumes (time to its first new sample);
+  3. `fleet verify`.
+
+Writes result.json, status.jsonl, headless.log, verify.txt under --out.
+
+    python bench/gpu_fleet.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from worker.demo import sharegpt_lengths  # noqa: E402
+
+VOCAB = 151936
+SHAPE = dict(vocab_size=VOCAB, hidden_size=5120, intermediate_size=21504, num_hidden_layers=64,
+             num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+             tie_word_embeddings=False, model_type="qwen3", architectures=["Qwen3ForCausalLM"],
+             rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu", torch_dtype="bfloat16")
+
+
+def nonembedding_params() -> int:
+    H, I, L = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_hidden_layers"]
+    q = H * SHAPE["num_attention_heads"] * SHAPE["head_dim"]
+    kv = 2 * H * SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
+    per_layer = q + kv + q + 3 * H * I + 2 * H + 2 * SHAPE["head_dim"]
+    return L * per_layer + H
+
+
+def make_data(path: str, n: int, seed: int) -> int:
+    rng = random.Random(seed)
+    tokens = 0
+    with open(path, "w") as f:
+        for length in sharegpt_lengths(rng, n, 728):
+            length = min(length, 8192)
+            tokens += length
+            f.write(json.dumps({"input_ids": [rng.randrange(VOCAB) for _ in range(length)]}) + "\n")
+    return tokens
+
+
+def write_config(path: str, work: str, data: str, output: str, gpus: list[int], name: str) -> str:
+    with open(path, "w") as f:
+        f.write(f"""
+[run]
+name = "{name}"
+model = "{work}/model"
+data = "{data}"
+output = "{output}"
+layers = "speculators"
+max_tokens_per_batch = 16384
+device = "cuda"
+extra_args = ["--random-weights"]
+
+[expected]
+tokens_per_s_per_gpu = 6000
+
+[supervise]
+stall_timeout = "300s"
+max_restarts = 3
+backoff_base = "2s"
+
+[[hosts]]
+name = "gpubox"
+address = "local"
+python = "{sys.executable}"
+gpus = {json.dumps(gpus)}
+root = "{work}/fleet"
+""")
+    return path
+
+
+def fleet(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fleet.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, **kw)
+
+
+def shard_events(work: str, name: str, shard: int) -> list[dict]:
+    path = os.path.join(work, "fleet", name, "shards", str(shard), "events.jsonl")
+    return [json.loads(l) for l in open(path) if l.strip()]
+
+
+def steady_rate(events: list[dict]) -> dict:
+    """tokens/s of one launch: from its `loaded` event to its last progress (load time excluded)."""
+    launches = [i for i, e in enumerate(events) if e["event"] == "launch"]
+    out = []
+    for n, start in enumerate(launches):
+        part = events[start: launches[n + 1] if n + 1 < len(launches) else None]
+        loaded = next((e for e in part if e["event"] == "loaded"), None)
+        prog = [e for e in part if e["event"] in ("progress", "done") and "tokens" in e]
+        if loaded is None or len(prog) < 1:
+            continue
+        base = next((e for e in reversed(events[:start]) if e["event"] in ("progress", "done")), None)
+        tokens0 = base["tokens"] if base else 0
+        done0 = base["done"] if base else 0
+        last = prog[-1]
+        dt = last["t"] - loaded["t"]
+        out.append({"load_s": loaded.get("seconds"), "seconds": round(dt, 1),
+                    "tokens": last["tokens"] - tokens0, "samples": last["done"] - done0,
+                    "tokens_per_s": round((last["tokens"] - tokens0) / dt) if dt > 0 else None,
+                    "gpu_peak_gib": round(last.get("gpu_peak_bytes", 0) / 2**30, 1),
+                    "writer_wait_s": last.get("writer_wait_s")})
+    return {"launches": out}
+
+
+def run_headless(config: str, log_path: str, kill: dict | None = None, status_path: str | None = None):
+    """fleet up --headless with receipt-stamped lines; optionally SIGKILL a shard mid-run."""
+    proc = subprocess.Popen([sys.executable, "-m", "fleet.cli", "up", "--headless", "-c", config], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []
+    stop = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append((time.time(), line.rstrip("\n")))
+
+    def poll_status():
+        with open(status_path, "a") as f:
+            while not stop.wait(3.0):
+                r = fleet("status", "--json", "-c", config)
+                if r.stdout.strip().startswith("{"):
+                    f.write(json.dumps(json.loads(r.stdout)) + "\n")
+                    f.flush()
+
+    threads = [threading.Thread(target=read, daemon=True)]
+    if status_path:
+        threads.append(threading.Thread(target=poll_status, daemon=True))
+    for t in threads:
+        t.start()
+    killed = {}
+    if kill:
+        pid_file = kill["pid_file"]
+        while proc.poll() is None:
+            if os.path.exists(kill["manifest"]):
+                n = sum(1 for _ in open(kill["manifest"]))
+                if n >= kill["after"] and os.path.exists(pid_file):
+                    pid = int(open(pid_file).read())
+                    killed["t"] = time.time()
+                    os.kill(pid, signal.SIGKILL)
+                    killed["pid"], killed["samples_before"] = pid, n
+                    break
+            time.sleep(0.2)
+    rc = proc.wait()
+    stop.set()
+    for t in threads:
+        t.join(5)
+    with open(log_path, "w") as f:
+        f.writelines(f"{ts:.3f} {line}\n" for ts, line in lines)
+    return rc, lines, killed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/fleet-gpu")
+    p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--scale-samples", type=int, default=600)
+    args = p.parse_args()
+    import torch
+    ngpu = torch.cuda.device_count()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    peak = 2 * 8192 ** 3 * 10 / (time.perf_counter() - t0)
+    del a
+    torch.cuda.empty_cache()
+    work = args.work
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(f"{work}/model")
+    json.dump(SHAPE, open(f"{work}/model/config.json", "w"))
+    params = nonembedding_params()
+    result = {"gpus": ngpu, "gpu_name": torch.cuda.get_device_name(0), "peak_tflops": round(peak / 1e12, 1),
+              "nonembedding_params": params, "torch": torch.__version__}
+    # 1. scaling, 1 GPU then all
+    scale_data = f"{work}/scale.jsonl"
+    result["scale_tokens"] = make_data(scale_data, args.scale_samples, 1)
+    result["scaling"] = {}
+    for n in sorted({1, ngpu}):
+        name = f"scale{n}"
+        cfg = write_config(f"{work}/{name}.toml", work, scale_data, f"{work}/out-{name}", list(range(n)), name)
+        t0 = time.time()
+        rc, lines, _ = run_headless(cfg, f"{args.out}/scale{n}.log")
+        per = [steady_rate(shard_events(work, name, k)) for k in range(n)]
+        rates = [s["launches"][-1]["tokens_per_s"] for s in per]
+        result["scaling"][n] = {"rc": rc, "wall_s": round(time.time() - t0, 1), "per_gpu": per,
+                                "aggregate_tokens_per_s": sum(rates),
+                                "mfu_per_gpu": [round(2 * params * r / peak, 3) for r in rates]}
+        shutil.rmtree(f"{work}/out-{name}", ignore_errors=True)
+        print(json.dumps({f"scale{n}": result["scaling"][n]}), flush=True)
+    # 2. the main run with a SIGKILL
+    data = f"{work}/data.jsonl"
+    result["tokens"] = make_data(data, args.samples, 2)
+    cfg = write_config(f"{work}/main.toml", work, data, f"{work}/out", list(range(ngpu)), "main")
+    victim = ngpu - 1
+    kill = {"pid_file": f"{work}/fleet/main/shards/{victim}/pid",
+            "manifest": f"{work}/out/manifest/{victim}.jsonl", "after": args.samples // ngpu // 3}
+    t0 = time.time()
+    rc, lines, killed = run_headless(cfg, f"{args.out}/headless.log", kill, f"{args.out}/status.jsonl")
+    result["main"] = {"rc": rc, "wall_s": round(time.time() - t0, 1), "killed": killed}
+    if killed:
+        failed = next((ts for ts, l in lines if f"shard {victim} " in l and "-> FAILED" in l and ts >= killed["t"]), None)
+        ev = shard_events(work, "main", victim)
+        relaunch = [e for e in ev if e["event"] == "launch"][-1]
+        after = [e for e in ev if e["t"] > relaunch["t"]]
+        loaded = next((e for e in after if e["event"] == "loaded"), None)
+        first = next((e for e in after if e["event"] == "progress" and e["done"] > killed["samples_before"]), None)
+        result["main"]["kill_to_failed_s"] = round(failed - killed["t"], 2) if failed else None
+        result["main"]["kill_to_relaunch_s"] = round(relaunch["t"] - killed["t"], 2)
+        result["main"]["relaunch_to_loaded_s"] = round(loaded["t"] - relaunch["t"], 2) if loaded else None
+        result["main"]["kill_to_new_samples_s"] = round(first["t"] - killed["t"], 2) if first else None
+    per = [steady_rate(shard_events(work, "main", k)) for k in range(ngpu)]
+    result["main"]["per_gpu"] = per
+    v = fleet("verify", "-c", cfg)
+    with open(f"{args.out}/verify.txt", "w") as f:
+        f.write(v.stdout + v.stderr)
+    result["verify_rc"] = v.returncode
+    json.dump(result, open(f"{args.out}/result.json", "w"), indent=2)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

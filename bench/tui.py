@@ -1,0 +1,109 @@
+"""The TUI at fleet scale: 64 hosts x 8 GPUs = 512 shards, snapshots fed at the telemetry rate.
+
+Three figures, in one headless Textual app (the same FleetApp `fleet up` opens):
+  cpu    : CPU seconds used by the process (snapshot maths + drawing) per second of wall time,
+           while the synthetic fleet ticks every 0.25 s and the screen redraws at its default 1.5 s;
+  latency: keypress to the redrawn table (sort, filter toggle), median and max of 20 presses;
+  memory : resident memory after an hour of updates (14,400 ticks, 2,400 redraws, run as fast
+           as the machine allows), against the start. Keypresses redraw at once.
+
+    python bench/tui.py --seconds 30 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.synthetic_fleet import SyntheticFleet
+from fleet.tui.app import FleetApp
+from fleet.tui.panes.shards import ShardTable
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class TimedApp(FleetApp):
+    """Records when each draw finished (for keypress-to-screen latency)."""
+
+    def draw(self, snap: dict) -> None:
+        super().draw(snap)
+        self.last_draw = time.perf_counter()
+
+
+async def measure(seconds: float, hour_ticks: int) -> dict:
+    fleet = SyntheticFleet(hosts=64, gpus=8, seed=0, unreachable=(5,), failed=(17, 300))
+    app = TimedApp(fleet)                                       # the default 1.5 s redraw
+    out: dict = {"shards": len(fleet.shards)}
+    async with app.run_test(size=(200, 60)) as pilot:
+        await pilot.pause(1.0)
+
+        async def feed():
+            while True:
+                fleet.tick(0.25)
+                await asyncio.sleep(0.25)
+        feeder = asyncio.create_task(feed())
+        await pilot.pause(2.0)                                  # warm
+        cpu0, wall0, cells0 = time.process_time(), time.perf_counter(), app.cells_written
+        await asyncio.sleep(seconds)
+        cpu1, wall1 = time.process_time(), time.perf_counter()
+        out["cpu_fraction_of_one_core"] = round((cpu1 - cpu0) / (wall1 - wall0), 4)
+        out["cells_written_per_s"] = round((app.cells_written - cells0) / (wall1 - wall0))
+        latencies = []
+        for i in range(20):
+            key = "s" if i % 2 == 0 else "f"
+            before = getattr(app, "last_draw", 0)
+            t0 = time.perf_counter()
+            await pilot.press(key)
+            while getattr(app, "last_draw", 0) <= max(before, t0):
+                await asyncio.sleep(0.001)
+            latencies.append((app.last_draw - t0) * 1000)
+            await pilot.pause(0.1)
+        out["keypress_to_screen_ms"] = {"median": round(statistics.median(latencies), 1),
+                                        "max": round(max(latencies), 1)}
+        feeder.cancel()
+        # An hour of updates, as fast as we can: 4 ticks a simulated second, a redraw every 1.5 s.
+        rss_start = rss_mb()
+        t0 = time.perf_counter()
+        for n in range(hour_ticks):
+            fleet.tick(0.25)
+            if n % 6 == 0:
+                app.draw(fleet.snapshot())
+            if n % 200 == 0:
+                await pilot.pause(0)
+        out["hour"] = {"ticks": hour_ticks, "redraws": -(-hour_ticks // 6),
+                       "wall_s": round(time.perf_counter() - t0, 1),
+                       "rss_start_mb": round(rss_start, 1), "rss_end_mb": round(rss_mb(), 1)}
+        table = app.query_one(ShardTable)
+        out["rows"] = table.row_count
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=30)
+    p.add_argument("--hour-ticks", type=int, default=14400)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    result = asyncio.run(measure(args.seconds, args.hour_ticks))
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Faults seen by fleet: a shard that crashes on start (BACKOFF with growing delays, then FATAL,
+the others untouched), over-long samples end to end, bad inputs, and property tests that nothing
+from fleet.toml is ever run by a shell as code."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import string
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleet.config import FleetSpec, load_config
+from fleet.jobs import Placement, shard_command
+from tests.conftest import REPO
+
+
+def fleet(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fleet.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def events(tmp_path, run: str, shard: int) -> list[dict]:
+    path = tmp_path / "fleet" / run / "shards" / str(shard) / "events.jsonl"
+    return [json.loads(l) for l in open(path) if l.strip()]
+
+
+def test_crash_on_start_backs_off_with_growing_delays_then_fatal(tmp_path):
+    code = "import sys, time; time.sleep(1); sys.exit(3) if {shard} == 1 else time.sleep(3)"
+    (tmp_path / "fleet.toml").write_text(f"""
+[run]
+name = "crash"
+output = "out"
+
+[supervise]
+max_restarts = 3
+backoff_base = "1s"
+backoff_max = "4s"
+
+[job]
+command = {json.dumps("{python} -c " + shlex.quote(code))}
+
+[[hosts]]
+name = "local"
+address = "local"
+gpus = [0, 1]
+root = "fleet"
+""")
+    r = fleet("up", "--headless", "-c", str(tmp_path / "fleet.toml"))
+    assert r.returncode == 1, r.stdout + r.stderr                      # not every shard is DONE
+    assert "shard 1 local:1 BACKOFF -> FATAL" in r.stdout or "-> FATAL" in r.stdout
+    assert "gave up after 3 restart(s); last: exited with code 3" in r.stdout
+    assert "shard 0 local:0 RUNNING -> DONE" in r.stdout or "shard 0 local:0 STARTING -> DONE" in r.stdout
+    launches = [e for e in events(tmp_path, "crash", 1) if e["event"] == "launch"]
+    exits = [e for e in events(tmp_path, "crash", 1) if e["event"] == "exited"]
+    assert [e["by"] for e in launches] == ["manual", "auto", "auto", "auto"]
+    gaps = [launches[i + 1]["t"] - exits[i]["t"] for i in range(3)]    # exit -> next launch
+    assert gaps[0] < gaps[1] < gaps[2], gaps                           # 1 s, 2 s, 4 s
+    assert [e["by"] for e in events(tmp_path, "crash", 0) if e["event"] == "launch"] == ["manual"]
+    st_ = fleet("status", "--json", "-c", str(tmp_path / "fleet.toml"))
+    assert st_.returncode == 1
+    assert [s["state"] for s in json.loads(st_.stdout)["shards"]] == ["DONE", "FATAL"]
+
+
+def test_over_long_samples_end_to_end_through_fleet(tmp_path, dense_model):
+    rows = [{"input_ids": [1, 2, 3] * n} for n in (2, 50, 3, 70, 4, 5)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "fleet.toml").write_text(f"""
+[run]
+name = "long"
+model = {json.dumps(dense_model)}
+data = "d.jsonl"
+output = "out"
+max_length = 100
+device = "cpu"
+
+[[hosts]]
+name = "local"
+address = "local"
+gpus = [0, 1]
+root = "fleet"
+""")
+    assert fleet("up", "--headless", "-c", str(tmp_path / "fleet.toml")).returncode == 0
+    v = fleet("verify", "-c", str(tmp_path / "fleet.toml"))
+    assert v.returncode == 0, v.stdout
+    assert "4 written, 2 skipped, 6 in the dataset" in v.stdout
+    assert "skipped 1: too long: 150 tokens > --max-length 100" in v.stdout
+    assert "skipped 3: too long: 210 tokens > --max-length 100" in v.stdout
+
+
+def test_gpu_index_out_of_range_is_refused_by_preflight(tmp_path, dense_model, token_data):
+    (tmp_path / "fleet.toml").write_text(f"""
+[run]
+name = "gpus"
+model = {json.dumps(dense_model)}
+data = {json.dumps(token_data)}
+output = "out"
+device = "cuda"
+
+[[hosts]]
+name = "local"
+address = "local"
+gpus = [0, 7]
+root = "fleet"
+""")
+    r = fleet("up", "--headless", "-c", str(tmp_path / "fleet.toml"))
+    assert r.returncode == 1
+    assert "preflight refused: local: GPU index" in r.stderr and "out of range" in r.stderr
+
+
+# --- nothing from fleet.toml reaches a shell as code --------------------------------------------
+
+nasty = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+                min_size=1, max_size=40)
+
+
+def spec_with(model: str, data: str, output: str, root: str, command: str | None = None) -> FleetSpec:
+    raw = {"run": {"name": "r", "model": model, "data": data, "output": output},
+           "hosts": [{"name": "h", "address": "10.0.0.1", "root": root, "gpus": [0]}]}
+    if command is not None:
+        raw["job"] = {"command": command}
+    return FleetSpec.model_validate(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(model=nasty, data=nasty, output=nasty, root=nasty)
+def test_paths_survive_the_remote_shell_as_single_arguments(model, data, output, root):
+    from fleet.config import Config
+    config = Config(spec_with(model, data, output, root), "/x/fleet.toml")
+    host = config.hosts[0]
+    cmd = shard_command(config, host, Placement(0, "h", 0), 1)
+    line = shlex.join(cmd.argv)                   # what SSHTransport sends to the remote shell
+    assert shlex.split(line) == cmd.argv          # the shell hands back exactly these arguments
+    assert cmd.argv[cmd.argv.index("--model") + 1] == model
+    assert cmd.argv[cmd.argv.index("--out") + 1] == output
+
+
+@settings(max_examples=300, deadline=None)
+@given(output=nasty, words=st.lists(st.sampled_from(["{python}", "run.py", "--shard", "{shard}", "--out",
+                                                      "{output}", "x{gpu}y", "--n={num_shards}"]),
+                                    min_size=1, max_size=8))
+def test_custom_job_placeholders_never_split_or_execute(output, words):
+    from fleet.config import Config
+    template = " ".join(words)
+    config = Config(spec_with("m", "d", output, "root", command=template), "/x/fleet.toml")
+    cmd = shard_command(config, config.hosts[0], Placement(3, "h", 5), 8)
+    assert len(cmd.argv) == len(shlex.split(template))       # one word stays one argument
+    for word, arg in zip(shlex.split(template), cmd.argv):
+        if word == "{output}":
+            assert arg == output                              # inserted verbatim, never parsed
+    assert shlex.split(shlex.join(cmd.argv)) == cmd.argv
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.text(min_size=1, max_size=30))
+def test_host_names_are_either_safe_or_refused(name, tmp_path_factory):
+    path = tmp_path_factory.mktemp("names") / "fleet.toml"
+    path.write_text(f'[run]\nname = "r"\noutput = "o"\nmodel = "m"\ndata = "d"\n\n[[hosts]]\n'
+                    f'name = {json.dumps(name)}\naddress = "local"\n')
+    try:
+        config = load_config(str(path))
+    except Exception as e:                                    # refused with a one-line message
+        assert type(e).__name__ == "ConfigError" and "\n" not in str(e)
+        return
+    assert set(config.hosts[0].name) <= set(string.ascii_letters + string.digits + "._-")
+    assert not config.hosts[0].name.startswith(("-", "."))
