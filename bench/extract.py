@@ -95,13 +95,13 @@ def naive(lm, samples, plan, out_dir) -> dict:
     return {"seconds": time.perf_counter() - t0, "tokens": tokens, "samples": len(samples)}
 
 
-def ours(base, samples, plan, out_dir, budget) -> dict:
+def ours(base, samples, plan, out_dir, budget, pad=8) -> dict:
     stats = Stats()
     log = EventLog(None, 0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     run_extraction(base, [samples], plan, out_dir, 0, torch.device("cuda:0"),
-                   Options(max_tokens_per_batch=budget, writer_queue=3, writer_threads=8),
+                   Options(max_tokens_per_batch=budget, writer_queue=3, writer_threads=8, pad_multiple=pad),
                    log, stats, progress_interval=1e9, total=len(samples))
     torch.cuda.synchronize()
     snap = stats.snapshot()
@@ -150,6 +150,8 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=8192)
     p.add_argument("--disk", default=os.environ.get("BENCH_DISK", "/tmp"))
     p.add_argument("--skip-shm", action="store_true")
+    p.add_argument("--skip-naive", action="store_true")
+    p.add_argument("--pads", default="8", help="comma list of batch-width pad multiples to run ours with")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -180,31 +182,35 @@ def main() -> None:
         d = tempfile.mkdtemp(dir=root, prefix="fleet-bench-")
         return d
 
-    d = scratch(args.disk)
-    naive(lm, warm[:5], plan, d)                      # warm-up
-    result["naive"] = rate(naive(lm, naive_samples, plan, d), params, peak)
-    shutil.rmtree(d)
-    targets = [("ours_disk", args.disk)] + ([] if args.skip_shm else [("ours_tmpfs", "/dev/shm")])
-    for name, root in targets:
+    if not args.skip_naive:
+        d = scratch(args.disk)
+        naive(lm, warm[:5], plan, d)                      # warm-up
+        result["naive"] = rate(naive(lm, naive_samples, plan, d), params, peak)
+        shutil.rmtree(d)
+    pads = [int(x) for x in args.pads.split(",")]
+    targets = [("ours_disk" + (f"_{i}_pad{pad}" if len(pads) > 1 else ""), args.disk, pad)
+               for i, pad in enumerate(pads)]
+    targets += [] if args.skip_shm else [("ours_tmpfs", "/dev/shm", pads[0])]
+    for name, root, pad in targets:
         d = scratch(root)
-        ours(base, warm, plan, d, args.budget)       # warm-up (allocator, cuBLAS, Triton)
+        ours(base, warm, plan, d, args.budget, pad)  # warm-up (allocator, cuBLAS, Triton)
         torch.cuda.reset_peak_memory_stats()
-        r = ours(base, samples, plan, d, args.budget)
+        r = ours(base, samples, plan, d, args.budget, pad)
         r["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         result[name] = rate(r, params, peak)
         shutil.rmtree(d)
     import resource
     result["host_peak_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
     result["weights_gib"] = round(sum(p.numel() * p.element_size() for p in lm.parameters()) / 2**30, 2)
-    n = result["naive"]["tokens_per_s"]
+    n = result["naive"]["tokens_per_s"] if "naive" in result else None
     print(json.dumps(result))
     print(f"\n{args.shape} on {result['gpu']} (peak {result['peak_tflops']} TFLOP/s, "
           f"{params / 1e9:.2f}B non-embedding params, fla={fla}, ref err {result['ref_rel_err']:.2e})")
-    print(f"{'approach':<12}{'tokens/s':>10}{'samples/s':>11}{'MFU':>7}{'x naive':>9}")
-    for name in ["naive"] + [t[0] for t in targets]:
+    print(f"{'approach':<16}{'tokens/s':>10}{'samples/s':>11}{'MFU':>7}{'x naive':>9}")
+    for name in (["naive"] if n else []) + [t[0] for t in targets]:
         r = result[name]
-        print(f"{name:<12}{r['tokens_per_s']:>10}{r['samples_per_s']:>11}{r['mfu']:>7.1%}"
-              f"{r['tokens_per_s'] / n:>9.2f}")
+        print(f"{name:<16}{r['tokens_per_s']:>10}{r['samples_per_s']:>11}{r['mfu']:>7.1%}"
+              + (f"{r['tokens_per_s'] / n:>9.2f}" if n else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -110,19 +110,24 @@ def up(config_path: str, headless: bool) -> None:
         sys.exit(run_tui(config, gpus))
 
     async def go() -> int:
-        sup = Supervisor(config, on_log=lambda m: click.echo(f"  {m}", err=True))
+        seen: dict[int, str] = {}
+
+        def print_changes() -> None:
+            """Every state change, as it happens (not sampled: a fast shard's RUNNING still shows);
+            a host's history is summed up once its agent has replayed it."""
+            if all(l.replayed or l.host.reachable is False for l in sup.links.values()):
+                for line in render.transitions(seen, sup.snapshot()):
+                    click.echo(line)
+
+        sup = Supervisor(config, on_change=print_changes, on_log=lambda m: click.echo(f"  {m}", err=True))
         await deploy_and_plan(sup)
         await sup.start()
         await sup.launch_all()
-        seen: dict[int, str] = {}
         try:
-            while True:
-                snap = sup.snapshot()
-                for line in render.transitions(seen, snap):
-                    click.echo(line)
-                if sup.all_terminal():
-                    break
+            while not sup.all_terminal():
+                print_changes()
                 await asyncio.sleep(0.25)
+            print_changes()
         finally:
             await sup.close()
         snap = sup.snapshot()
@@ -191,6 +196,19 @@ def down(config_path: str, yes: bool, timeout: float) -> None:
     run_async(go)
 
 
+async def find_shard(sup: Supervisor, ref: str) -> int:
+    """Read the fleet once and resolve SHARD (id or HOST:GPU) on a reachable host, or exit."""
+    await sup.read_once()
+    try:
+        k = sup.resolve_shard(ref)
+    except KeyError as e:
+        fail(str(e.args[0]), EXIT_FAULT)
+    host = sup.links[sup.shards[k].host].host
+    if host.reachable is False:
+        fail(host.error or f"{host.name}: unreachable", EXIT_UNREACHABLE)
+    return k
+
+
 @main.command()
 @config_option
 @click.argument("shard")
@@ -201,13 +219,7 @@ def restart(config_path: str, shard: str) -> None:
     async def go() -> int:
         sup = Supervisor(config)
         try:
-            await sup.read_once()
-            try:
-                k = sup.resolve_shard(shard)
-            except KeyError as e:
-                fail(str(e.args[0]), EXIT_FAULT)
-            if sup.links[sup.shards[k].host].host.reachable is False:
-                fail(sup.links[sup.shards[k].host].host.error or "host unreachable", EXIT_UNREACHABLE)
+            k = await find_shard(sup, shard)
             result = await sup.relaunch(k, by="manual")
         finally:
             await sup.close()
@@ -233,11 +245,7 @@ def logs(config_path: str, shard: str, follow: bool, lines: int) -> None:
         from .jobs import shard_dir
         sup = Supervisor(config)
         try:
-            await sup.read_once()
-            try:
-                k = sup.resolve_shard(shard)
-            except KeyError as e:
-                fail(str(e.args[0]), EXIT_FAULT)
+            k = await find_shard(sup, shard)
             link = sup.links[sup.shards[k].host]
             path = f"{shard_dir(config, link.spec, k)}/log"
             argv = ["tail", "-n", str(lines)] + (["-F"] if follow else []) + [path]

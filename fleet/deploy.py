@@ -133,18 +133,18 @@ async def run_demo_assets(t: Transport, config: Config, host: HostSpec, model: s
 
 def format_preflight(results: list[Preflight], failures: dict[str, str]) -> str:
     """One table: host, python, torch, GPUs, free disk, estimate, verdict."""
-    rows = [("host", "python", "torch", "gpus", "free", "needs", "result")]
+    rows = [("host", "worker", "python", "torch", "gpus", "free", "needs", "result")]
     for p in results:
         r = p.report
         free = r.get("free_bytes")
         need = r.get("estimated_bytes")
         verdict = "ERROR: " + p.errors[0] if p.errors else ("warning: " + p.warnings[0] if p.warnings else "ok")
-        rows.append((p.host, r.get("python", "?"), r.get("torch", "-"),
+        rows.append((p.host, "uploaded" if p.uploaded else "cached", r.get("python", "?"), r.get("torch", "-"),
                      ",".join(map(str, p.gpus)) or "-",
                      f"{free / 1e9:.1f} GB" if free is not None else "?",
                      f"{need / 1e9:.1f} GB" if need is not None else "?", verdict))
     for host, why in failures.items():
-        rows.append((host, "-", "-", "-", "-", "-", "UNREACHABLE: " + why))
+        rows.append((host, "-", "-", "-", "-", "-", "-", "UNREACHABLE: " + why))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r[:-1], widths)) + "  " + str(r[-1])
                      for r in rows)

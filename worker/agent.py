@@ -141,23 +141,22 @@ class Agent:
         self.send({"type": "hello", "protocol": protocol.PROTOCOL_VERSION, "host": socket.gethostname(),
                    "pid": os.getpid(), "t": round(time.time(), 3)})
 
-    def once(self) -> None:
+    def replay(self) -> None:
+        """hello, every shard's record so far, liveness, GPUs, disk, then `replayed`."""
         self.hello()
         self.poll_events(replay=True)
         self.poll_alive(force=True)
         self.poll_gpu()
         self.poll_disk()
         self.send({"type": "replayed", "t": round(time.time(), 3)})
+
+    def once(self) -> None:
+        self.replay()
         self.send({"type": "end"})
         self.flush()
 
     def follow(self, interval: float, gpu_interval: float, stop: threading.Event) -> None:
-        self.hello()
-        self.poll_events(replay=True)
-        self.poll_alive(force=True)
-        self.poll_gpu()
-        self.poll_disk()
-        self.send({"type": "replayed", "t": round(time.time(), 3)})
+        self.replay()
         self.flush()
         last_gpu = last_disk = last_beat = time.monotonic()
         while not stop.wait(interval):

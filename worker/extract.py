@@ -73,12 +73,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--writer-threads", type=int, default=4, help="files written in parallel")
     p.add_argument("--sort-window", type=int, default=20000,
                    help="samples read and length-sorted at a time (bounds host memory)")
+    p.add_argument("--pad-multiple", type=int, default=None,
+                   help="pad each batch's width to a multiple of this (default 8 on a GPU, 1 on the "
+                        "CPU); coarser widths mean fewer distinct shapes for shape-tuned kernels")
     p.add_argument("--progress-interval", type=float, default=2.0, help="seconds between progress events")
     p.add_argument("--random-weights", action="store_true",
                    help="initialise from config.json with random weights (benchmarks, dry runs)")
     args = p.parse_args(argv)
-    if args.max_tokens_per_batch < 1 or args.writer_queue < 1 or args.writer_threads < 1:
-        p.error("--max-tokens-per-batch, --writer-queue and --writer-threads must be positive")
+    if min(args.max_tokens_per_batch, args.writer_queue, args.writer_threads, args.pad_multiple or 1) < 1:
+        p.error("--max-tokens-per-batch, --writer-queue, --writer-threads and --pad-multiple must be positive")
     if not 0 <= args.shard_index < args.num_shards:
         p.error(f"--shard-index {args.shard_index} out of range for --num-shards {args.num_shards}")
     return args
@@ -295,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
 
         options = Options(args.max_tokens_per_batch, args.max_length, args.too_long,
                           args.writer_queue, args.writer_threads, args.sort_window,
-                          pad_multiple=8 if device.type == "cuda" else 1)
+                          pad_multiple=args.pad_multiple or (8 if device.type == "cuda" else 1))
         items = iter_shard(dataset, start, stop, set(finished), vocab_size, tokenizer, options)
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                stats, args.progress_interval, stop - start)

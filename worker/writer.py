@@ -121,8 +121,9 @@ class HostBuffers:
     """A fixed number of reusable (pinned, when on CUDA) host buffers; acquiring blocks when all are
     out, which is how the writer's backlog bounds host memory and how the GPU's wait is measured."""
 
-    def __init__(self, count: int, pinned: bool):
+    def __init__(self, count: int, pinned: bool, on_peak: Callable[[int], None] | None = None):
         self.pinned = pinned
+        self.on_peak = on_peak
         self._free: queue.Queue[torch.Tensor | None] = queue.Queue()
         for _ in range(count):
             self._free.put(None)          # allocated lazily at the first size needed
@@ -141,6 +142,8 @@ class HostBuffers:
             buf = torch.empty(max(numel, reserve), dtype=torch.bfloat16, pin_memory=self.pinned)
             self._sizes[id(buf)] = buf.numel() * 2
             self.peak_bytes = max(self.peak_bytes, sum(self._sizes.values()))
+            if self.on_peak:
+                self.on_peak(self.peak_bytes)
         return buf, waited
 
     def release(self, buf: torch.Tensor) -> None:
@@ -155,12 +158,14 @@ class Stats:
     bytes: int = 0
     skipped: int = 0
     writer_wait_s: float = 0.0
+    host_buffer_bytes: int = 0           # the writer's host buffers: its bound on host memory
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def snapshot(self) -> dict:
         with self.lock:
             return {"done": self.done, "tokens": self.tokens, "bytes": self.bytes,
-                    "skipped": self.skipped, "writer_wait_s": round(self.writer_wait_s, 3)}
+                    "skipped": self.skipped, "writer_wait_s": round(self.writer_wait_s, 3),
+                    "host_buffer_bytes": self.host_buffer_bytes}
 
 
 @dataclass
@@ -185,7 +190,8 @@ class BackgroundWriter:
         self.stats = stats
         self.on_skip = on_skip
         self.cuda = device.type == "cuda"
-        self.buffers = HostBuffers(depth + 1, pinned=self.cuda)
+        self.buffers = HostBuffers(depth + 1, pinned=self.cuda,
+                                   on_peak=lambda n: setattr(stats, "host_buffer_bytes", n))
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.jobs: queue.Queue = queue.Queue()
         self.files = ThreadPoolExecutor(max_workers=file_threads, thread_name_prefix="hs-write")
