@@ -93,6 +93,44 @@ root = "fleet"
     assert "skipped 3: too long: 210 tokens > --max-length 100" in v.stdout
 
 
+def test_out_of_memory_end_to_end_through_fleet(tmp_path, dense_model):
+    """The real worker under fleet, on a 'GPU' that runs out of memory above 256 tokens a batch:
+    batches split, the one sample that never fits is skipped and reported, the run completes."""
+    from fleet.config import load_config
+    from fleet.deploy import code_dir
+    rows = [{"input_ids": [7] * n} for n in [40] * 30 + [300, 20]]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    path = tmp_path / "fleet.toml"
+
+    def write(pythonpath: str) -> None:
+        path.write_text(f"""
+[run]
+name = "oom"
+model = {json.dumps(dense_model)}
+data = "d.jsonl"
+output = "out"
+device = "cpu"
+max_tokens_per_batch = 4096
+env = {{ PYTHONPATH = {json.dumps(pythonpath)}, FLEET_INJECT_OOM_ABOVE = "256" }}
+
+[[hosts]]
+name = "local"
+address = "local"
+gpus = [0]
+root = "fleet"
+""")
+    write("")
+    config = load_config(str(path))
+    inject = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inject_oom")
+    write(f"{code_dir(config, config.hosts[0])}:{inject}")
+    r = fleet("up", "--headless", "-c", str(path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    skipped = [e for e in events(tmp_path, "oom", 0) if e["event"] == "sample_skipped"]
+    assert [(e["index"], e["reason"]) for e in skipped] == [(30, "out of GPU memory at 300 tokens")]
+    v = fleet("verify", "-c", str(path))
+    assert v.returncode == 0 and "31 written, 1 skipped, 32 in the dataset" in v.stdout, v.stdout
+
+
 def test_gpu_index_out_of_range_is_refused_by_preflight(tmp_path, dense_model, token_data):
     (tmp_path / "fleet.toml").write_text(f"""
 [run]
