@@ -22,25 +22,23 @@ from .transport import HostError, Transport
 WORKER_DIR = os.path.dirname(os.path.abspath(worker.__file__))
 
 
+def worker_files() -> list[str]:
+    """What travels to the hosts: worker/*.py."""
+    return sorted(f for f in os.listdir(WORKER_DIR) if f.endswith(".py"))
+
+
 @cache
-def worker_bundle() -> tuple[str, str]:
-    """(hash, staging folder holding worker/*.py): what travels to the hosts."""
-    files = sorted(f for f in os.listdir(WORKER_DIR) if f.endswith(".py"))
+def worker_hash() -> str:
     digest = hashlib.sha256()
-    for name in files:
+    for name in worker_files():
         digest.update(name.encode() + b"\0")
         with open(os.path.join(WORKER_DIR, name), "rb") as f:
             digest.update(f.read() + b"\0")
-    h = digest.hexdigest()[:16]
-    staging = tempfile.mkdtemp(prefix=f"fleet-worker-{h}-")
-    os.makedirs(os.path.join(staging, "worker"))
-    for name in files:
-        shutil.copy2(os.path.join(WORKER_DIR, name), os.path.join(staging, "worker", name))
-    return h, staging
+    return digest.hexdigest()[:16]
 
 
 def code_dir(config: Config, host: HostSpec) -> str:
-    return os.path.join(config.run_dir(host), "code", worker_bundle()[0])
+    return os.path.join(config.run_dir(host), "code", worker_hash())
 
 
 def python_argv(config: Config, host: HostSpec, module: str, *args: str) -> list[str]:
@@ -83,7 +81,11 @@ async def upload_worker(t: Transport, config: Config, host: HostSpec) -> bool:
     mk = await t.run(["mkdir", "-p", os.path.dirname(target)], timeout=60)
     if mk.rc != 0:
         raise HostError(f"{host.name}: cannot create {os.path.dirname(target)}: {_last_line(mk.stderr)}")
-    await t.put_dir(worker_bundle()[1], target)
+    with tempfile.TemporaryDirectory(prefix="fleet-worker-") as staging:
+        os.makedirs(os.path.join(staging, "worker"))
+        for name in worker_files():
+            shutil.copy2(os.path.join(WORKER_DIR, name), os.path.join(staging, "worker", name))
+        await t.put_dir(staging, target)
     return True
 
 
