@@ -141,7 +141,7 @@ def up(config_path: str, headless: bool) -> None:
 
 @main.command()
 @config_option
-@click.option("--json", "as_json", is_flag=True, help=f"print the snapshot as JSON (schema fleet.status/1)")
+@click.option("--json", "as_json", is_flag=True, help="print the snapshot as JSON (schema fleet.status/1)")
 def status(config_path: str, as_json: bool) -> None:
     """One snapshot of the run: hosts, GPUs, shards, throughput, ETA.
 

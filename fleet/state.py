@@ -219,7 +219,7 @@ def _finite(x: float | None, digits: int = 2) -> float | None:
 
 
 def build_snapshot(run: str, shards: Iterable[Shard], hosts: dict[str, Host], now: float,
-                   expected: Any, gpus_per_host: dict[str, list[int]] | None = None) -> dict:
+                   expected: Any) -> dict:
     """The one typed picture of the fleet: what `status --json` prints and what the TUI draws."""
     shards = list(shards)
     rows, by_state = [], {s.value: 0 for s in State}

@@ -62,8 +62,9 @@ class Supervisor:
         """Upload and preflight every host in parallel; returns results and unreachable hosts."""
         for link in self.links.values():
             link.host.reachable = None
-        results = await asyncio.gather(*(self._deploy_one(l) for l in self.links.values()),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(deploy.deploy_host(l.transport, self.config, l.spec) for l in self.links.values()),
+            return_exceptions=True)
         ok, failures = [], {}
         for link, r in zip(self.links.values(), results):
             if isinstance(r, HostError):
@@ -75,9 +76,6 @@ class Supervisor:
                 ok.append(r)
                 link.host.reachable = True
         return ok, failures
-
-    async def _deploy_one(self, link: HostLink) -> deploy.Preflight:
-        return await deploy.deploy_host(link.transport, self.config, link.spec)
 
     def plan(self, gpus_by_host: dict[str, list[int]]) -> None:
         """Fix the shard layout (one per GPU) and create the shard records."""

@@ -20,7 +20,6 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
 
 from . import protocol
 from .gpu import GpuReader

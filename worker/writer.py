@@ -28,14 +28,6 @@ class DiskFullError(Exception):
     pass
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_sample_file(out_dir: str, index: int, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str]) -> int:
     """Write hs_<index>.safetensors atomically; returns its size in bytes."""

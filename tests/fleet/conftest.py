@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from tests.sshd_server import SshdError, free_port, keygen, start_sshd  # noqa: F401 (tests import them)
+from tests.sshd_server import SshdError, start_sshd
 
 @pytest.fixture(scope="session")
 def sshd(tmp_path_factory):

@@ -12,7 +12,8 @@ import threading
 import pytest
 
 from tests.conftest import wait_for
-from tests.fleet.conftest import fleet, fleet_popen, fleet_toml, free_port
+from tests.fleet.conftest import fleet, fleet_popen, fleet_toml
+from tests.sshd_server import free_port, keygen
 
 pytestmark = pytest.mark.ssh
 
@@ -182,7 +183,6 @@ def test_host_key_unknown_changed_accept_new_and_closed_port(tmp_path, sshd, den
     r = fleet("up", "--headless", "-c", config)
     assert r.returncode == 3 and "host key unknown" in r.stderr and "Traceback" not in r.stderr
 
-    from tests.fleet.conftest import keygen
     other = keygen(str(tmp_path / "other"))
     changed = tmp_path / "changed_known_hosts"
     changed.write_text(f"[127.0.0.1]:{sshd.port} {' '.join(other.split()[:2])}\n")

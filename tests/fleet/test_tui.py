@@ -21,7 +21,6 @@ from fleet.tui.app import QUIT_MESSAGE, FleetApp
 from fleet.tui.panes.gpus import GpuTable
 from fleet.tui.panes.log import ShardLog
 from fleet.tui.panes.shards import ShardTable
-from fleet.tui.panes.throughput import ThroughputPane
 from fleet.tui.panes.topbar import TopBar
 from fleet.tui.source import SupervisorSource
 from tests.conftest import REPO
