@@ -15,7 +15,8 @@ import click
 
 from . import render
 from .config import Config, ConfigError, load_config
-from .state import State, status_exit_code
+from .snapshot import json_schema, status_exit_code
+from .state import State
 from .supervisor import Supervisor
 from .transport import HostError
 
@@ -115,7 +116,7 @@ def up(config_path: str, headless: bool) -> None:
         def print_changes() -> None:
             """Every state change, as it happens (not sampled: a fast shard's RUNNING still shows);
             a host's history is summed up once its agent has replayed it."""
-            if all(l.replayed or l.host.reachable is False for l in sup.links.values()):
+            if sup.replayed:
                 for line in render.transitions(seen, sup.snapshot()):
                     click.echo(line)
 
@@ -124,7 +125,7 @@ def up(config_path: str, headless: bool) -> None:
         await sup.start()
         await sup.launch_all()
         try:
-            while not sup.all_terminal():
+            while not (sup.replayed and sup.snapshot().totals.settled):
                 print_changes()
                 await asyncio.sleep(0.25)
             print_changes()
@@ -132,7 +133,7 @@ def up(config_path: str, headless: bool) -> None:
             await sup.close()
         snap = sup.snapshot()
         click.echo(render.format_status(snap))
-        ok = all(s["state"] == State.DONE.value for s in snap["shards"])
+        ok = all(s.state == State.DONE for s in snap.shards)
         return 0 if ok else EXIT_FAULT
     run_async(go)
 
@@ -141,12 +142,18 @@ def up(config_path: str, headless: bool) -> None:
 
 @main.command()
 @config_option
-@click.option("--json", "as_json", is_flag=True, help="print the snapshot as JSON (schema fleet.status/1)")
-def status(config_path: str, as_json: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print the snapshot as JSON (schema fleet.status/2)")
+@click.option("--json-schema", "as_schema", is_flag=True,
+              help="print the JSON schema of --json's output and exit (reads no fleet.toml)")
+def status(config_path: str, as_json: bool, as_schema: bool) -> None:
     """One snapshot of the run: hosts, GPUs, shards, throughput, ETA.
 
-    Exit 0 healthy or done, 1 a shard FAILED/FATAL/STALLED, 2 config error, 3 a host unreachable.
+    The same verdicts `fleet up` acts on (fleet status acts on none). Exit 0 healthy, done or
+    stopped, 1 a shard STALLED/FAILED/BACKOFF/FATAL, 2 config error, 3 a host unreachable.
     """
+    if as_schema:
+        click.echo(json.dumps(json_schema(), indent=2))
+        return
     config = load(config_path)
 
     async def go() -> int:
@@ -156,8 +163,8 @@ def status(config_path: str, as_json: bool) -> None:
         finally:
             await sup.close()
         if as_json:
-            click.echo(json.dumps(snap, indent=2))
-        elif not snap["shards"] and all(h["reachable"] for h in snap["hosts"]):
+            click.echo(snap.to_json())
+        elif not snap.shards and all(h.reachable for h in snap.hosts):
             click.echo(f"run {config.run.name}: nothing launched yet (fleet up starts it)")
         else:
             click.echo(render.format_status(snap))
@@ -203,7 +210,7 @@ async def find_shard(sup: Supervisor, ref: str) -> int:
         k = sup.resolve_shard(ref)
     except KeyError as e:
         fail(str(e.args[0]), EXIT_FAULT)
-    host = sup.links[sup.shards[k].host].host
+    host = sup.links[sup.shards[k].placement.host].host
     if host.reachable is False:
         fail(host.error or f"{host.name}: unreachable", EXIT_UNREACHABLE)
     return k
@@ -246,7 +253,7 @@ def logs(config_path: str, shard: str, follow: bool, lines: int) -> None:
         sup = Supervisor(config)
         try:
             k = await find_shard(sup, shard)
-            link = sup.links[sup.shards[k].host]
+            link = sup.links[sup.shards[k].placement.host]
             path = f"{shard_dir(config, link.spec, k)}/log"
             argv = ["tail", "-n", str(lines)] + (["-F"] if follow else []) + [path]
             if follow:

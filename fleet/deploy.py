@@ -7,10 +7,10 @@ an unchanged worker is never uploaded twice, and processes still running old cod
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-import shutil
-import tempfile
+import tarfile
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -59,17 +59,44 @@ async def run_worker_module(t: Transport, config: Config, host: HostSpec, module
     r = await t.run(python_argv(config, host, module, *args), timeout=timeout)
     if r.rc != 0:
         why = _python_missing(config, host, r.stderr) or \
-            f"{host.name}: worker.{module} failed (exit {r.rc}): {_last_line(r.stderr)}"
+            f"{host.name}: worker.{module} failed (exit {r.rc}): {last_line(r.stderr)}"
         raise HostError(why)
     try:
         return json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        raise HostError(f"{host.name}: worker.{module} printed no result: {_last_line(r.stdout)}") from None
+        raise HostError(f"{host.name}: worker.{module} printed no result: {last_line(r.stdout)}") from None
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
     lines = [l for l in text.strip().splitlines() if l.strip()]
     return lines[-1][:300] if lines else "(no output)"
+
+
+# Unpacks a gzip'd tar from stdin into a temp folder beside the target, then renames it into
+# place: over an exec channel, so a host needs no SFTP subsystem, only the Python it runs anyway.
+UNPACK = """
+import io, os, shutil, sys, tarfile
+dst = sys.argv[1]
+tmp = "%s.tmp-%d" % (dst, os.getpid())
+os.makedirs(os.path.dirname(dst), exist_ok=True)
+shutil.rmtree(tmp, ignore_errors=True)
+kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+with tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read()), mode="r:gz") as tar:
+    tar.extractall(tmp, **kw)
+try:
+    os.rename(tmp, dst)
+except OSError:  # a concurrent deploy got there first: same content
+    shutil.rmtree(tmp, ignore_errors=True)
+"""
+
+
+def worker_tarball() -> bytes:
+    """worker/*.py as a gzip'd tar whose top folder is `worker/`."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name in worker_files():
+            tar.add(os.path.join(WORKER_DIR, name), arcname=f"worker/{name}")
+    return buf.getvalue()
 
 
 async def upload_worker(t: Transport, config: Config, host: HostSpec) -> bool:
@@ -78,14 +105,11 @@ async def upload_worker(t: Transport, config: Config, host: HostSpec) -> bool:
     probe = await t.run(["test", "-f", os.path.join(target, "worker", "protocol.py")], timeout=60)
     if probe.rc == 0:
         return False
-    mk = await t.run(["mkdir", "-p", os.path.dirname(target)], timeout=60)
-    if mk.rc != 0:
-        raise HostError(f"{host.name}: cannot create {os.path.dirname(target)}: {_last_line(mk.stderr)}")
-    with tempfile.TemporaryDirectory(prefix="fleet-worker-") as staging:
-        os.makedirs(os.path.join(staging, "worker"))
-        for name in worker_files():
-            shutil.copy2(os.path.join(WORKER_DIR, name), os.path.join(staging, "worker", name))
-        await t.put_dir(staging, target)
+    r = await t.run([config.python(host), "-c", UNPACK, target], timeout=300, input=worker_tarball())
+    if r.rc != 0:
+        why = _python_missing(config, host, r.stderr) or \
+            f"{host.name}: upload to {target} failed: {last_line(r.stderr)}"
+        raise HostError(why)
     return True
 
 
@@ -130,7 +154,7 @@ async def run_demo_assets(t: Transport, config: Config, host: HostSpec, model: s
     r = await t.run(python_argv(config, host, "demo", "--model", model, "--data", data), timeout=900)
     if r.rc != 0:
         raise HostError(_python_missing(config, host, r.stderr) or
-                        f"{host.name}: making the demo model failed: {_last_line(r.stderr)}")
+                        f"{host.name}: making the demo model failed: {last_line(r.stderr)}")
 
 
 def format_preflight(results: list[Preflight], failures: dict[str, str]) -> str:

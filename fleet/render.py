@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from .snapshot import FleetSnapshot
+
 
 def human_bytes(n: float | None) -> str:
     if n is None:
@@ -32,41 +34,38 @@ def rate_text(x: float | None, digits: int = 1) -> str:
     return "?" if x is None else f"{x:,.{digits}f}"
 
 
-def format_status(snap: dict) -> str:
-    t = snap["totals"]
-    lines = [f"run {snap['run']}: {t['done']}/{t['total']} samples, "
-             f"{rate_text(t['samples_per_s'])} samples/s, {rate_text(t['tokens_per_s'], 0)} tokens/s"
-             + (f" ({t['ratio']:.0%} of expected)" if t.get("ratio") is not None else "")
-             + f", ETA {human_duration(t['eta_s'])}, written {human_bytes(t['bytes_written'])}"]
-    lines.append("states: " + ", ".join(f"{k} {v}" for k, v in t["by_state"].items()))
-    for h in snap["hosts"]:
-        if h["reachable"] is False:
-            lines.append(f"host {h['name']}: UNKNOWN ({h['error']})")
+def format_status(snap: FleetSnapshot) -> str:
+    t = snap.totals
+    lines = [f"run {snap.run}: {t.done}/{t.total} samples, "
+             f"{rate_text(t.samples_per_s)} samples/s, {rate_text(t.tokens_per_s, 0)} tokens/s"
+             + (f" ({t.ratio:.0%} of expected)" if t.ratio is not None else "")
+             + f", ETA {human_duration(t.eta_s)}, written {human_bytes(t.bytes_written)}"]
+    lines.append("states: " + ", ".join(f"{k} {v}" for k, v in t.by_state.items()))
+    for h in snap.hosts:
+        if h.reachable is False:
+            lines.append(f"host {h.name}: UNKNOWN ({h.error})")
             continue
-        disk = h.get("disk") or {}
-        gpus = h.get("gpus")
-        tele = "no GPU telemetry" if not gpus else ", ".join(
-            f"gpu{g['index']} {human_bytes(g.get('mem_used'))}/{human_bytes(g.get('mem_total'))}"
-            for g in gpus)
-        lines.append(f"host {h['name']}: {tele}; disk free {human_bytes(disk.get('free'))}")
+        tele = "no GPU telemetry" if not h.gpus else ", ".join(
+            f"gpu{g.index} {human_bytes(g.mem_used)}/{human_bytes(g.mem_total)}" for g in h.gpus)
+        lines.append(f"host {h.name}: {tele}; disk free {human_bytes(h.disk.free if h.disk else None)}")
     lines.append(f"{'shard':>5}  {'where':<14}{'state':<9}{'progress':>16}{'samples/s':>11}"
                  f"{'restarts':>9}  reason")
-    for s in snap["shards"]:
-        prog = f"{s['done'] + s['skipped']}/{s['total']}"
-        lines.append(f"{s['id']:>5}  {s['host'] + ':' + str(s['gpu']):<14}{s['state']:<9}{prog:>16}"
-                     f"{rate_text(s['samples_per_s']):>11}{s['restarts']:>9}  {s['reason'] or ''}")
+    for s in snap.shards:
+        prog = f"{s.done + s.skipped}/{s.total}"
+        lines.append(f"{s.id:>5}  {s.host + ':' + str(s.gpu):<14}{s.state.value:<9}{prog:>16}"
+                     f"{rate_text(s.samples_per_s):>11}{s.restarts:>9}  {s.reason or ''}")
     return "\n".join(lines)
 
 
-def transitions(before: dict[int, str], snap: dict) -> list[str]:
+def transitions(before: dict[int, str], snap: FleetSnapshot) -> list[str]:
     """One line per shard whose state changed since `before` (which is updated)."""
     out = []
     stamp = time.strftime("%H:%M:%S")
-    for s in snap["shards"]:
-        old = before.get(s["id"])
-        if old != s["state"]:
-            before[s["id"]] = s["state"]
-            why = f" ({s['reason']})" if s["reason"] and s["state"] not in ("RUNNING", "DONE") else ""
-            out.append(f"{stamp} shard {s['id']} {s['host']}:{s['gpu']} {old or '-'} -> {s['state']}"
-                       f" {s['done'] + s['skipped']}/{s['total']}{why}")
+    for s in snap.shards:
+        old = before.get(s.id)
+        if old != s.state.value:
+            before[s.id] = s.state.value
+            why = f" ({s.reason})" if s.reason and s.state.value not in ("RUNNING", "DONE") else ""
+            out.append(f"{stamp} shard {s.id} {s.host}:{s.gpu} {old or '-'} -> {s.state.value}"
+                       f" {s.done + s.skipped}/{s.total}{why}")
     return out

@@ -1,10 +1,13 @@
-"""The supervisor: connects to every host, deploys, launches shards, follows each host's agent and
-applies the restart policy. No UI: the CLI's headless mode and the TUI both drive it and read its
+"""The supervisor: connects to every host, deploys, follows each host's agent, and carries out what
+the judge says is due. No UI: the CLI's headless mode and the TUI both drive it and read its
 snapshots.
 
 Each host has one task that keeps an agent stream open (reconnecting with capped exponential
-backoff). A new stream replays the host's events from the start into fresh Shard objects, so the
-picture after a reconnect or a supervisor restart is the host's own record, never a guess.
+backoff). A new stream replays the host's records from the start into fresh ShardRecords, so the
+picture after a reconnect or a supervisor restart is the host's own record, never a guess. The
+supervisor decides nothing itself: every 0.25 s it asks `fleet.judge` for each shard's verdict and
+carries out its action (launch, restart). What it keeps beyond the records is operational only:
+which actions are in flight, and launches that failed before reaching a host's record.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,22 +24,53 @@ from worker import protocol
 from . import deploy
 from .config import Config, HostSpec
 from .jobs import Placement, place_shards, sentinel_spec, shard_command, shard_dir
-from .state import (LIVE, TERMINAL, Host, Shard, State, backoff_delay, build_snapshot, next_action)
+from .judge import Action, LaunchFailure, Policy, Verdict, judge
+from .record import ShardRecord
+from .snapshot import FleetSnapshot, HostView, ShardView, all_replayed, build_snapshot
+from .state import LIVE, State
 from .transport import HostError, Stream, Transport, make_transport
 
 AGENT_SILENCE_S = 5.0         # no line from an agent for this long: the host is unreachable
+ACTION_TIMEOUT_S = 60.0       # a launch whose record never shows up is given up after this
+
+
+@dataclass
+class ShardSlot:
+    """One shard as the supervisor holds it: its place, its folded record, its liveness."""
+    placement: Placement
+    record: ShardRecord
+    alive: bool | None = None
+    pid: int | None = None
+    launch_failures: list[LaunchFailure] = field(default_factory=list)
+    busy_since: float | None = None      # an action is in flight (supervisor clock)
+    busy_launches: int = 0               # record.launches when it began
+    last_state: State | None = None
+
+    @property
+    def id(self) -> int:
+        return self.placement.shard
 
 
 @dataclass
 class HostLink:
     spec: HostSpec
     transport: Transport
-    host: Host
+    host: HostView
     placements: list[Placement] = field(default_factory=list)
-    replayed: bool = False
     stream: Stream | None = None
     task: asyncio.Task | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    diagnostics: deque = field(default_factory=lambda: deque(maxlen=5))
+
+
+def policy_for(config: Config) -> Policy:
+    sup, job = config.spec.supervise, config.spec.job
+    has_progress = job is None or bool(job.progress or job.progress_glob)
+    return Policy(max_restarts=sup.max_restarts, backoff_base=sup.backoff_base,
+                  backoff_max=sup.backoff_max,
+                  stall_timeout=sup.stall_timeout if has_progress else None,
+                  restart_stalled=sup.restart_stalled, needs_done_sentinel=bool(job and job.done),
+                  custom_job=job is not None)
 
 
 class Supervisor:
@@ -43,16 +78,16 @@ class Supervisor:
                  on_log: Callable[[str], None] | None = None):
         self.config = config
         self.sup = config.spec.supervise
+        self.policy = policy_for(config)
         self.on_change = on_change or (lambda: None)
         self.on_log = on_log or (lambda msg: None)
         slots = asyncio.Semaphore(self.sup.max_concurrent_connects)
         self.links: dict[str, HostLink] = {
-            h.name: HostLink(h, make_transport(h, self.sup, slots), Host(h.name, h.address))
+            h.name: HostLink(h, make_transport(h, self.sup, slots), HostView(h.name, h.address))
             for h in config.hosts}
-        self.shards: dict[int, Shard] = {}
+        self.shards: dict[int, ShardSlot] = {}
         self.placements: list[Placement] = []
         self.num_shards = 0
-        self._launching: set[int] = set()
         self._closing = False
         self._decider: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -83,65 +118,87 @@ class Supervisor:
         self.num_shards = len(self.placements)
         for link in self.links.values():
             link.placements = [p for p in self.placements if p.host == link.spec.name]
-        self.shards = {p.shard: self._new_shard(p) for p in self.placements}
+        self.shards = {p.shard: self._new_slot(p) for p in self.placements}
 
-    def _new_shard(self, p: Placement) -> Shard:
-        job = self.config.spec.job
-        return Shard(p.shard, p.host, p.gpu, needs_done_sentinel=bool(job and job.done))
+    def _new_slot(self, p: Placement) -> ShardSlot:
+        return ShardSlot(p, ShardRecord(needs_done_sentinel=self.policy.needs_done_sentinel))
 
-    # --- one-shot reading (status) --------------------------------------------------------------
-    async def read_once(self) -> dict:
-        """Connect to every host, replay its record once, judge it (settle), return the snapshot.
-        Each call starts from a clean record: the hosts' events are the whole truth."""
+    # --- judging -------------------------------------------------------------------------------
+    def verdict(self, slot: ShardSlot, now: float | None = None) -> Verdict:
+        host = self.links[slot.placement.host].host
+        now = time.time() if now is None else now
+        return judge(slot.record, slot.alive, host.host_now(now), self.policy,
+                     tuple(slot.launch_failures))
+
+    def snapshot(self, now: float | None = None) -> FleetSnapshot:
+        now = time.time() if now is None else now
+        views = [ShardView(s.id, s.placement.host, s.placement.gpu, s.record, self.verdict(s, now),
+                           s.alive, s.pid, self.sup.max_restarts)
+                 for s in sorted(self.shards.values(), key=lambda s: s.id)]
+        return build_snapshot(self.config.run.name, views, {n: l.host for n, l in self.links.items()},
+                              now, self.config.spec.expected)
+
+    @property
+    def replayed(self) -> bool:
+        """Every host's agent has replayed its record, or the host is known unreachable."""
+        return all_replayed(l.host for l in self.links.values())
+
+    # --- one-shot reading (status, restart, logs) ------------------------------------------------
+    async def read_once(self) -> FleetSnapshot:
+        """Connect to every host, replay its record once, return the snapshot (same judge, no
+        actions). Each call starts from a clean record: the hosts' records are the whole truth."""
         self.shards, self.placements, self.num_shards = {}, [], 0
         for link in self.links.values():
             link.placements = []
+
         async def one(link: HostLink) -> None:
             try:
                 await link.transport.connect()
                 r = await link.transport.run(self._agent_argv(link, once=True), timeout=120)
-                if r.rc != 0:
-                    raise HostError(f"{link.spec.name}: agent failed: {r.stderr.strip()[-300:]}")
-                link.host.reachable, link.host.error = True, None
                 for line in r.stdout.splitlines():
                     self._handle(link, line, discover=True)
+                if r.rc != 0:
+                    why = deploy.last_line(r.stderr)
+                    raise HostError(f"{link.spec.name}: agent failed: {why}")
+                link.host.reachable, link.host.error = True, None
             except HostError as e:
-                link.host.reachable, link.host.error = False, str(e)
+                link.host.reachable, link.host.error = False, str(e).removeprefix(f"{link.spec.name}: ")
         await asyncio.gather(*(one(l) for l in self.links.values()))
-        self.settle()
         return self.snapshot()
 
-    def _discover(self, link: HostLink, k: int, ev: dict) -> Shard:
-        """A shard found on a host (status, restart, logs): its first event, LAUNCH, names its GPU."""
-        place = Placement(k, link.spec.name, int(ev["gpu"]) if ev.get("gpu") is not None else -1)
+    def _discover(self, link: HostLink, k: int, ev: protocol.Record) -> ShardSlot | None:
+        """A shard found on a host (status, restart, logs): its first record, the launch, names its GPU."""
+        if not isinstance(ev, protocol.Launch):
+            return None
+        place = Placement(k, link.spec.name, ev.gpu if ev.gpu is not None else -1)
         self.placements.append(place)
         link.placements.append(place)
         self.num_shards = len(self.placements)
-        shard = self.shards[k] = self._new_shard(place)
-        return shard
+        slot = self.shards[k] = self._new_slot(place)
+        return slot
 
     # --- following -----------------------------------------------------------------------------
     async def start(self) -> None:
-        """Open every host's agent stream and start the decision loop."""
+        """Open every host's agent stream and start carrying out verdicts."""
         for link in self.links.values():
             link.task = asyncio.create_task(self._host_loop(link), name=f"host-{link.spec.name}")
         self._decider = asyncio.create_task(self._decide_loop(), name="decide")
 
     async def wait_replayed(self, timeout: float = 60) -> None:
-        """Until every reachable host's agent has replayed its record (or is known unreachable)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(l.replayed or l.host.reachable is False for l in self.links.values()):
-                return
+        while time.monotonic() < deadline and not self.replayed:
             await asyncio.sleep(0.05)
 
     async def launch_all(self) -> None:
-        """Launch every shard that is neither live nor done (what `fleet up` does on (re)attach)."""
+        """Launch every shard that is neither live nor done (what `fleet up` does on (re)attach):
+        a manual launch, so failed, FATAL and stopped shards start over with a fresh budget."""
         await self.wait_replayed()
         jobs = []
         for s in self.shards.values():
-            link = self.links[s.host]
-            if link.host.reachable and s.state not in LIVE and s.state != State.DONE and not s.alive:
+            link = self.links[s.placement.host]
+            if link.host.reachable and s.busy_since is None and not s.alive and \
+                    self.verdict(s).state not in LIVE | {State.DONE}:
+                self._busy(s)
                 jobs.append(self.launch(s.id, by="manual"))
         await asyncio.gather(*jobs)
 
@@ -150,8 +207,6 @@ class Supervisor:
         args = ["--run-dir", self.config.run_dir(link.spec), "--shards", shards,
                 "--output", self.config.host_path(link.spec, self.config.run.output),
                 "--interval", str(self.sup.telemetry_interval)]
-        if spec := sentinel_spec(self.config, link.spec):
-            args += ["--sentinels", json.dumps(spec)]
         if once:
             args.append("--once")
         return deploy.python_argv(self.config, link.spec, "agent", *args)
@@ -161,31 +216,29 @@ class Supervisor:
         while not self._closing:
             try:
                 await link.transport.connect()
+                link.diagnostics.clear()
                 link.stream = await link.transport.stream(self._agent_argv(link))
-                link.replayed = False
                 lines = link.stream.lines().__aiter__()
-                first = True
                 while not self._closing:
                     try:
                         line = await asyncio.wait_for(lines.__anext__(), AGENT_SILENCE_S)
                     except StopAsyncIteration:
-                        raise HostError(f"{link.spec.name}: agent stream ended") from None
+                        why = link.diagnostics[-1] if link.diagnostics else "no output"
+                        raise HostError(f"{link.spec.name}: agent exited: {why}") from None
                     except asyncio.TimeoutError:
                         raise HostError(f"{link.spec.name}: no telemetry for {AGENT_SILENCE_S:.0f}s") from None
-                    if first:
-                        self._reset_host(link)
-                        first = False
-                    self._handle(link, line)
-                    if link.host.reachable is not True:
+                    if isinstance(self._handle(link, line), protocol.Beat):
+                        delay = 1.0                  # healthy for a while: reconnect fast next time
+                    if link.host.reachable is not True and link.host.replayed:
                         link.host.reachable, link.host.error = True, None
                         self.on_log(f"{link.spec.name}: connected")
-                    delay = 1.0
+                        self.on_change()
             except HostError as e:
                 if self._closing:
                     break
                 was = link.host.reachable
                 link.host.reachable, link.host.error = False, str(e).removeprefix(f"{link.spec.name}: ")
-                link.replayed = False
+                link.host.replayed = False
                 if was is not False:
                     self.on_log(f"{link.spec.name}: unreachable: {link.host.error}")
                 self.on_change()
@@ -194,6 +247,8 @@ class Supervisor:
                 break
             except Exception as e:                      # a bug must not silently stop a host's loop
                 link.host.reachable, link.host.error = False, f"{type(e).__name__}: {e}"
+                link.host.replayed = False
+                self.on_log(f"{link.spec.name}: supervisor error: {link.host.error}")
                 self.on_change()
                 await self._drop_stream(link, drop_connection=True)
             if self._closing:
@@ -219,58 +274,65 @@ class Supervisor:
                 pass
 
     def _reset_host(self, link: HostLink) -> None:
-        """A new stream replays everything: start this host's shards from a clean record."""
+        """A new stream replays everything: this host's shards start from a clean record (what
+        only the supervisor knows, actions in flight and failed launches, is kept)."""
         for p in link.placements:
             old = self.shards.get(p.shard)
-            fresh = self._new_shard(p)
-            if old is not None and old.backoff_until is not None:
-                fresh.backoff_until = old.backoff_until
+            fresh = self._new_slot(p)
+            if old is not None:
+                fresh.launch_failures, fresh.busy_since = old.launch_failures, old.busy_since
+                fresh.busy_launches, fresh.last_state = old.busy_launches, old.last_state
             self.shards[p.shard] = fresh
+        link.host.replayed = False
 
-    def _handle(self, link: HostLink, line: str, discover: bool = False) -> None:
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            return
+    def _handle(self, link: HostLink, line: str, discover: bool = False) -> protocol.Message | None:
+        msg = protocol.parse_message(line)
+        if msg is None:                         # not a message: a diagnostic (a traceback line)
+            if line.strip():
+                link.diagnostics.append(line.strip()[-300:])
+            return None
         now = time.time()
-        link.host.last_seen = now
-        kind = msg.get("type")
-        if "t" in msg and kind in ("hello", "beat", "gpu", "shard", "replayed"):
-            link.host.clock_offset = float(msg["t"]) - now
-        if kind == "event":
-            k = int(msg["shard"])
-            shard = self.shards.get(k)
-            ev = msg["event"]
-            if shard is None:
-                if not discover:
-                    return
-                shard = self._discover(link, k, ev)
-            if ev.get("event") == protocol.LAUNCH:
-                self._launching.discard(k)
-                if ev.get("gpu") is not None:
-                    shard.gpu = int(ev["gpu"])
-            before = shard.state
-            shard.apply(ev)
-            if shard.state != before:
-                self.on_change()
-        elif kind == "shard":
-            shard = self.shards.get(int(msg["shard"]))
-            if shard is not None:
-                before = shard.state
-                shard.set_alive(bool(msg["alive"]), msg.get("pid"))
-                if shard.state != before:
-                    self.on_change()
-        elif kind == "gpu":
-            link.host.telemetry = msg.get("source")
-            link.host.gpus = msg.get("gpus") or []
-            link.host.gpu_t = msg.get("t")
-        elif kind == "disk":
-            link.host.disk = {k: msg.get(k) for k in ("path", "free", "total", "error")}
-        elif kind == "replayed":
-            link.replayed = True
+        host = link.host
+        host.last_seen = now
+        t = getattr(msg, "t", None)
+        if t is not None:
+            host.clock_offset = float(t) - now
+        if isinstance(msg, protocol.Hello):
+            if msg.protocol != protocol.PROTOCOL_VERSION:
+                raise HostError(f"{link.spec.name}: host runs worker protocol {msg.protocol}, this "
+                                f"fleet speaks {protocol.PROTOCOL_VERSION}: redeploy (fleet up)")
+            if not discover:
+                self._reset_host(link)
+        elif isinstance(msg, protocol.EventMessage):
+            ev = protocol.parse_event(msg.event)
+            if ev is None:
+                return msg
+            slot = self.shards.get(msg.shard)
+            if slot is None:
+                slot = self._discover(link, msg.shard, ev) if discover else None
+                if slot is None:
+                    return msg
+            slot.record.apply(ev)
+            if isinstance(ev, protocol.Launch):
+                slot.launch_failures.clear()
+                if slot.busy_since is not None and slot.record.launches > slot.busy_launches:
+                    slot.busy_since = None
+        elif isinstance(msg, protocol.Liveness):
+            slot = self.shards.get(msg.shard)
+            if slot is not None:
+                slot.alive, slot.pid = msg.alive, msg.pid
+        elif isinstance(msg, protocol.GpuReading):
+            host.telemetry, host.gpus, host.gpu_t = msg.source, msg.gpus or [], msg.t
+        elif isinstance(msg, protocol.DiskReading):
+            host.disk = {"path": msg.path, "free": msg.free, "total": msg.total, "error": msg.error}
+        elif isinstance(msg, protocol.Replayed):
+            host.replayed = True
             self.on_change()
+        elif isinstance(msg, protocol.AgentError):
+            raise HostError(f"{link.spec.name}: agent failed: {msg.message}")
+        return msg
 
-    # --- decisions -----------------------------------------------------------------------------
+    # --- carrying out verdicts -------------------------------------------------------------------
     async def _decide_loop(self) -> None:
         while not self._closing:
             try:
@@ -280,92 +342,85 @@ class Supervisor:
             await asyncio.sleep(0.25)
 
     def decide(self, now: float) -> None:
-        """One pass of the policy: stalls, backoff timers, restarts, FATAL."""
+        """One pass: judge every shard of a reachable, replayed host and carry out what is due."""
+        changed = False
         for s in list(self.shards.values()):
-            link = self.links[s.host]
-            if not link.host.reachable or not link.replayed or s.id in self._launching:
+            link = self.links[s.placement.host]
+            if s.busy_since is not None and now - s.busy_since > ACTION_TIMEOUT_S:
+                s.busy_since = None
+            v = self.verdict(s, now)
+            if v.state != s.last_state:
+                s.last_state, changed = v.state, True
+            if not link.host.reachable or not link.host.replayed or s.busy_since is not None:
                 continue
-            before = s.state
-            s.check_stall(link.host.host_now(now), self.sup.stall_timeout)
-            if s.state == State.BACKOFF:
-                if s.backoff_until is not None and now >= s.backoff_until:
-                    self._spawn(self.relaunch(s.id, by="auto"))
-            else:
-                action = next_action(s, self.sup.max_restarts, self.sup.restart_stalled)
-                if action == "fatal":
-                    self._make_fatal(s)
-                elif action == "restart":
-                    delay = backoff_delay(s.auto_attempts, self.sup.backoff_base, self.sup.backoff_max)
-                    s.backoff_until = s.backoff_until if s.backoff_until and s.backoff_until > now \
-                        else now + delay
-                    s.reason = f"{s.reason}; restart in {delay:.0f}s"
-                    s.state = State.BACKOFF
-            if s.state != before:
-                self.on_change()
-
-    def settle(self, now: float | None = None) -> None:
-        """For one-shot reads (status): stalls and FATAL as the live policy would judge them."""
-        now = time.time() if now is None else now
-        for s in self.shards.values():
-            link = self.links[s.host]
-            if not link.host.reachable:
-                continue
-            s.check_stall(link.host.host_now(now), self.sup.stall_timeout)
-            if next_action(s, self.sup.max_restarts, self.sup.restart_stalled) == "fatal":
-                self._make_fatal(s)
-
-    def _make_fatal(self, s: Shard) -> None:
-        s.state = State.FATAL
-        s.reason = f"gave up after {self.sup.max_restarts} restart(s); last: {s.reason}"
+            if v.action in (Action.LAUNCH, Action.RESTART):
+                self._busy(s)                   # now, not when the task first runs: one action at a time
+            if v.action == Action.LAUNCH:
+                self._spawn(self.launch(s.id, by="manual"))
+            elif v.action == Action.RESTART:
+                self._spawn(self.relaunch(s.id, by="auto", reason=v.reason))
+        if changed:
+            self.on_change()
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _busy(self, s: ShardSlot) -> None:
+        s.busy_since, s.busy_launches = time.time(), s.record.launches
+
     # --- actions -------------------------------------------------------------------------------
     async def launch(self, shard_id: int, by: str = "manual") -> dict:
         s = self.shards[shard_id]
-        link = self.links[s.host]
-        place = next(p for p in self.placements if p.shard == shard_id)
+        link = self.links[s.placement.host]
+        place = s.placement
+        self._busy(s)
         cmd = shard_command(self.config, link.spec, place, self.num_shards)
-        args = ["launch", "--shard-dir", shard_dir(self.config, link.spec, shard_id),
-                "--attempt", str(s.auto_attempts + 1 if by == "auto" else 0), "--by", by,
+        args = ["launch", "--shard-dir", shard_dir(self.config, link.spec, shard_id), "--by", by,
                 "--gpu", str(place.gpu)]
         for k, v in cmd.env.items():
             args += ["--env", f"{k}={v}"]
         if cmd.cwd:
             args += ["--cwd", cmd.cwd]
-        self._launching.add(shard_id)
+        if spec := sentinel_spec(self.config, link.spec):
+            args += ["--sentinels", json.dumps(spec)]
         try:
             result = await deploy.run_worker_module(link.transport, self.config, link.spec, "hostctl",
                                                     *args, "--", *cmd.argv, timeout=60)
         except HostError as e:
-            self._launching.discard(shard_id)
-            self.on_log(f"shard {shard_id}: launch failed: {e}")
+            why = str(e).removeprefix(f"{link.spec.name}: ")
+            s.launch_failures.append(LaunchFailure(link.host.host_now(time.time()), by, why))
+            s.busy_since = None
+            self.on_log(f"shard {shard_id}: launch failed: {why}")
+            self.on_change()
             return {"status": "error", "error": str(e)}
         if result.get("status") != "started":
-            self._launching.discard(shard_id)
-        s.backoff_until = None
-        self.on_log(f"shard {shard_id} ({s.host}:{s.gpu}): launch ({by}): {result.get('status')}")
+            s.busy_since = None
+        self.on_log(f"shard {shard_id} ({place.host}:{place.gpu}): launch ({by}): {result.get('status')}")
         return result
 
-    async def stop(self, shard_id: int, timeout: float = 10) -> dict:
+    async def stop(self, shard_id: int, timeout: float = 10, why: str = "user",
+                   reason: str | None = None) -> dict:
         s = self.shards[shard_id]
-        link = self.links[s.host]
+        link = self.links[s.placement.host]
+        args = ["stop", "--shard-dir", shard_dir(self.config, link.spec, shard_id),
+                "--timeout", str(timeout), "--why", why]
+        if reason:
+            args += ["--reason", reason]
         try:
-            return await deploy.run_worker_module(
-                link.transport, self.config, link.spec, "hostctl", "stop", "--shard-dir",
-                shard_dir(self.config, link.spec, shard_id), "--timeout", str(timeout), timeout=timeout + 30)
+            return await deploy.run_worker_module(link.transport, self.config, link.spec, "hostctl",
+                                                  *args, timeout=timeout + 30)
         except HostError as e:
             return {"status": "error", "error": str(e)}
 
-    async def relaunch(self, shard_id: int, by: str = "manual") -> dict:
-        """Restart a shard: stop it if it still runs, then launch; it resumes from its manifest."""
+    async def relaunch(self, shard_id: int, by: str = "manual", reason: str | None = None) -> dict:
+        """Restart a shard: stop it if it still runs (recorded as a restart's stop, not the user's),
+        then launch; it resumes from its manifest."""
         s = self.shards[shard_id]
-        self._launching.add(shard_id)            # the policy leaves it alone meanwhile
+        self._busy(s)
         if s.alive:
-            await self.stop(shard_id)
+            await self.stop(shard_id, why="restart", reason=reason)
         return await self.launch(shard_id, by=by)
 
     async def stop_all(self, timeout: float = 10) -> dict[str, dict]:
@@ -386,20 +441,11 @@ class Supervisor:
         if ":" in ref:
             host, _, gpu = ref.rpartition(":")
             for s in self.shards.values():
-                if s.host == host and str(s.gpu) == gpu:
+                if s.placement.host == host and str(s.placement.gpu) == gpu:
                     return s.id
-        known = ", ".join(f"{s.id} ({s.host}:{s.gpu})" for s in self.shards.values()) or "none"
+        known = ", ".join(f"{s.id} ({s.placement.host}:{s.placement.gpu})"
+                          for s in self.shards.values()) or "none"
         raise KeyError(f"no shard {ref!r}; shards: {known}")
-
-    # --- reading -------------------------------------------------------------------------------
-    def snapshot(self) -> dict:
-        return build_snapshot(self.config.run.name, sorted(self.shards.values(), key=lambda s: s.id),
-                              {n: l.host for n, l in self.links.items()}, time.time(),
-                              self.config.spec.expected)
-
-    def all_terminal(self) -> bool:
-        return bool(self.shards) and all(
-            s.state in TERMINAL or (s.state == State.FAILED and s.stopped) for s in self.shards.values())
 
     async def close(self) -> None:
         """Stop following; the workers keep running."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
-import shutil
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -46,13 +45,12 @@ class Transport:
     async def connect(self) -> None:
         pass
 
-    async def run(self, argv: list[str], timeout: float | None = 120) -> Completed:
+    async def run(self, argv: list[str], timeout: float | None = 120, input: bytes | None = None) -> Completed:
+        """Run to completion; output decoded as UTF-8 with undecodable bytes replaced."""
         raise NotImplementedError
 
     async def stream(self, argv: list[str]) -> Stream:
-        raise NotImplementedError
-
-    async def put_dir(self, local: str, remote: str) -> None:
+        """A long-lived process; its stderr is merged into the lines read (its last words)."""
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -89,15 +87,15 @@ class LocalStream(Stream):
 
 
 class LocalTransport(Transport):
-    async def run(self, argv: list[str], timeout: float | None = 120) -> Completed:
+    async def run(self, argv: list[str], timeout: float | None = 120, input: bytes | None = None) -> Completed:
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE)
+                *argv, stdin=asyncio.subprocess.DEVNULL if input is None else asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         except OSError as e:
             raise HostError(f"{self.host.name}: cannot run {argv[0]}: {e.strerror}") from None
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+            out, err = await asyncio.wait_for(proc.communicate(input), timeout)
         except asyncio.TimeoutError:
             proc.kill()
             raise HostError(f"{self.host.name}: {argv[0]} timed out after {timeout:.0f}s") from None
@@ -107,24 +105,10 @@ class LocalTransport(Transport):
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.DEVNULL, limit=1 << 24)
+                stderr=asyncio.subprocess.STDOUT, limit=1 << 24)
         except OSError as e:
             raise HostError(f"{self.host.name}: cannot run {argv[0]}: {e.strerror}") from None
         return LocalStream(proc)
-
-    async def put_dir(self, local: str, remote: str) -> None:
-        tmp = f"{remote}.tmp-{os.getpid()}"
-        await asyncio.to_thread(_copy_then_rename, local, tmp, remote)
-
-
-def _copy_then_rename(local: str, tmp: str, remote: str) -> None:
-    os.makedirs(os.path.dirname(remote), exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(local, tmp)
-    try:
-        os.rename(tmp, remote)
-    except OSError:                      # another supervisor got there first: same content
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- SSH ---------------------------------------------------------------------------------------
@@ -134,8 +118,8 @@ class SSHStream(Stream):
         self.proc = proc
 
     async def lines(self) -> AsyncIterator[str]:
-        async for line in self.proc.stdout:
-            yield line
+        async for raw in self.proc.stdout:
+            yield raw.decode("utf-8", "replace")
 
     async def close(self) -> None:
         try:
@@ -235,47 +219,30 @@ class SSHTransport(Transport):
             await self.connect()
         return self.conn
 
-    async def run(self, argv: list[str], timeout: float | None = 120) -> Completed:
+    async def run(self, argv: list[str], timeout: float | None = 120, input: bytes | None = None) -> Completed:
         import asyncssh
         conn = await self._ensure()
         try:
-            r = await asyncio.wait_for(conn.run(shlex.join(argv), check=False), timeout)
+            r = await asyncio.wait_for(conn.run(shlex.join(argv), check=False, input=input, encoding=None),
+                                       timeout)
         except asyncio.TimeoutError:
             raise HostError(f"{self.where}: {argv[0]} timed out after {timeout:.0f}s") from None
         except (asyncssh.Error, OSError) as e:
             self.conn = None
             raise HostError(f"{self.where}: connection lost: {getattr(e, 'reason', e)}") from None
         rc = r.exit_status if r.exit_status is not None else 255
-        return Completed(rc, r.stdout or "", r.stderr or "")
+        return Completed(rc, (r.stdout or b"").decode("utf-8", "replace"),
+                         (r.stderr or b"").decode("utf-8", "replace"))
 
     async def stream(self, argv: list[str]) -> Stream:
         import asyncssh
         conn = await self._ensure()
         try:
-            proc = await conn.create_process(shlex.join(argv), stderr=asyncssh.DEVNULL)
+            proc = await conn.create_process(shlex.join(argv), stderr=asyncssh.STDOUT, encoding=None)
         except (asyncssh.Error, OSError) as e:
             self.conn = None
             raise HostError(f"{self.where}: connection lost: {getattr(e, 'reason', e)}") from None
         return SSHStream(proc)
-
-    async def put_dir(self, local: str, remote: str) -> None:
-        import asyncssh
-        conn = await self._ensure()
-        tmp = f"{remote}.tmp-{os.getpid()}"
-        try:
-            async with conn.start_sftp_client() as sftp:
-                parent = os.path.dirname(remote)
-                if parent:
-                    await sftp.makedirs(parent, exist_ok=True)
-                if await sftp.exists(tmp):
-                    await sftp.rmtree(tmp)
-                await sftp.put(local, tmp, recurse=True)
-                try:
-                    await sftp.rename(tmp, remote)
-                except asyncssh.SFTPError:       # already there (a concurrent deploy): same content
-                    await sftp.rmtree(tmp)
-        except (asyncssh.Error, OSError) as e:
-            raise HostError(f"{self.where}: upload to {remote} failed: {getattr(e, 'reason', e)}") from None
 
     async def close(self) -> None:
         if self.conn is not None:

@@ -43,9 +43,11 @@ class SshdError(Exception):
     pass
 
 
-def start_sshd(d: str, address: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> tuple[Sshd, subprocess.Popen]:
+def start_sshd(d: str, address: str = "127.0.0.1", prefix: tuple[str, ...] = (),
+               sftp: bool = True) -> tuple[Sshd, subprocess.Popen]:
     """Start sshd -D in folder `d` (keys, config, known_hosts all made there), listening on
-    `address`; `prefix` runs it through another command (e.g. `ip netns exec NS`)."""
+    `address`; `prefix` runs it through another command (e.g. `ip netns exec NS`); `sftp=False`
+    leaves out the SFTP subsystem, as some locked-down hosts do."""
     os.makedirs(d, exist_ok=True)
     if not os.path.exists(SSHD):
         raise SshdError("sshd not installed: scripts/test.sh installs openssh-server")
@@ -69,7 +71,7 @@ StrictModes no
 UsePAM no
 MaxStartups 100
 MaxSessions 100
-Subsystem sftp internal-sftp
+{'Subsystem sftp internal-sftp' if sftp else ''}
 LogLevel ERROR
 """)
     os.makedirs("/run/sshd", exist_ok=True)

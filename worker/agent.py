@@ -1,10 +1,12 @@
-"""`python -m worker.agent`: the supervisor's eyes on one host, streamed as JSON lines on stdout.
+"""`python -m worker.agent`: the supervisor's eyes on one host, streamed as typed messages.
 
 It replays each shard's events.jsonl from the start (so a supervisor that reconnects rebuilds its
-state from the host's own record), then follows them; reports each shard's liveness (its lock) so
-an exit is noticed within one poll; reads GPU telemetry and free disk. For custom jobs it turns log
-lines and output-file counts into the same events the built-in worker writes. It exits when its
-stdin closes or its stdout breaks, that is, with the SSH channel; the workers do not.
+state from the host's own record), then follows it; reports each shard's liveness (its lock) so an
+exit is noticed within one poll; reads GPU telemetry and free disk. It derives nothing from logs:
+the runner records a [job]'s sentinels itself. The one thing it writes is the end of a launch whose
+runner died without recording it (`exited`, `vanished`), under the shard's lock so no launch can
+race it. It exits when its stdin closes or its stdout breaks, that is, with the SSH channel; the
+workers do not. An error it cannot go on from is sent as an `error` message before it exits.
 
 Standard library only (pynvml when present). It reads only the run's own folders.
 """
@@ -12,146 +14,120 @@ Standard library only (pynvml when present). It reads only the run's own folders
 from __future__ import annotations
 
 import argparse
-import glob
-import json
+import fcntl
 import os
-import re
 import socket
 import sys
 import threading
 import time
+import traceback
 
 from . import protocol
 from .gpu import GpuReader
 from .hostctl import is_running, read_pid
+from .probe import disk_space
 
-REPLAY_PROGRESS_KEPT = 60         # progress events per shard sent on replay (enough for rates)
+REPLAY_RECENT_S = 120.0           # progress events kept in full on replay (rates need 30 s)
+REPLAY_BUCKET_S = 60.0            # older progress: one per minute (the throughput chart)
 
 
-class Sentinels:
-    """A custom job's log regexes and output glob, turned into synthetic events."""
+class ShardFollower:
+    """One shard's record: the byte offset read so far, and whether its newest launch has ended."""
 
-    def __init__(self, spec: dict, shard: int):
-        self.done = re.compile(spec["done"]) if spec.get("done") else None
-        self.fail = re.compile(spec["fail"]) if spec.get("fail") else None
-        self.progress = re.compile(spec["progress"]) if spec.get("progress") else None
-        self.glob = spec["progress_glob"].replace("{shard}", str(shard)) if spec.get("progress_glob") else None
-        self.total = spec.get("total")
+    def __init__(self, shard_dir: str):
+        self.dir = shard_dir
+        self.events_path = os.path.join(shard_dir, protocol.EVENTS_FILE)
         self.offset = 0
-        self.last_count = -1
+        self.launch = 0
+        self.ended = True
+        self.alive: bool | None = None
 
-    def scan_log(self, path: str) -> list[dict]:
-        events = []
+    def read(self) -> list[dict]:
+        records, self.offset = protocol.read_jsonl_from(self.events_path, self.offset)
+        for raw in records:
+            ev = protocol.parse_event(raw)
+            if isinstance(ev, protocol.Launch):
+                self.launch, self.ended = ev.launch, False
+            elif isinstance(ev, protocol.Exited) and ev.launch in (None, self.launch):
+                self.ended = True
+        return records
+
+    def end_vanished(self) -> list[dict]:
+        """The lock is free but the newest launch has no end: its runner died with it. Append the
+        end under an exclusive lock (no launch can start meanwhile) and return what was read."""
         try:
-            with open(path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return events
-        end = data.rfind(b"\n")
-        if end < 0:
-            return events
-        self.offset += end + 1
-        for raw in data[: end + 1].decode("utf-8", "replace").splitlines():
-            if self.fail and self.fail.search(raw):
-                events.append(protocol.make_event(protocol.SENTINEL, kind="fail", line=raw[-300:]))
-            elif self.done and self.done.search(raw):
-                events.append(protocol.make_event(protocol.SENTINEL, kind="done", line=raw[-300:]))
-            elif self.progress and (m := self.progress.search(raw)):
-                g = m.groupdict()
-                done = int(g.get("done") or 0)
-                total = int(g["total"]) if g.get("total") else self.total
-                events.append(protocol.make_event(protocol.PROGRESS, done=done, total=total or 0,
-                                                  tokens=0, bytes=0, skipped=0))
-        return events
-
-    def scan_glob(self) -> list[dict]:
-        if not self.glob:
+            fd = os.open(os.path.join(self.dir, protocol.LOCK_FILE), os.O_RDWR)
+        except OSError:
             return []
-        count = len(glob.glob(self.glob))
-        if count == self.last_count:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:              # a launch holds it now: nothing vanished
+            os.close(fd)
             return []
-        self.last_count = count
-        return [protocol.make_event(protocol.PROGRESS, done=count, total=self.total or 0,
-                                    tokens=0, bytes=0, skipped=0)]
+        try:
+            events = self.read()
+            if not self.ended:
+                protocol.append_jsonl(self.events_path, protocol.Exited(launch=self.launch, vanished=True))
+                events += self.read()
+            return events
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
 class Agent:
-    def __init__(self, run_dir: str, shards: list[int], output: str | None, sentinels: dict | None,
-                 out=sys.stdout):
+    def __init__(self, run_dir: str, shards: list[int], output: str | None, out=sys.stdout):
         self.run_dir = run_dir
-        self.shards = shards
         self.output = output
         self.out = out
-        self.offsets = {k: 0 for k in shards}
-        self.alive: dict[int, bool | None] = {k: None for k in shards}
-        self.sentinels = {k: Sentinels(sentinels, k) for k in shards} if sentinels else {}
+        self.shards = {k: ShardFollower(protocol.shard_dir(run_dir, k)) for k in shards}
         self.gpus = GpuReader()
 
-    def send(self, message: dict) -> None:
-        self.out.write(protocol.encode(message) + "\n")
+    def send(self, message: protocol.Message) -> None:
+        self.out.write(message.to_json() + "\n")
 
     def flush(self) -> None:
         self.out.flush()
 
-    def poll_events(self, replay: bool = False) -> None:
-        for k in self.shards:
-            d = protocol.shard_dir(self.run_dir, k)
-            events, self.offsets[k] = protocol.read_jsonl_from(
-                os.path.join(d, protocol.EVENTS_FILE), self.offsets[k])
-            if k in self.sentinels:
-                events += self.sentinels[k].scan_log(os.path.join(d, protocol.LOG_FILE))
-                events += self.sentinels[k].scan_glob()
+    def poll_shards(self, replay: bool = False, force_liveness: bool = False) -> None:
+        """Liveness first, then the record: the runner writes `exited` before the lock goes, so a
+        shard seen dead here has its end in what is read next (or the agent records it)."""
+        for k, f in self.shards.items():
+            alive = is_running(f.dir)
+            events = f.read()
+            if not alive and not f.ended and f.launch:
+                events += f.end_vanished()
             if replay:
-                events = _thin_progress(events)
-            for ev in events:
-                self.send({"type": "event", "shard": k, "event": ev})
-
-    def poll_alive(self, force: bool = False) -> None:
-        for k in self.shards:
-            d = protocol.shard_dir(self.run_dir, k)
-            alive = is_running(d)
-            if force or alive != self.alive[k]:
-                self.alive[k] = alive
-                self.send({"type": "shard", "shard": k, "alive": alive,
-                           "pid": read_pid(d) if alive else None, "t": round(time.time(), 3)})
+                events = thin_progress(events)
+            for raw in events:
+                self.send(protocol.EventMessage(shard=k, event=raw))
+            if force_liveness or alive != f.alive:
+                f.alive = alive
+                self.send(protocol.Liveness(shard=k, alive=alive, pid=read_pid(f.dir) if alive else None))
 
     def poll_gpu(self) -> None:
-        self.send({"type": "gpu", "t": round(time.time(), 3), "source": self.gpus.source,
-                   "gpus": self.gpus.read(), "error": self.gpus.error})
+        self.send(protocol.GpuReading(source=self.gpus.source, gpus=self.gpus.read(), error=self.gpus.error))
 
     def poll_disk(self) -> None:
         if not self.output:
             return
-        path = self.output
-        while path and not os.path.exists(path):
-            path = os.path.dirname(path.rstrip("/")) or "/"
-            if path == "/":
-                break
         try:
-            st = os.statvfs(path or ".")
-            self.send({"type": "disk", "t": round(time.time(), 3), "path": self.output,
-                       "free": st.f_bavail * st.f_frsize, "total": st.f_blocks * st.f_frsize})
+            d = disk_space(self.output)
+            self.send(protocol.DiskReading(path=self.output, free=d.free, total=d.total))
         except OSError as e:
-            self.send({"type": "disk", "t": round(time.time(), 3), "path": self.output,
-                       "error": e.strerror})
-
-    def hello(self) -> None:
-        self.send({"type": "hello", "protocol": protocol.PROTOCOL_VERSION, "host": socket.gethostname(),
-                   "pid": os.getpid(), "t": round(time.time(), 3)})
+            self.send(protocol.DiskReading(path=self.output, error=e.strerror))
 
     def replay(self) -> None:
-        """hello, every shard's record so far, liveness, GPUs, disk, then `replayed`."""
-        self.hello()
-        self.poll_events(replay=True)
-        self.poll_alive(force=True)
+        """hello, every shard's record so far with its liveness, GPUs, disk, then `replayed`."""
+        self.send(protocol.Hello(host=socket.gethostname(), pid=os.getpid()))
+        self.poll_shards(replay=True, force_liveness=True)
         self.poll_gpu()
         self.poll_disk()
-        self.send({"type": "replayed", "t": round(time.time(), 3)})
+        self.send(protocol.Replayed())
 
     def once(self) -> None:
         self.replay()
-        self.send({"type": "end"})
+        self.send(protocol.End())
         self.flush()
 
     def follow(self, interval: float, gpu_interval: float, stop: threading.Event) -> None:
@@ -159,9 +135,7 @@ class Agent:
         self.flush()
         last_gpu = last_disk = last_beat = time.monotonic()
         while not stop.wait(interval):
-            # Events before liveness: a dead process's `exited` event is sent before it is "dead".
-            self.poll_events()
-            self.poll_alive()
+            self.poll_shards()
             now = time.monotonic()
             if now - last_gpu >= gpu_interval:
                 self.poll_gpu()
@@ -170,7 +144,7 @@ class Agent:
                 self.poll_disk()
                 last_disk = now
             if now - last_beat >= 1.0:
-                self.send({"type": "beat", "t": round(time.time(), 3)})
+                self.send(protocol.Beat())
                 last_beat = now
             self.flush()
 
@@ -183,11 +157,25 @@ def discover_shards(run_dir: str) -> list[int]:
     return sorted(int(n) for n in os.listdir(folder) if n.isdigit())
 
 
-def _thin_progress(events: list[dict]) -> list[dict]:
-    """Keep every event but the older progress ones (a long run has thousands)."""
-    progress_idx = [i for i, e in enumerate(events) if e.get("event") == protocol.PROGRESS]
-    drop = set(progress_idx[:-REPLAY_PROGRESS_KEPT])
-    return [e for i, e in enumerate(events) if i not in drop]
+def thin_progress(events: list[dict]) -> list[dict]:
+    """On replay, keep every event but older progress: all of the last REPLAY_RECENT_S (rates are
+    computed from them exactly as live), one a minute before that (the chart), and the newest."""
+    times = [float(e.get("t", 0)) for e in events if e.get("event") == protocol.Progress.KIND]
+    if not times:
+        return events
+    newest = max(times)
+    out, buckets, last_i = [], set(), max(i for i, e in enumerate(events)
+                                          if e.get("event") == protocol.Progress.KIND)
+    for i, e in enumerate(events):
+        if e.get("event") == protocol.Progress.KIND and i != last_i:
+            t = float(e.get("t", 0))
+            if t < newest - REPLAY_RECENT_S:
+                bucket = int(t // REPLAY_BUCKET_S)
+                if bucket in buckets:
+                    continue
+                buckets.add(bucket)
+        out.append(e)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", default=None)
     ap.add_argument("--interval", type=float, default=0.25)
     ap.add_argument("--gpu-interval", type=float, default=1.0)
-    ap.add_argument("--sentinels", default=None, help="JSON: done, fail, progress, progress_glob, total")
     ap.add_argument("--once", action="store_true")
     args = ap.parse_args(argv)
-    shards = discover_shards(args.run_dir) if args.shards == "auto" else \
-        [int(x) for x in args.shards.split(",") if x]
-    agent = Agent(args.run_dir, shards, args.output, json.loads(args.sentinels) if args.sentinels else None)
+    agent = None
     try:
+        shards = discover_shards(args.run_dir) if args.shards == "auto" else \
+            [int(x) for x in args.shards.split(",") if x]
+        agent = Agent(args.run_dir, shards, args.output)
         if args.once:
             agent.once()
             return 0
@@ -221,6 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         agent.follow(args.interval, args.gpu_interval, stop)
     except (BrokenPipeError, KeyboardInterrupt):
         pass
+    except Exception as e:                  # say why, on the channel the supervisor reads
+        traceback.print_exc(file=sys.stderr)
+        try:
+            sys.stdout.write(protocol.AgentError(message=f"{type(e).__name__}: {e}").to_json() + "\n")
+            sys.stdout.flush()
+        except OSError:
+            pass
+        return 1
     finally:
         try:
             sys.stdout.close()

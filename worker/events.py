@@ -1,4 +1,5 @@
-"""The worker's event log: JSON lines for fleet, one human-readable line on stdout for people."""
+"""The worker's event log: typed records appended to events.jsonl for fleet, one human-readable
+line on stdout for people."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 from . import protocol
 
 # Events whose loss would change a shard's state are fsync'd; progress lines are not.
-_SYNCED = {protocol.STARTED, protocol.LOADED, protocol.DONE, protocol.FAILED, protocol.SAMPLE_SKIPPED}
+_SYNCED = (protocol.Started, protocol.Loaded, protocol.Done, protocol.Failed, protocol.SampleSkipped)
 
 
 class EventLog:
@@ -18,14 +19,19 @@ class EventLog:
         if state_dir:
             os.makedirs(state_dir, exist_ok=True)
         self.shard = shard
+        launch = os.environ.get(protocol.LAUNCH_ENV, "")
+        self.launch = int(launch) if launch.isdigit() else None
         self._lock = threading.Lock()
 
-    def emit(self, kind: str, **fields) -> dict:
-        event = protocol.make_event(kind, **fields)
+    def emit(self, event: protocol.Record) -> protocol.Record:
+        """Stamp the event with this process's launch and append it (a single write)."""
+        if getattr(event, "launch", None) is None and self.launch is not None:
+            event.launch = self.launch
         with self._lock:
             if self.path:
-                protocol.append_jsonl(self.path, event, sync=kind in _SYNCED)
-            print(f"[shard {self.shard}] {kind} " + " ".join(f"{k}={v}" for k, v in fields.items()
-                                                              if k != "traceback"),
+                protocol.append_jsonl(self.path, event, sync=isinstance(event, _SYNCED))
+            fields = {k: v for k, v in event.to_dict().items()
+                      if k not in ("event", "t", "launch", "traceback")}
+            print(f"[shard {self.shard}] {event.KIND} " + " ".join(f"{k}={v}" for k, v in fields.items()),
                   file=sys.stdout, flush=True)
         return event

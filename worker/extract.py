@@ -196,14 +196,14 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
     writer = BackgroundWriter(
         out_dir, Manifest(manifest_path(out_dir, shard)), file_metadata(plan), stats,
         depth=options.writer_queue, file_threads=options.writer_threads, device=device,
-        on_skip=lambda index, reason: log.emit(protocol.SAMPLE_SKIPPED, index=index, reason=reason),
+        on_skip=lambda index, reason: log.emit(protocol.SampleSkipped(index=index, reason=reason)),
         reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0)
     extractor = Extractor(model, plan, device, writer, options.pad_multiple)
     stop_ticker = threading.Event()
 
     def tick() -> None:
         while not stop_ticker.wait(progress_interval):
-            log.emit(protocol.PROGRESS, total=total, **stats.snapshot(), **gpu_memory(device))
+            log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(device)))
 
     ticker = threading.Thread(target=tick, name="progress", daemon=True)
     ticker.start()
@@ -218,7 +218,7 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
     finally:
         stop_ticker.set()
         extractor.capture.remove()
-    log.emit(protocol.PROGRESS, total=total, **stats.snapshot(), **gpu_memory(device))
+    log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(device)))
     return stats
 
 
@@ -254,20 +254,20 @@ def main(argv: list[str] | None = None) -> int:
         dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
         dataset = open_dataset(args.data)
         start, stop = shard_range(dataset.num_rows, args.num_shards, args.shard_index)
-        log.emit(protocol.STARTED, pid=os.getpid(), host=socket.gethostname(), device=str(device),
-                 shard=args.shard_index, num_shards=args.num_shards, start=start, stop=stop,
-                 total=stop - start)
+        log.emit(protocol.Started(pid=os.getpid(), host=socket.gethostname(), device=str(device),
+                                  shard=args.shard_index, num_shards=args.num_shards, start=start,
+                                  stop=stop, total=stop - start))
         finished = load_finished(args.out)
-        log.emit(protocol.LOADING, model=args.model)
+        log.emit(protocol.Loading(model=args.model))
         t0 = time.perf_counter()
         model = load_model(args.model, str(device), dtype, args.random_weights)
         vocab_size = model.get_input_embeddings().num_embeddings
         config = text_config(model)
         plan = resolve_layers(args.layers, config.num_hidden_layers, args.last_layer_norm)
-        log.emit(protocol.LOADED, seconds=round(time.perf_counter() - t0, 2), **gpu_memory(device),
-                 layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm)
+        log.emit(protocol.Loaded(seconds=round(time.perf_counter() - t0, 2), **gpu_memory(device),
+                                 layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm))
         if warning := missing_fast_kernels(model):
-            log.emit(protocol.WARNING, message=warning)
+            log.emit(protocol.WarningEvent(message=warning))
         os.makedirs(args.out, exist_ok=True)
         write_meta(args.out, {
             "model": os.path.abspath(args.model), "model_type": config.model_type,
@@ -302,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         items = iter_shard(dataset, start, stop, set(finished), vocab_size, tokenizer, options)
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                stats, args.progress_interval, stop - start)
-        log.emit(protocol.DONE, **stats.snapshot(), total=stop - start,
-                 host_peak_bytes=host_peak_bytes(), **gpu_memory(device))
+        log.emit(protocol.Done(**stats.snapshot(), total=stop - start,
+                               host_peak_bytes=host_peak_bytes(), **gpu_memory(device)))
         return 0
     except (DataError, ModelError) as e:
         return fail(log, str(e), EXIT_USAGE)
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def fail(log: EventLog, reason: str, code: int, tb: str = "") -> int:
     tail = tb.strip().splitlines()[-12:] if tb else []
-    log.emit(protocol.FAILED, reason=reason, exit_code=code, traceback=tail)
+    log.emit(protocol.Failed(reason=reason, exit_code=code, traceback=tail))
     print(f"error: shard {log.shard}: {reason}", file=sys.stderr, flush=True)
     return code
 

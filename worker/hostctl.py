@@ -1,13 +1,19 @@
 """Starting and stopping shard processes on a host, so they outlive the SSH connection.
 
-    python -m worker.hostctl launch --shard-dir D --attempt N --by auto [--env K=V] [--cwd DIR] -- ARGV...
-    python -m worker.hostctl stop --shard-dir D [--timeout 10]
+    python -m worker.hostctl launch --shard-dir D --by auto|manual [--gpu G] [--env K=V] [--cwd DIR]
+                                    [--sentinels JSON] -- ARGV...
+    python -m worker.hostctl stop --shard-dir D [--timeout 10] [--why user|restart]
+    python -m worker.hostctl stop-all --run-dir R [--timeout 10]
 
-`launch` takes an exclusive flock on D/lock and hands it to a detached runner (new session, all
-streams redirected), which hands it on to the shard process: the lock is held while either lives,
-so a second launch of a live shard is refused ("never twice"). The runner waits for the process
-and appends an `exited` event with its exit code the moment it ends. Everything arrives as an argv:
-no shell ever sees a value from fleet.toml. Standard library only.
+`launch` takes an exclusive flock on D/lock, appends the `launch` event (numbered: 1, 2, ...) and
+hands the lock to a detached runner (new session, all streams redirected), which hands it on to the
+shard process: the lock is held while either lives, so a second launch of a live shard is refused
+("never twice"). The runner starts the process in a process group of its own, reads a [job]'s log
+for its sentinels as lines appear, and appends `exited` with the exit code the moment the process
+ends, before the lock goes. `stop` appends `stop` first and then signals only the process's group,
+so the runner survives to record the exit; even if it does not, the record says the stop was
+asked for. Everything arrives as an argv: no shell ever sees a value from fleet.toml. Standard
+library only.
 """
 
 from __future__ import annotations
@@ -22,21 +28,25 @@ import sys
 import time
 
 from . import protocol
+from .sentinels import LogWatcher, SentinelSpec, log_size
+
+RUNNER_PID_FILE = "runner.pid"
+POLL_S = 0.25
 
 
 def _paths(shard_dir: str) -> dict[str, str]:
     return {name: os.path.join(shard_dir, f) for name, f in
             (("lock", protocol.LOCK_FILE), ("pid", protocol.PID_FILE), ("log", protocol.LOG_FILE),
-             ("events", protocol.EVENTS_FILE))}
+             ("events", protocol.EVENTS_FILE), ("runner", RUNNER_PID_FILE))}
 
 
-def _try_lock(fd: int, kind: int, tries: int = 10) -> bool:
+def try_lock(fd: int, kind: int, tries: int = 10) -> bool:
     for _ in range(tries):
         try:
             fcntl.flock(fd, kind | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
-            time.sleep(0.05)            # an agent may hold a shared lock for an instant
+            time.sleep(0.05)            # an agent may hold the lock for an instant
     return False
 
 
@@ -56,99 +66,155 @@ def is_running(shard_dir: str) -> bool:
         os.close(fd)
 
 
-def read_pid(shard_dir: str) -> int | None:
+def _read_int(path: str) -> int | None:
     try:
-        return int(open(_paths(shard_dir)["pid"]).read().split()[0])
+        with open(path) as f:
+            return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
 
 
-def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None,
-           attempt: int, by: str, gpu: int | None = None) -> dict:
+def read_pid(shard_dir: str) -> int | None:
+    return _read_int(_paths(shard_dir)["pid"])
+
+
+def _write_int(path: str, value: int) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{value}\n")
+    os.replace(path + ".tmp", path)
+
+
+def last_launch(events_path: str) -> int:
+    """The number of the newest launch in a shard's record (0: never launched)."""
+    n = 0
+    for ev in protocol.read_events(events_path):
+        if isinstance(ev, protocol.Launch):
+            n = max(n, ev.launch)
+    return n
+
+
+def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None, by: str,
+           gpu: int | None = None, sentinels: dict | None = None) -> dict:
     os.makedirs(shard_dir, mode=0o755, exist_ok=True)
     p = _paths(shard_dir)
     fd = os.open(p["lock"], os.O_RDWR | os.O_CREAT, 0o644)
-    if not _try_lock(fd, fcntl.LOCK_EX):
+    if not try_lock(fd, fcntl.LOCK_EX):
         os.close(fd)
         return {"status": "running", "pid": read_pid(shard_dir)}
-    protocol.append_jsonl(p["events"], protocol.make_event(protocol.LAUNCH, attempt=attempt, by=by,
-                                                           gpu=gpu, argv=argv))
+    n = last_launch(p["events"]) + 1
+    offset = log_size(p["log"])
+    protocol.append_jsonl(p["events"], protocol.Launch(launch=n, by=by, gpu=gpu, argv=argv))
     log = os.open(p["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     runner = subprocess.Popen(
         [sys.executable, "-m", "worker.hostctl", "run", "--shard-dir", shard_dir,
-         "--lock-fd", str(fd), *(["--cwd", cwd] if cwd else []), "--", *argv],
+         "--lock-fd", str(fd), "--launch", str(n), "--log-offset", str(offset),
+         *(["--cwd", cwd] if cwd else []),
+         *(["--sentinels", json.dumps(sentinels)] if sentinels else []), "--", *argv],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,),
-        start_new_session=True, env={**os.environ, **env})
+        start_new_session=True, env={**os.environ, **env, protocol.LAUNCH_ENV: str(n)})
+    _write_int(p["runner"], runner.pid)
     os.close(log)
     os.close(fd)
-    return {"status": "started", "runner_pid": runner.pid}
+    return {"status": "started", "launch": n, "runner_pid": runner.pid}
 
 
-def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None) -> int:
-    """The detached runner: start the process, record its pid, wait, record how it ended."""
+def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n: int,
+        log_offset: int, sentinels: dict | None) -> int:
+    """The detached runner: start the process, record its pid, follow its log for sentinels,
+    record how it ended."""
     p = _paths(shard_dir)
-    stopping = []
+    stopping: list[int] = []
+    child: subprocess.Popen | None = None
 
     def forward(signum, frame):
         stopping.append(signum)
         if child is not None:
             try:
-                child.send_signal(signal.SIGTERM)
+                os.killpg(child.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-    child = None
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, forward)
+
+    def append(ev: protocol.Record) -> None:
+        protocol.append_jsonl(p["events"], ev)
+
     log = os.open(p["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                 pass_fds=(lock_fd,), cwd=cwd)
+                                 pass_fds=(lock_fd,), cwd=cwd, start_new_session=True)
     except OSError as e:
-        protocol.append_jsonl(p["events"], protocol.make_event(
-            protocol.FAILED, reason=f"cannot start {argv[0]}: {e.strerror}", exit_code=127))
-        protocol.append_jsonl(p["events"], protocol.make_event(protocol.EXITED, code=127, stopped=False))
+        append(protocol.Failed(launch=launch_n, reason=f"cannot start {argv[0]}: {e.strerror}",
+                               exit_code=127))
+        append(protocol.Exited(launch=launch_n, code=127))
         return 127
     finally:
         os.close(log)
-    with open(p["pid"] + ".tmp", "w") as f:
-        f.write(f"{child.pid}\n")
-    os.replace(p["pid"] + ".tmp", p["pid"])
-    while True:
+    _write_int(p["pid"], child.pid)
+    append(protocol.Started(launch=launch_n, pid=child.pid))
+    watcher = LogWatcher(SentinelSpec.from_dict(sentinels), p["log"], log_offset, launch_n,
+                         _shard_number(shard_dir)) if sentinels else None
+    code = None
+    while code is None:
         try:
-            code = child.wait()
-            break
+            code = child.wait(timeout=POLL_S if watcher else None)
+        except subprocess.TimeoutExpired:
+            pass
         except InterruptedError:
             continue
-    protocol.append_jsonl(p["events"], protocol.make_event(
-        protocol.EXITED, code=code, pid=child.pid, stopped=bool(stopping)))
-    try:
-        os.unlink(p["pid"])
-    except OSError:
-        pass
+        if watcher:
+            for ev in watcher.poll(final=code is not None):
+                append(ev)
+    append(protocol.Exited(launch=launch_n, code=code, pid=child.pid, stopped=bool(stopping)))
+    for path in (p["pid"], p["runner"]):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     return 0
 
 
-def stop(shard_dir: str, timeout: float) -> dict:
-    """SIGTERM the shard's process group, SIGKILL it after `timeout` s; returns once unlocked."""
-    pid = read_pid(shard_dir)
-    if not is_running(shard_dir) or pid is None:
-        return {"status": "not running"}
+def _shard_number(shard_dir: str) -> int:
+    name = os.path.basename(os.path.normpath(shard_dir))
+    return int(name) if name.isdigit() else 0
+
+
+def _signal_group(pid: int | None, sig: int) -> bool:
+    if pid is None:
+        return False
     try:
-        pgid = os.getpgid(pid)
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return {"status": "not running"}
-    deadline = time.time() + timeout
+        os.killpg(os.getpgid(pid), sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _wait_unlocked(shard_dir: str, seconds: float) -> bool:
+    deadline = time.time() + seconds
     while time.time() < deadline:
         if not is_running(shard_dir):
-            return {"status": "stopped", "pid": pid}
+            return True
         time.sleep(0.1)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    while is_running(shard_dir) and time.time() < deadline + 5:
-        time.sleep(0.1)
+    return not is_running(shard_dir)
+
+
+def stop(shard_dir: str, timeout: float, why: str = "user", reason: str | None = None) -> dict:
+    """Record the stop, SIGTERM the process's group, SIGKILL it after `timeout` s (and the runner
+    too if it still holds the lock); returns once the lock is free."""
+    if not is_running(shard_dir):
+        return {"status": "not running"}
+    p = _paths(shard_dir)
+    protocol.append_jsonl(p["events"], protocol.StopRequested(launch=last_launch(p["events"]) or None,
+                                                              why=why, reason=reason))
+    pid, runner = read_pid(shard_dir), _read_int(p["runner"])
+    if not _signal_group(pid, signal.SIGTERM):
+        _signal_group(runner, signal.SIGTERM)      # not started yet: the runner forwards it
+    if _wait_unlocked(shard_dir, timeout):
+        return {"status": "stopped", "pid": pid}
+    _signal_group(read_pid(shard_dir), signal.SIGKILL)
+    if not _wait_unlocked(shard_dir, 5):
+        _signal_group(runner, signal.SIGKILL)      # the runner is stuck: the agent records the end
+        _wait_unlocked(shard_dir, 5)
     return {"status": "killed", "pid": pid}
 
 
@@ -163,39 +229,46 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     la = sub.add_parser("launch")
     la.add_argument("--shard-dir", required=True)
-    la.add_argument("--attempt", type=int, default=0)
-    la.add_argument("--by", default="manual")
+    la.add_argument("--by", choices=("manual", "auto"), default="manual")
     la.add_argument("--env", action="append", default=[])
     la.add_argument("--cwd", default=None)
     la.add_argument("--gpu", type=int, default=None)
+    la.add_argument("--sentinels", default=None, help="JSON: done, fail, progress, progress_glob, total")
     la.add_argument("argv", nargs=argparse.REMAINDER)
     ru = sub.add_parser("run")
     ru.add_argument("--shard-dir", required=True)
     ru.add_argument("--lock-fd", type=int, required=True)
+    ru.add_argument("--launch", type=int, required=True)
+    ru.add_argument("--log-offset", type=int, default=0)
     ru.add_argument("--cwd", default=None)
+    ru.add_argument("--sentinels", default=None)
     ru.add_argument("argv", nargs=argparse.REMAINDER)
     st = sub.add_parser("stop")
     st.add_argument("--shard-dir", required=True)
     st.add_argument("--timeout", type=float, default=10.0)
+    st.add_argument("--why", choices=("user", "restart"), default="user")
+    st.add_argument("--reason", default=None, help="for a restart: the failure it restarts from")
     sa = sub.add_parser("stop-all")
     sa.add_argument("--run-dir", required=True)
     sa.add_argument("--timeout", type=float, default=10.0)
     args = ap.parse_args(argv)
     os.umask(os.umask(0o022) | 0o022)          # state files never world- or group-writable
-    command = [a for a in getattr(args, "argv", [])]
+    command = list(getattr(args, "argv", []))
     if command and command[0] == "--":
         command = command[1:]
+    sentinels = json.loads(args.sentinels) if getattr(args, "sentinels", None) else None
     if args.cmd == "launch":
         if not command:
             ap.error("launch needs a command after --")
         env = dict(kv.split("=", 1) for kv in args.env)
-        result = launch(args.shard_dir, command, env, args.cwd, args.attempt, args.by, args.gpu)
+        result = launch(args.shard_dir, command, env, args.cwd, args.by, args.gpu, sentinels)
     elif args.cmd == "run":
-        return run(args.shard_dir, args.lock_fd, command, args.cwd)
+        return run(args.shard_dir, args.lock_fd, command, args.cwd, args.launch, args.log_offset,
+                   sentinels)
     elif args.cmd == "stop-all":
         result = stop_all(args.run_dir, args.timeout)
     else:
-        result = stop(args.shard_dir, args.timeout)
+        result = stop(args.shard_dir, args.timeout, args.why, args.reason)
     print(json.dumps(result), flush=True)
     return 0
 

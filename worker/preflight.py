@@ -15,6 +15,7 @@ import os
 import sys
 
 from .gpu import GpuReader
+from .probe import disk_space
 
 MIN_PYTHON = (3, 9)
 
@@ -72,14 +73,6 @@ def existing_output_bytes(output: str) -> int:
     return total
 
 
-def free_bytes(path: str) -> tuple[int, str]:
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    st = os.statvfs(probe)
-    return st.f_bavail * st.f_frsize, probe
-
-
 def run(args: argparse.Namespace) -> dict:
     checks: list[dict] = []
 
@@ -129,10 +122,10 @@ def run(args: argparse.Namespace) -> dict:
         if model_shape(args.model) is None:
             check("error", f"{args.model}/config.json is missing or has no hidden_size/num_hidden_layers")
     if args.output:
-        free, probe = free_bytes(args.output)
-        report["free_bytes"] = free
-        if not os.access(probe, os.W_OK):
-            check("error", f"output {args.output}: {probe} is not writable")
+        space = disk_space(args.output)
+        free = report["free_bytes"] = space.free
+        if not os.access(space.probe, os.W_OK):
+            check("error", f"output {args.output}: {space.probe} is not writable")
         shape = model_shape(args.model) if args.model else None
         tokens = estimate_tokens(args.data) if args.data else None
         if shape and tokens is not None and args.builtin:

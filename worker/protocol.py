@@ -1,41 +1,35 @@
-"""The wire format between workers, the host agent and the supervisor.
+"""The wire format between workers, runners, the host agent and the supervisor: typed records.
 
 Standard library only: this file travels to every GPU host and is imported by `fleet` too, so the
 two sides can never disagree on a record. Every record is one JSON object on one line.
 
-Events (appended by a worker or its runner to ``<shard dir>/events.jsonl``)::
+**Events** are what a shard's state is built from. They are appended to the shard's
+``<shard dir>/events.jsonl`` at the moment they are observed, stamped with the host's clock, and
+never rewritten. Each carries ``launch``, the number of the launch it belongs to (1, 2, ...).
+Who writes what::
 
-    {"event": "<kind>", "t": <unix seconds>, ...fields}
+    hostctl launch   Launch         the lock is taken; the process is about to start
+    the worker       Started Loading Loaded Progress SampleSkipped WarningEvent Done Failed
+    the runner       Sentinel, Progress   a [job]'s log lines / output files, as they appear
+                     Exited         the process ended (code, or stopped on purpose)
+    hostctl stop     StopRequested  written before the first signal is sent
+    the agent        Exited(vanished=True)   the lock is free and the launch has no end record
+                                    (the runner itself was killed); written under the lock
 
-Agent messages (the agent's stdout, one per line)::
-
-    {"type": "hello" | "gpu" | "disk" | "shard" | "event" | "beat" | "error", ...}
+**Agent messages** are the agent's stdout, one per line, tagged by ``type``: Hello (first, with
+PROTOCOL_VERSION), EventMessage, Liveness, GpuReading, DiskReading, Beat, Replayed, End, AgentError.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator, Optional
 
-PROTOCOL_VERSION = 1
-
-# --- event kinds -------------------------------------------------------------------------------
-LAUNCH = "launch"            # written by hostctl before the process starts: attempt, by (auto|manual)
-STARTED = "started"          # pid, host, device, index range
-LOADING = "loading"          # model path
-LOADED = "loaded"            # seconds, gpu memory
-PROGRESS = "progress"        # done, total, tokens, bytes, writer_wait_s
-SAMPLE_SKIPPED = "sample_skipped"  # index, reason
-WARNING = "warning"          # message
-DONE = "done"                # totals
-FAILED = "failed"            # reason, traceback tail
-EXITED = "exited"            # written by the runner: code (negative = signal), stopped
-SENTINEL = "sentinel"        # synthesised by the agent for custom jobs: which regex matched, line
-
-EVENT_KINDS = (LAUNCH, STARTED, LOADING, LOADED, PROGRESS, SAMPLE_SKIPPED, WARNING, DONE, FAILED,
-               EXITED, SENTINEL)
+PROTOCOL_VERSION = 2
 
 # --- remote layout -----------------------------------------------------------------------------
 EVENTS_FILE = "events.jsonl"
@@ -47,6 +41,7 @@ META_FILE = "meta.json"
 SAMPLE_PREFIX = "hs_"
 SAMPLE_SUFFIX = ".safetensors"
 TEMP_PREFIX = ".tmp-"        # temp files start with a dot: no `hs_*.safetensors` glob matches them
+LAUNCH_ENV = "FLEET_LAUNCH"  # the launch number, handed to the shard process by its runner
 
 
 def sample_file_name(index: int) -> str:
@@ -57,15 +52,323 @@ def shard_dir(run_dir: str, shard: int) -> str:
     return os.path.join(run_dir, "shards", str(shard))
 
 
-def make_event(kind: str, **fields: Any) -> dict:
-    if kind not in EVENT_KINDS:
-        raise ValueError(f"unknown event kind {kind!r}")
-    return {"event": kind, "t": round(time.time(), 3), **fields}
+def now() -> float:
+    return round(time.time(), 3)
 
 
-def append_jsonl(path: str, record: dict, sync: bool = True) -> None:
+# --- records -----------------------------------------------------------------------------------
+
+class Record:
+    """A typed record. Subclasses are dataclasses whose fields all have defaults, so a record read
+    from an older or newer peer still parses: unknown keys are dropped, missing ones defaulted."""
+
+    TAG: ClassVar[str] = "event"      # the key that names the record's kind
+    KIND: ClassVar[str]
+
+    def to_dict(self) -> dict:
+        out: dict = {self.TAG: self.KIND}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = value
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+EVENT_TYPES: dict[str, type] = {}
+MESSAGE_TYPES: dict[str, type] = {}
+
+
+def event(cls):
+    EVENT_TYPES[cls.KIND] = cls
+    return cls
+
+
+def message(cls):
+    MESSAGE_TYPES[cls.KIND] = cls
+    return cls
+
+
+# --- events (events.jsonl) ---------------------------------------------------------------------
+
+@event
+@dataclass
+class Launch(Record):
+    KIND: ClassVar[str] = "launch"
+    t: float = field(default_factory=now)
+    launch: int = 1
+    by: str = "manual"                 # manual | auto
+    gpu: Optional[int] = None
+    argv: Optional[list] = None
+    runner_pid: Optional[int] = None
+
+
+@event
+@dataclass
+class Started(Record):
+    KIND: ClassVar[str] = "started"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    pid: Optional[int] = None
+    host: Optional[str] = None
+    device: Optional[str] = None
+    shard: Optional[int] = None
+    num_shards: Optional[int] = None
+    start: Optional[int] = None
+    stop: Optional[int] = None
+    total: Optional[int] = None
+
+
+@event
+@dataclass
+class Loading(Record):
+    KIND: ClassVar[str] = "loading"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    model: Optional[str] = None
+
+
+@event
+@dataclass
+class Loaded(Record):
+    KIND: ClassVar[str] = "loaded"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    seconds: Optional[float] = None
+    gpu_mem_bytes: Optional[int] = None
+    gpu_peak_bytes: Optional[int] = None
+    layer_ids: Optional[list] = None
+    last_layer_norm: Optional[str] = None
+
+
+@event
+@dataclass
+class Progress(Record):
+    """Cumulative counters of the shard (finished samples include those of earlier launches)."""
+    KIND: ClassVar[str] = "progress"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    done: int = 0
+    skipped: int = 0
+    total: Optional[int] = None
+    tokens: Optional[int] = None
+    bytes: Optional[int] = None
+    writer_wait_s: Optional[float] = None
+    host_buffer_bytes: Optional[int] = None
+    gpu_mem_bytes: Optional[int] = None
+    gpu_peak_bytes: Optional[int] = None
+
+
+@event
+@dataclass
+class SampleSkipped(Record):
+    KIND: ClassVar[str] = "sample_skipped"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    index: Optional[int] = None
+    reason: str = ""
+
+
+@event
+@dataclass
+class WarningEvent(Record):
+    KIND: ClassVar[str] = "warning"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    message: str = ""
+
+
+@event
+@dataclass
+class Done(Progress):
+    """The shard's work is complete: its final counters."""
+    KIND: ClassVar[str] = "done"
+    host_peak_bytes: Optional[int] = None
+
+
+@event
+@dataclass
+class Failed(Record):
+    KIND: ClassVar[str] = "failed"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    reason: str = "failed"
+    exit_code: Optional[int] = None
+    traceback: Optional[list] = None
+
+
+@event
+@dataclass
+class Sentinel(Record):
+    """A [job]'s log line matched its `done` or `fail` regex (written by the runner)."""
+    KIND: ClassVar[str] = "sentinel"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    match: str = "fail"               # done | fail
+    line: str = ""
+
+
+@event
+@dataclass
+class StopRequested(Record):
+    """Written by `hostctl stop` before it signals: the launch ends stopped, however it dies.
+    `why`: user (k, D, fleet down: never restarted automatically) | restart (a restart's stop)."""
+    KIND: ClassVar[str] = "stop"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    why: str = "user"
+    reason: Optional[str] = None      # for a restart: the failure it restarts from
+
+
+@event
+@dataclass
+class Exited(Record):
+    """The launch ended: `code` (negative: killed by that signal; None: unknown), `stopped` (the
+    runner was told to stop it), `vanished` (written by the agent: the runner died too)."""
+    KIND: ClassVar[str] = "exited"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    code: Optional[int] = None
+    pid: Optional[int] = None
+    stopped: bool = False
+    vanished: bool = False
+
+
+Event = Record        # any of the above
+
+
+def parse_event(d: Any) -> Optional[Record]:
+    """A typed event from a JSON object, or None for anything that is not one (a line written by
+    a newer worker, a hand edit): the record must never crash the reader."""
+    if not isinstance(d, dict):
+        return None
+    cls = EVENT_TYPES.get(d.get("event"))
+    if cls is None:
+        return None
+    try:
+        ev = cls.from_dict(d)
+        ev.t = float(ev.t)
+        if ev.launch is not None:
+            ev.launch = int(ev.launch)
+    except (TypeError, ValueError):
+        return None
+    return ev
+
+
+# --- agent messages (the agent's stdout) --------------------------------------------------------
+
+class Message(Record):
+    TAG: ClassVar[str] = "type"
+
+
+@message
+@dataclass
+class Hello(Message):
+    KIND: ClassVar[str] = "hello"
+    protocol: int = PROTOCOL_VERSION
+    host: str = ""
+    pid: int = 0
+    t: float = field(default_factory=now)
+
+
+@message
+@dataclass
+class EventMessage(Message):
+    KIND: ClassVar[str] = "event"
+    shard: int = 0
+    event: dict = field(default_factory=dict)
+
+
+@message
+@dataclass
+class Liveness(Message):
+    KIND: ClassVar[str] = "shard"
+    shard: int = 0
+    alive: bool = False
+    pid: Optional[int] = None
+    t: float = field(default_factory=now)
+
+
+@message
+@dataclass
+class GpuReading(Message):
+    KIND: ClassVar[str] = "gpu"
+    t: float = field(default_factory=now)
+    source: str = "none"               # nvml | nvidia-smi | none
+    gpus: list = field(default_factory=list)
+    error: Optional[str] = None
+
+
+@message
+@dataclass
+class DiskReading(Message):
+    KIND: ClassVar[str] = "disk"
+    t: float = field(default_factory=now)
+    path: str = ""
+    free: Optional[int] = None
+    total: Optional[int] = None
+    error: Optional[str] = None
+
+
+@message
+@dataclass
+class Beat(Message):
+    KIND: ClassVar[str] = "beat"
+    t: float = field(default_factory=now)
+
+
+@message
+@dataclass
+class Replayed(Message):
+    """Every shard's record so far has been sent: the picture is complete from here on."""
+    KIND: ClassVar[str] = "replayed"
+    t: float = field(default_factory=now)
+
+
+@message
+@dataclass
+class End(Message):
+    KIND: ClassVar[str] = "end"
+
+
+@message
+@dataclass
+class AgentError(Message):
+    """The agent hit an error it cannot go on from; `message` is its last line."""
+    KIND: ClassVar[str] = "error"
+    t: float = field(default_factory=now)
+    message: str = ""
+
+
+def parse_message(line: str) -> Optional[Message]:
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(d, dict):
+        return None
+    cls = MESSAGE_TYPES.get(d.get("type"))
+    if cls is None:
+        return None
+    try:
+        return cls.from_dict(d)
+    except TypeError:
+        return None
+
+
+# --- JSON lines files --------------------------------------------------------------------------
+
+def append_jsonl(path: str, record: Record | dict, sync: bool = True) -> None:
     """Append one record as a single write, so concurrent appenders never interleave a line."""
-    line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    text = record.to_json() if isinstance(record, Record) else json.dumps(record, separators=(",", ":"))
+    line = (text + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line)
@@ -106,5 +409,6 @@ def iter_jsonl(path: str) -> Iterator[dict]:
     yield from records
 
 
-def encode(message: dict) -> str:
-    return json.dumps(message, separators=(",", ":"))
+def read_events(path: str) -> list[Record]:
+    """Every typed event of a shard's record, in order."""
+    return [e for e in map(parse_event, iter_jsonl(path)) if e is not None]

@@ -19,6 +19,8 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Footer, Input, Static
 
+from ..snapshot import FleetSnapshot
+from ..state import RESTARTABLE
 from .panes.gpus import GpuTable
 from .panes.log import ShardLog
 from .panes.shards import SORTS, ShardTable
@@ -55,19 +57,18 @@ class FleetApp(App[str]):
         Binding("q", "quit_fleet", "quit"),
     ]
 
-    def __init__(self, source=None, alert_ratio: float = 0.8, interval: float = 1.5,
+    def __init__(self, source=None, interval: float = 1.5,
                  open_source: Callable[[], Awaitable] | None = None):
         """`source` feeds the screen; or `open_source` makes one in the app's own event loop
         (a live supervisor must run there) and the app closes it on exit."""
         super().__init__()
         self.source = source
         self.open_source = open_source
-        self.alert_ratio = alert_ratio
         self.interval = interval
         self.text_filter = ""
         self.faulty_only = False
         self.sort = SORTS[0]
-        self.snap: dict | None = None
+        self.snap: FleetSnapshot | None = None
         self.cells_written = 0                     # counted for the benchmark
 
     def compose(self) -> ComposeResult:
@@ -96,10 +97,10 @@ class FleetApp(App[str]):
     def on_refresh(self, _: Refresh) -> None:
         self.draw(self.source.snapshot())
 
-    def draw(self, snap: dict) -> None:
+    def draw(self, snap: FleetSnapshot) -> None:
         self.snap = snap
         with self.batch_update():
-            self.query_one(TopBar).show(snap, self.alert_ratio)
+            self.query_one(TopBar).show(snap)
             self.cells_written += self.query_one(GpuTable).show(snap)
             table = self.query_one(ShardTable)
             self.cells_written += table.show(snap, self.text_filter, self.faulty_only, self.sort)
@@ -108,7 +109,7 @@ class FleetApp(App[str]):
                 ([f"filter '{self.text_filter}'"] if self.text_filter else []) + \
                 ([f"{len(table.marked)} marked"] if table.marked else [])
             self.query_one("#shards-title", Static).update(
-                f"shards ({table.row_count}/{len(snap['shards'])})  " + " · ".join(views))
+                f"shards ({table.row_count}/{len(snap.shards)})  " + " · ".join(views))
         self.query_one(ShardLog).follow(self.source, table.selected_shard)
 
     # --- keys ----------------------------------------------------------------------------------
@@ -117,7 +118,7 @@ class FleetApp(App[str]):
         if action in ("restart", "stop", "log", "mark"):
             return self.query_one(ShardTable).selected_shard is not None or None
         if action == "restart_failed":
-            return bool(self.snap and any(s["state"] in ("FAILED", "FATAL") for s in self.snap["shards"])) or None
+            return bool(self.snap and self._restartable()) or None
         return True
 
     def _targets(self) -> list[int]:
@@ -150,10 +151,13 @@ class FleetApp(App[str]):
                                lambda: self.source.restart(ids))
 
     def action_restart_failed(self) -> None:
-        ids = [s["id"] for s in (self.snap or {}).get("shards", []) if s["state"] in ("FAILED", "FATAL")]
+        ids = self._restartable()
         if ids:
-            self._confirm_then(f"Restart {len(ids)} FAILED/FATAL shard(s): {', '.join(map(str, ids))}?",
+            self._confirm_then(f"Restart {len(ids)} FAILED/BACKOFF/FATAL shard(s): {', '.join(map(str, ids))}?",
                                lambda: self.source.restart(ids))
+
+    def _restartable(self) -> list[int]:
+        return [s.id for s in self.snap.shards if s.state in RESTARTABLE] if self.snap else []
 
     def action_stop(self) -> None:
         ids = self._targets()
@@ -229,7 +233,7 @@ def run_tui(config, gpus_by_host: dict[str, list[int]]) -> int:
         source.launch_task = asyncio.create_task(sup.launch_all())
         return source
 
-    message = FleetApp(alert_ratio=config.spec.expected.alert_ratio, open_source=open_source).run()
+    message = FleetApp(open_source=open_source).run()
     if message:
         print(message)
     return 0

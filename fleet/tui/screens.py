@@ -41,12 +41,12 @@ HELP = """\
 [b]Keys[/b]
 
   r          restart the selected shard (or the marked ones)  — asks first
-  R          restart every FAILED / FATAL shard                 — asks first
+  R          restart every FAILED / BACKOFF / FATAL shard       — asks first
   space      mark / unmark the selected shard for r or k
   k          stop the selected shard (or the marked ones)      — asks first
   l, enter   full-screen log of the selected shard; esc back
   /          filter shards (host, state, id, reason); esc clears
-  f          only faulty shards (FAILED, FATAL, STALLED, BACKOFF, UNKNOWN)
+  f          only faulty shards (STALLED, FAILED, BACKOFF, FATAL, UNKNOWN)
   s          sort: shard → state → progress → rate
   D          stop the whole run                                 — asks first
   q          quit: the workers keep running; `fleet up` re-attaches

@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import AsyncIterator, Protocol
 
 from ..jobs import shard_dir
+from ..snapshot import FleetSnapshot
 from ..supervisor import Supervisor
 from ..transport import HostError
 
 
 class FleetSource(Protocol):
-    def snapshot(self) -> dict: ...
+    def snapshot(self) -> FleetSnapshot: ...
 
     async def restart(self, shard_ids: list[int]) -> list[str]: ...
 
@@ -35,7 +36,7 @@ class SupervisorSource:
         """Stop following; the workers keep running."""
         await self.sup.close()
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> FleetSnapshot:
         return self.sup.snapshot()
 
     async def restart(self, shard_ids: list[int]) -> list[str]:
@@ -59,8 +60,8 @@ class SupervisorSource:
 
     async def follow_log(self, shard_id: int) -> AsyncIterator[str]:
         """The shard's log tail, then new lines; raises HostError when the stream drops."""
-        s = self.sup.shards[shard_id]
-        link = self.sup.links[s.host]
+        host = self.sup.shards[shard_id].placement.host
+        link = self.sup.links[host]
         path = f"{shard_dir(self.sup.config, link.spec, shard_id)}/log"
         stream = await link.transport.stream(["tail", "-n", "200", "-F", path])
         try:
@@ -68,4 +69,4 @@ class SupervisorSource:
                 yield line.rstrip("\n")
         finally:
             await stream.close()
-        raise HostError(f"{s.host}: log stream ended")
+        raise HostError(f"{host}: log stream ended")

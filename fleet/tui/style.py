@@ -5,9 +5,9 @@ from __future__ import annotations
 STATE_STYLE = {
     "PENDING": "dim", "DEPLOYING": "cyan", "STARTING": "cyan", "LOADING": "cyan",
     "RUNNING": "green", "DONE": "bold green", "STALLED": "yellow", "FAILED": "bold red",
-    "BACKOFF": "yellow", "FATAL": "bold white on red", "UNKNOWN": "magenta",
+    "BACKOFF": "yellow", "FATAL": "bold white on red", "STOPPED": "dim", "UNKNOWN": "magenta",
 }
-FAULTY_STATES = {"FAILED", "FATAL", "STALLED", "UNKNOWN", "BACKOFF"}
+ALERT_STYLE = {None: "green", "ok": "green", "low": "yellow", "critical": "red"}
 
 
 def bar(fraction: float, width: int) -> str:

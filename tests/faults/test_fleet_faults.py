@@ -52,10 +52,10 @@ root = "fleet"
 """)
     r = fleet("up", "--headless", "-c", str(tmp_path / "fleet.toml"))
     assert r.returncode == 1, r.stdout + r.stderr                      # not every shard is DONE
-    assert "shard 1 local:1 FAILED -> FATAL 0/0 (gave up after 3 restart(s); last: exited with code 3)" in r.stdout
+    assert "shard 1 local:1 RUNNING -> FATAL 0/0 (gave up after 3 restart(s); last: exited with code 3)" in r.stdout
     for delay in ("1s", "2s", "4s"):
-        assert f"shard 1 local:1 FAILED -> BACKOFF 0/0 (exited with code 3; restart in {delay})" in r.stdout
-    assert "shard 0 local:0 STARTING -> DONE" in r.stdout              # a [job] has no loaded event
+        assert f"shard 1 local:1 RUNNING -> BACKOFF 0/0 (exited with code 3; restart in {delay})" in r.stdout
+    assert "shard 0 local:0 RUNNING -> DONE" in r.stdout               # a [job] runs once started
     launches = [e for e in events(tmp_path, "crash", 1) if e["event"] == "launch"]
     exits = [e for e in events(tmp_path, "crash", 1) if e["event"] == "exited"]
     assert [e["by"] for e in launches] == ["manual", "auto", "auto", "auto"]

@@ -78,7 +78,9 @@ def test_disk_full_fails_cleanly_and_a_restart_after_freeing_space_completes(tmp
     from worker.demo import make_token_dataset
     data = make_token_dataset(str(tmp_path / "d.jsonl"), 300, vocab_size=500, mean_tokens=60, seed=4)
     out, state = os.path.join(small_tmpfs, "out"), str(tmp_path / "state")
-    r = run_worker("--model", dense_model, "--data", data, "--out", out, "--state", state)
+    # Small batches: several complete (and are recorded) before the disk fills mid-batch.
+    small = ("--max-tokens-per-batch", "1024")
+    r = run_worker("--model", dense_model, "--data", data, "--out", out, "--state", state, *small)
     assert r.returncode == 1
     assert "disk full" in r.stderr and "Traceback" not in r.stderr
     failed = [e for e in read_events(state) if e["event"] == "failed"]
@@ -89,7 +91,7 @@ def test_disk_full_fails_cleanly_and_a_restart_after_freeing_space_completes(tmp
     assert 0 < len(before) < 300
     assert verify(out)["problems"] == []                     # what was finished is intact
     subprocess.run(["mount", "-o", "remount,size=200m", small_tmpfs], check=True)
-    r = run_worker("--model", dense_model, "--data", data, "--out", out, "--state", state)
+    r = run_worker("--model", dense_model, "--data", data, "--out", out, "--state", state, *small)
     assert r.returncode == 0, r.stderr
     assert sorted(recorded(out)) == list(range(300))
     assert verify(out)["problems"] == []

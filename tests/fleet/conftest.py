@@ -24,16 +24,15 @@ def sshd(tmp_path_factory):
     proc.wait(10)
 
 
-def fleet_toml(tmp, *, model: str, data: str, port: int, client_key: str, known_hosts: str,
+def fleet_toml(tmp, *, model: str | None, data: str | None, port: int, client_key: str, known_hosts: str,
                gpus=(0, 1), extra_run: str = "", extra_host: str = "", supervise: str = "",
-               address: str = "127.0.0.1", job: str = "", name: str = "box") -> str:
+               address: str = "127.0.0.1", job: str = "", name: str = "box", max_restarts: int = 3) -> str:
     root = os.path.join(str(tmp), "remote")
+    paths = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (("model", model), ("data", data)) if v)
     text = f"""
 [run]
 name = "t"
-model = {json.dumps(model)}
-data = {json.dumps(data)}
-output = {json.dumps(os.path.join(root, "out"))}
+{paths}output = {json.dumps(os.path.join(root, "out"))}
 layers = "speculators"
 max_tokens_per_batch = 512
 device = "cpu"
@@ -45,7 +44,7 @@ samples_per_s_per_gpu = 5
 
 [supervise]
 stall_timeout = "60s"
-max_restarts = 3
+max_restarts = {max_restarts}
 backoff_base = "0.5s"
 backoff_max = "2s"
 connect_timeout = "5s"

@@ -16,6 +16,7 @@ import pytest
 
 from bench.synthetic_fleet import SyntheticFleet
 from fleet.config import load_config
+from fleet.state import State
 from fleet.supervisor import Supervisor
 from fleet.tui.app import QUIT_MESSAGE, FleetApp
 from fleet.tui.panes.gpus import GpuTable
@@ -95,14 +96,14 @@ async def test_live_tui_kill_restart_filter_and_quit(tmp_path, dense_model, long
     try:
         async with app.run_test(size=(170, 48)) as pilot:
             shards = app.query_one(ShardTable)
-            await until(pilot, lambda: app.snap and all(s["state"] == "RUNNING" for s in app.snap["shards"]),
+            await until(pilot, lambda: app.snap and all(s.state == State.RUNNING for s in app.snap.shards),
                         what="both shards running")
-            await until(pilot, lambda: app.snap["totals"]["samples_per_s"] is not None, what="a rate")
+            await until(pilot, lambda: app.snap.totals.samples_per_s is not None, what="a rate")
             # Every pane renders.
             assert "fleet tui" in str(app.query_one(TopBar).render())
             gpus = app.query_one(GpuTable)
             assert gpus.row_count >= 1
-            if not app.snap["hosts"][0]["gpus"]:
+            if not app.snap.hosts[0].gpus:
                 assert cell_text(gpus, "local/x", "mem") == "no GPU telemetry"
             assert shards.row_count == 2
             assert "throughput" in str(app.query_one("#tp-label").render())
@@ -138,12 +139,12 @@ async def test_live_tui_kill_restart_filter_and_quit(tmp_path, dense_model, long
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             snap = await check.read_once()
-            if [s["state"] for s in snap["shards"]] == ["DONE", "DONE"]:
+            if [s.state for s in snap.shards] == [State.DONE, State.DONE]:
                 break
             await asyncio.sleep(1)
         await check.close()
-        assert [s["state"] for s in snap["shards"]] == ["DONE", "DONE"]
-        assert snap["shards"][0]["restarts"] == 1 and snap["totals"]["done"] == 16000
+        assert [s.state for s in snap.shards] == [State.DONE, State.DONE]
+        assert snap.shards[0].restarts == 1 and snap.totals.done == 16000
     finally:
         await Supervisor(config).stop_all()
 
@@ -181,19 +182,19 @@ async def test_keys_on_a_synthetic_fleet_mark_stop_sort_and_help():
         assert table.marked == {0, 1}
         await pilot.press("k", "y")
         await pilot.pause(0.3)
-        assert [fleet.shards[k].reason for k in (0, 1)] == ["stopped", "stopped"]
+        assert [(s.state, s.reason) for s in app.snap.shards[:2]] == [(State.STOPPED, "stopped")] * 2
         assert table.marked == set()
-        await pilot.press("R")
+        await pilot.press("R")                                       # stopped shards are not failures
         await pilot.pause(0.2)
-        assert "Restart 4 FAILED/FATAL shard(s): 0, 1, 3, 5?" in str(app.screen.query_one("#question").render())
+        assert "Restart 2 FAILED/BACKOFF/FATAL shard(s): 3, 5?" in str(app.screen.query_one("#question").render())
         await pilot.press("n")
         await pilot.press("s")                                       # sort by state: failures first
         await pilot.pause(0.3)
         assert table.selected_key is not None and app.sort == "state"
-        assert cell_text(table, table._order[0], "state") == "FAILED"
+        assert cell_text(table, table._order[0], "state") == "FATAL"
         await pilot.press("question_mark")
         await pilot.pause(0.2)
-        assert "restart every FAILED / FATAL shard" in str(app.screen.query_one("Static").render())
+        assert "restart every FAILED / BACKOFF / FATAL shard" in str(app.screen.query_one("Static").render())
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by scripts/test.sh")

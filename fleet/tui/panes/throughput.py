@@ -26,14 +26,14 @@ class ThroughputPane(Vertical):
         yield Static("throughput: not measured yet", id="tp-label")
         yield Sparkline([], summary_function=max, id="tp-spark")
 
-    def add(self, snap: dict) -> None:
-        t = snap["totals"]
-        value = t["samples_per_s"]
+    def add(self, snap) -> None:
+        t = snap.totals
+        value = t.samples_per_s
         if value is None:
             return
         self.history.append(value)
-        expected = t.get("expected_per_s")
-        unit = t.get("expected_unit") or "samples"
+        expected = t.expected_per_s
+        unit = t.expected_unit or "samples"
         exp = f", expected {expected:,.1f} {unit}/s" if expected else ""
         peak = max(self.history)
         self.query_one("#tp-label", Static).update(

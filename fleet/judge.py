@@ -1,0 +1,137 @@
+"""The one judge: a shard's folded record, its liveness and the host's clock in; its state, the
+reason and the action due out. Pure: no I/O, no asyncio, no clock of its own.
+
+Live supervision carries out the action (`fleet up`); `fleet status` shows the same verdict and
+ignores the action. Nothing else decides a shard's state. Times are the host's clock throughout,
+so skew between the supervisor and a host never matters.
+
+Invariants (tested with hypothesis in tests/fleet/test_judge.py):
+- a DONE or STOPPED shard is never relaunched automatically;
+- automatic restarts since the last manual launch never exceed `max_restarts`; then FATAL;
+- a restart is never due before `backoff_delay(attempts)` has passed since the failure;
+- the verdict depends only on the record, liveness and time: replaying a record gives the verdict
+  the live stream gave at that point.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from enum import Enum
+
+from .record import Outcome, Phase, ShardRecord, outcome
+from .state import MEASURED, State
+
+RATE_WINDOW_S = 30.0
+
+
+class Action(str, Enum):
+    NONE = "none"
+    LAUNCH = "launch"            # never launched: start it
+    RESTART = "restart"          # failed or stalled, backoff over: stop if alive, launch by=auto
+
+
+@dataclass(frozen=True)
+class Policy:
+    max_restarts: int = 3
+    backoff_base: float = 2.0
+    backoff_max: float = 60.0
+    stall_timeout: float | None = 120.0   # None: no stall detection (a [job] with no progress)
+    restart_stalled: bool = True
+    needs_done_sentinel: bool = False
+    custom_job: bool = False              # a [job]: RUNNING as soon as its process starts
+
+
+@dataclass(frozen=True)
+class LaunchFailure:
+    """A launch that never reached the host's record (hostctl could not run): kept by the live
+    supervisor, counted by the judge like a failed attempt. `t` is host time."""
+    t: float
+    by: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: State
+    reason: str | None = None
+    action: Action = Action.NONE
+    due_t: float | None = None            # host time a pending restart is due
+    attempts: int = 0                     # automatic attempts counted toward max_restarts
+
+
+def backoff_delay(attempt: int, base: float, cap: float) -> float:
+    """Capped exponential: base, 2 base, 4 base, ... never above cap."""
+    return min(cap, base * (2 ** attempt))
+
+
+def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Policy,
+          launch_failures: tuple[LaunchFailure, ...] = ()) -> Verdict:
+    a = record.attempt
+    failures = [f for f in launch_failures if a is None or f.t >= a.t]
+    attempts = record.auto_attempts
+    for f in failures:
+        attempts = 0 if f.by == "manual" else attempts + 1
+    if failures:
+        return _failed(f"launch failed: {failures[-1].reason}", failures[-1].t, attempts, host_now, policy)
+    if a is None:
+        return Verdict(State.PENDING, action=Action.LAUNCH)
+    if a.ended:
+        kind, why = outcome(a, record.needs_done_sentinel)
+        if kind == Outcome.DONE:
+            return Verdict(State.DONE)
+        if kind == Outcome.STOPPED:
+            return Verdict(State.STOPPED, why, attempts=attempts)
+        return _failed(why, a.end.t, attempts, host_now, policy)
+    if alive is False:                     # dead, its end not yet in the record (the agent adds it)
+        return Verdict(State.FAILED, "process vanished without an exit status", attempts=attempts)
+    phase = a.phase
+    if policy.custom_job and phase == Phase.STARTING and a.pid is not None:
+        phase = Phase.RUNNING
+    if a.stop is not None:
+        return Verdict(State(phase.value), "stopping", attempts=attempts)
+    if a.failure is not None:              # a fail line or `failed` while the process still runs
+        return _failed(a.failure, a.failure_t or a.t, attempts, host_now, policy)
+    idle = host_now - a.last_progress_t
+    if phase == Phase.RUNNING and policy.stall_timeout is not None and idle > policy.stall_timeout:
+        why = f"no progress for {idle:.0f}s"
+        if not policy.restart_stalled:
+            return Verdict(State.STALLED, why, attempts=attempts)
+        v = _failed(why, a.last_progress_t + policy.stall_timeout, attempts, host_now, policy)
+        return v if v.state == State.FATAL else Verdict(State.STALLED, v.reason, v.action, v.due_t, attempts)
+    return Verdict(State(phase.value), attempts=attempts)
+
+
+def _failed(why: str, failed_t: float, attempts: int, host_now: float, policy: Policy) -> Verdict:
+    if attempts >= policy.max_restarts:
+        return Verdict(State.FATAL, f"gave up after {policy.max_restarts} restart(s); last: {why}",
+                       attempts=attempts)
+    delay = backoff_delay(attempts, policy.backoff_base, policy.backoff_max)
+    due = failed_t + delay
+    return Verdict(State.BACKOFF, f"{why}; restart in {delay:g}s",
+                   Action.RESTART if host_now >= due else Action.NONE, due, attempts)
+
+
+# --- rates --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rates:
+    samples_per_s: float
+    tokens_per_s: float
+    bytes_per_s: float
+
+
+def rates(record: ShardRecord, state: State, host_now: float, window: float = RATE_WINDOW_S) -> Rates | None:
+    """Rates of the current attempt over the last `window` s up to now: they fall to zero when
+    progress stops. None (not measured) unless RUNNING/STALLED with two progress points, so a
+    restarted shard starts from no rate rather than its last process's."""
+    a = record.attempt
+    if a is None or state not in MEASURED or len(a.history) < 2:
+        return None
+    start = max(host_now - window, a.history[0][0])
+    span = host_now - start
+    if span <= 0:
+        return None
+    i = bisect_right(a.history, start, key=lambda p: p[0]) - 1   # newest point at/before start
+    base, last = a.history[max(i, 0)], a.history[-1]
+    return Rates(*((last[i] - base[i]) / span for i in (1, 2, 3)))

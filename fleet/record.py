@@ -1,0 +1,173 @@
+"""A shard's record folded into what happened: launches, the current attempt, counters, history.
+
+Pure and incremental: `ShardRecord.apply(event)` for each typed event of the shard's events.jsonl,
+in file order. The live stream and a one-shot replay apply the same events in the same order, so
+they reach the same record at every prefix. What the record *means now* (state, what to do) is the
+judge's business (fleet.judge); this module only says how an ended attempt ended.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from worker import protocol
+
+HISTORY_POINTS = 600               # progress points kept per attempt (bounded memory)
+
+
+class Phase(str, Enum):
+    STARTING = "STARTING"
+    LOADING = "LOADING"
+    RUNNING = "RUNNING"
+
+
+class Outcome(str, Enum):
+    DONE = "done"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@dataclass
+class Attempt:
+    """One launch of the shard and everything its record says about it."""
+    n: int
+    t: float
+    by: str
+    gpu: int | None
+    phase: Phase = Phase.STARTING
+    pid: int | None = None
+    last_progress_t: float = 0.0
+    done_event: bool = False              # the built-in worker's `done`
+    done_sentinel: bool = False           # a [job]'s done line
+    failure: str | None = None            # a `failed` event or a fail line, while it ran
+    failure_t: float | None = None
+    stop: protocol.StopRequested | None = None
+    end: protocol.Exited | None = None
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
+
+    @property
+    def ended(self) -> bool:
+        return self.end is not None
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "ended without an exit status"
+    if code < 0:
+        return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def outcome(a: Attempt, needs_done_sentinel: bool) -> tuple[Outcome, str | None]:
+    """How an ended attempt ended, and why when it was not DONE."""
+    end = a.end
+    assert end is not None
+    finished = end.code == 0 and a.failure is None and (
+        a.done_event or a.done_sentinel or not needs_done_sentinel)
+    if finished:
+        return Outcome.DONE, None
+    user_stop = a.stop is not None and a.stop.why == "user"
+    if user_stop or (end.stopped and a.stop is None):
+        return Outcome.STOPPED, "stopped"
+    if a.failure:
+        return Outcome.FAILED, a.failure
+    if a.stop is not None:
+        return Outcome.FAILED, a.stop.reason or "stopped for a restart"
+    if end.vanished:
+        return Outcome.FAILED, "process vanished without an exit status"
+    if end.code == 0:
+        return Outcome.FAILED, "exited 0 without the done sentinel"
+    return Outcome.FAILED, describe_exit(end.code)
+
+
+@dataclass
+class ShardRecord:
+    needs_done_sentinel: bool = False     # a [job] with a `done` regex: exit 0 alone is not DONE
+    launches: int = 0
+    auto_attempts: int = 0                # automatic launches since the last manual one
+    first_launch_t: float | None = None
+    attempt: Attempt | None = None
+    done: int = 0
+    skipped: int = 0
+    total: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    writer_wait_s: float = 0.0
+    gpu_mem_bytes: int | None = None
+    warning: str | None = None
+    last_event: str | None = None
+    last_event_t: float | None = None
+    last_failure: str | None = None       # why the newest failed attempt failed
+    last_failure_t: float | None = None
+    failures: int = 0                     # attempts that ended FAILED, ever
+
+    def apply(self, ev: protocol.Record) -> None:
+        a = self.attempt
+        if isinstance(ev, protocol.Launch):
+            self._launch(ev)
+            return
+        if a is None or (ev.launch is not None and ev.launch != a.n):
+            return                            # before any launch, or another launch's leftover
+        self.last_event, self.last_event_t = ev.KIND, ev.t
+        if a.ended:
+            return                            # nothing changes an attempt after its end
+        if isinstance(ev, protocol.Started):
+            a.pid = ev.pid if ev.pid is not None else a.pid
+            if ev.total is not None:
+                self.total = ev.total
+        elif isinstance(ev, protocol.Loading):
+            a.phase = Phase.LOADING
+        elif isinstance(ev, protocol.Loaded):
+            a.phase, a.last_progress_t = Phase.RUNNING, ev.t
+            if ev.gpu_mem_bytes is not None:
+                self.gpu_mem_bytes = ev.gpu_mem_bytes
+        elif isinstance(ev, protocol.Progress):               # Done is a Progress too
+            self._count(ev)
+            if isinstance(ev, protocol.Done):
+                a.done_event = True
+            else:
+                a.phase = Phase.RUNNING
+            a.last_progress_t = ev.t
+            a.history.append((ev.t, self.done + self.skipped, self.tokens, self.bytes))
+        elif isinstance(ev, protocol.WarningEvent):
+            self.warning = ev.message
+        elif isinstance(ev, protocol.Failed):
+            if a.failure is None:
+                a.failure, a.failure_t = ev.reason, ev.t
+        elif isinstance(ev, protocol.Sentinel):
+            if ev.match == "done":
+                a.done_sentinel = True
+            elif a.failure is None:
+                a.failure, a.failure_t = f"fail sentinel: {ev.line.strip()}", ev.t
+        elif isinstance(ev, protocol.StopRequested):
+            a.stop = a.stop or ev
+        elif isinstance(ev, protocol.Exited):
+            a.end = ev
+            kind, why = outcome(a, self.needs_done_sentinel)
+            if kind == Outcome.FAILED:
+                self.failures += 1
+                self.last_failure, self.last_failure_t = why, ev.t
+
+    def _launch(self, ev: protocol.Launch) -> None:
+        self.launches += 1
+        self.auto_attempts = self.auto_attempts + 1 if ev.by == "auto" else 0
+        if self.first_launch_t is None:
+            self.first_launch_t = ev.t
+        self.attempt = Attempt(n=ev.launch, t=ev.t, by=ev.by, gpu=ev.gpu, last_progress_t=ev.t)
+        self.last_event, self.last_event_t = ev.KIND, ev.t
+
+    def _count(self, ev) -> None:
+        self.done, self.skipped = ev.done, ev.skipped
+        for key in ("total", "tokens", "bytes", "writer_wait_s", "gpu_mem_bytes"):
+            value = getattr(ev, key, None)
+            if value is not None:
+                setattr(self, key, value)
+
+
+def fold(events, needs_done_sentinel: bool = False) -> ShardRecord:
+    record = ShardRecord(needs_done_sentinel=needs_done_sentinel)
+    for ev in events:
+        record.apply(ev)
+    return record

@@ -1,0 +1,283 @@
+"""The one picture of a run: what `status --json` prints, what `status` and `up --headless` render
+and what the TUI draws. Pydantic models (the JSON schema is generated from them:
+`fleet status --json-schema`) built by one pure function from the judge's verdicts.
+
+Every figure is computed here once; the views only format it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .judge import Rates, Verdict, rates
+from .record import ShardRecord
+from .state import FAULTY, SETTLED, State
+
+SCHEMA = "fleet.status/2"
+
+AlertLevel = Literal["ok", "low", "critical"]
+
+
+class Gpu(BaseModel):
+    index: int
+    name: Optional[str] = None
+    uuid: Optional[str] = None
+    mem_used: Optional[int] = Field(None, description="bytes")
+    mem_total: Optional[int] = Field(None, description="bytes")
+    util: Optional[float] = Field(None, description="percent")
+    temp: Optional[float] = Field(None, description="degrees C")
+    power_w: Optional[float] = None
+    lost: bool = Field(False, description="NVML lost the GPU: it stays listed, with no readings")
+
+
+class Disk(BaseModel):
+    path: str
+    free: Optional[int] = Field(None, description="bytes available at the output folder")
+    total: Optional[int] = None
+    error: Optional[str] = None
+
+
+class HostStatus(BaseModel):
+    name: str
+    address: str
+    reachable: Optional[bool] = Field(None, description="false: unreachable (then gpus and disk are "
+                                                        "null, not zero); null: not tried yet")
+    error: Optional[str] = Field(None, description="why it is unreachable, or the agent's last error")
+    telemetry: Optional[Literal["nvml", "nvidia-smi", "none"]] = None
+    gpus: Optional[list[Gpu]] = None
+    gpu_age_s: Optional[float] = None
+    disk: Optional[Disk] = None
+    last_seen_age_s: Optional[float] = None
+
+
+class ShardStatus(BaseModel):
+    id: int
+    host: str
+    gpu: int
+    state: State
+    reason: Optional[str] = Field(None, description="why it is in this state (failures, stops)")
+    faulty: bool = Field(False, description="STALLED, FAILED, BACKOFF, FATAL or UNKNOWN")
+    done: int = 0
+    skipped: int = 0
+    total: int = 0
+    progress: Optional[float] = Field(None, description="(done + skipped) / total")
+    tokens: int = 0
+    bytes: int = 0
+    samples_per_s: Optional[float] = Field(None, description="over the last 30 s of host time up to "
+                                                             "now; null when not measured")
+    tokens_per_s: Optional[float] = None
+    restarts: int = Field(0, description="launches after the first")
+    auto_attempts: int = Field(0, description="automatic restarts since the last manual launch")
+    max_restarts: int = 0
+    failures: int = Field(0, description="attempts that ended in failure, ever")
+    last_failure: Optional[str] = None
+    alive: Optional[bool] = None
+    pid: Optional[int] = None
+    exit_code: Optional[int] = None
+    last_event: Optional[str] = None
+    last_event_age_s: Optional[float] = None
+    backoff_s: Optional[float] = Field(None, description="seconds until a pending restart")
+    writer_wait_s: float = 0.0
+    gpu_mem_bytes: Optional[int] = None
+    warning: Optional[str] = None
+
+
+class Totals(BaseModel):
+    shards: int
+    by_state: dict[str, int]
+    done: int
+    total: int
+    samples_per_s: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    expected_unit: Optional[Literal["samples", "tokens"]] = None
+    expected_per_s: Optional[float] = Field(None, description="per-GPU figure x shards expected to "
+                                                              "work (not DONE, STOPPED or UNKNOWN)")
+    ratio: Optional[float] = None
+    alert: bool = False
+    alert_level: Optional[AlertLevel] = Field(None, description="ok; low: under alert_ratio; "
+                                                                "critical: under half of it")
+    eta_s: Optional[float] = None
+    elapsed_s: Optional[float] = None
+    bytes_written: int = 0
+    disk_full_eta_s: Optional[float] = None
+    replayed: bool = Field(False, description="every reachable host's record has been read")
+    settled: bool = Field(False, description="every shard DONE, FATAL or STOPPED")
+
+
+class FleetSnapshot(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    schema_: str = Field(SCHEMA, alias="schema")
+    run: str
+    time: float = Field(description="unix seconds")
+    hosts: list[HostStatus]
+    shards: list[ShardStatus]
+    totals: Totals
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return self.model_dump_json(by_alias=True, indent=indent)
+
+    def host(self, name: str) -> HostStatus | None:
+        return next((h for h in self.hosts if h.name == name), None)
+
+
+def json_schema() -> dict:
+    return FleetSnapshot.model_json_schema(by_alias=True)
+
+
+# --- inputs (what the supervisor holds) ---------------------------------------------------------
+
+@dataclass
+class HostView:
+    """What the supervisor knows of a host from its agent."""
+    name: str
+    address: str
+    reachable: bool | None = None
+    error: str | None = None
+    telemetry: str | None = None
+    gpus: list = field(default_factory=list)
+    gpu_t: float | None = None             # host clock of the last GPU reading
+    disk: dict | None = None
+    clock_offset: float = 0.0              # host clock - supervisor clock
+    last_seen: float | None = None         # supervisor clock
+    replayed: bool = False
+
+    def host_now(self, now: float) -> float:
+        return now + self.clock_offset
+
+
+@dataclass
+class ShardView:
+    """One shard as the snapshot needs it: where it runs, its record, its liveness, the verdict."""
+    id: int
+    host: str
+    gpu: int
+    record: ShardRecord
+    verdict: Verdict
+    alive: bool | None = None
+    pid: int | None = None
+    max_restarts: int = 0
+
+
+# --- the one computation ------------------------------------------------------------------------
+
+def _finite(x: float | None, digits: int = 2) -> float | None:
+    if x is None or not math.isfinite(x):
+        return None
+    return round(x, digits)
+
+
+def alert_level(ratio: float | None, alert_ratio: float) -> AlertLevel | None:
+    if ratio is None:
+        return None
+    if ratio >= alert_ratio:
+        return "ok"
+    return "low" if ratio >= alert_ratio / 2 else "critical"
+
+
+def all_replayed(hosts) -> bool:
+    """Every host's record has been read, or the host is known unreachable: the picture is whole."""
+    return all(h.replayed or h.reachable is False for h in hosts)
+
+
+def shown_state(view: ShardView, host: HostView) -> State:
+    return State.UNKNOWN if host.reachable is False else view.verdict.state
+
+
+def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView], now: float,
+                   expected) -> FleetSnapshot:
+    """`expected` is the config's ExpectedSpec; `now` the supervisor's clock."""
+    rows: list[ShardStatus] = []
+    by_state: dict[str, int] = {}
+    measured: list[tuple[ShardView, Rates]] = []
+    working = 0
+    for v in views:
+        host = hosts[v.host]
+        hn = host.host_now(now)
+        state = shown_state(v, host)
+        by_state[state.value] = by_state.get(state.value, 0) + 1
+        r = v.record
+        rate = rates(r, state, hn) if host.reachable else None
+        if rate is not None:
+            measured.append((v, rate))
+        if state not in (State.DONE, State.STOPPED, State.UNKNOWN):
+            working += 1
+        a = r.attempt
+        due = v.verdict.due_t
+        rows.append(ShardStatus(
+            id=v.id, host=v.host, gpu=v.gpu, state=state,
+            reason=f"host unreachable: {host.error}" if state == State.UNKNOWN else v.verdict.reason,
+            faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
+            progress=_finite((r.done + r.skipped) / r.total, 4) if r.total else None,
+            tokens=r.tokens, bytes=r.bytes,
+            samples_per_s=_finite(rate.samples_per_s) if rate else None,
+            tokens_per_s=_finite(rate.tokens_per_s, 1) if rate else None,
+            restarts=max(r.launches - 1, 0), auto_attempts=v.verdict.attempts,
+            max_restarts=v.max_restarts, failures=r.failures, last_failure=r.last_failure,
+            alive=v.alive if host.reachable else None,
+            pid=(v.pid or (a.pid if a and not a.ended else None)) if v.alive else None,
+            exit_code=a.end.code if a and a.end else None,
+            last_event=r.last_event,
+            last_event_age_s=_finite(hn - r.last_event_t, 1) if r.last_event_t else None,
+            backoff_s=_finite(max(due - hn, 0.0), 1) if due is not None and state != State.UNKNOWN else None,
+            writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning))
+    sps = sum(x.samples_per_s for _, x in measured)
+    tps = sum(x.tokens_per_s for _, x in measured)
+    total = sum(v.record.total for v in views)
+    finished = sum(v.record.done + v.record.skipped for v in views)
+    per_gpu, unit = (expected.samples_per_s_per_gpu, "samples") if expected.samples_per_s_per_gpu \
+        else (expected.tokens_per_s_per_gpu, "tokens")
+    expected_rate = per_gpu * working if per_gpu and working else None
+    actual = sps if unit == "samples" else tps
+    ratio = actual / expected_rate if expected_rate and measured else None
+    level = alert_level(_finite(ratio, 3), expected.alert_ratio)
+    remaining = max(total - finished, 0)
+    eta = remaining / sps if sps > 0 else (0.0 if total and remaining == 0 else None)
+    host_bps: dict[str, float] = {}
+    for v, x in measured:
+        host_bps[v.host] = host_bps.get(v.host, 0.0) + x.bytes_per_s
+    disk_eta = None
+    host_rows = []
+    for h in hosts.values():
+        free = (h.disk or {}).get("free")
+        if free is not None and host_bps.get(h.name, 0) > 0 and h.reachable:
+            disk_eta = min(disk_eta if disk_eta is not None else math.inf, free / host_bps[h.name])
+        host_rows.append(HostStatus(
+            name=h.name, address=h.address, reachable=h.reachable, error=h.error,
+            telemetry=h.telemetry if h.reachable else None,
+            gpus=[Gpu(**g) for g in h.gpus] if h.reachable else None,
+            gpu_age_s=_finite(h.host_now(now) - h.gpu_t, 1) if h.gpu_t and h.reachable else None,
+            disk=Disk(**h.disk) if h.reachable and h.disk else None,
+            last_seen_age_s=_finite(now - h.last_seen, 1) if h.last_seen else None))
+    starts = [(v.record.first_launch_t, v.host) for v in views if v.record.first_launch_t]
+    elapsed = None
+    if starts:
+        t0, host = min(starts)
+        elapsed = hosts[host].host_now(now) - t0
+    states = [row.state for row in rows]
+    return FleetSnapshot(
+        run=run, time=round(now, 3), hosts=host_rows, shards=rows,
+        totals=Totals(
+            shards=len(rows), by_state=by_state, done=finished, total=total,
+            samples_per_s=_finite(sps) if measured else None,
+            tokens_per_s=_finite(tps, 1) if measured else None,
+            expected_unit=unit if per_gpu else None,
+            expected_per_s=_finite(expected_rate), ratio=_finite(ratio, 3),
+            alert=level in ("low", "critical"), alert_level=level,
+            eta_s=_finite(eta, 0), elapsed_s=_finite(elapsed, 1),
+            bytes_written=sum(v.record.bytes for v in views), disk_full_eta_s=_finite(disk_eta, 0),
+            replayed=all_replayed(hosts.values()),
+            settled=bool(states) and all(s in SETTLED for s in states)))
+
+
+def status_exit_code(snap: FleetSnapshot) -> int:
+    """0 healthy, done or stopped; 1 a shard STALLED/FAILED/BACKOFF/FATAL; 3 a host unreachable."""
+    if any(h.reachable is False for h in snap.hosts):
+        return 3
+    if any(s.faulty for s in snap.shards):
+        return 1
+    return 0

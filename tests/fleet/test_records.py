@@ -1,0 +1,220 @@
+"""The shard record through its real producers: the real runner (worker.hostctl) starting a user's
+[job], the real agent streaming the record, the real supervisor judging and acting, on this
+machine. States, reasons, counts and rates are asserted at each step, then again after the agent's
+stream is cut and after the agent is killed (both replay the record from the start)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from fleet.config import load_config
+from fleet.judge import rates
+from fleet.record import fold
+from fleet.state import State
+from fleet.supervisor import Supervisor
+from worker import protocol
+
+JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "scripted_job.py")
+
+
+def job_toml(tmp_path, script: dict, *, max_restarts: int = 3, backoff: str = "0.5s",
+             python: str | None = None, gpus=(0, 1), extra_job: str = "") -> str:
+    (tmp_path / "script.json").write_text(json.dumps(script))
+    (tmp_path / "fleet.toml").write_text(f"""
+[run]
+name = "job"
+output = "out"
+
+[supervise]
+max_restarts = {max_restarts}
+backoff_base = "{backoff}"
+backoff_max = "4s"
+stall_timeout = "60s"
+
+[job]
+command = "{{python}} {JOB} {tmp_path / 'script.json'} {{shard}}"
+done = "extract-only mode"
+fail = "FAIL|ERROR"
+progress = "processed (?P<done>\\\\d+)/(?P<total>\\\\d+)"
+{extra_job}
+
+[[hosts]]
+name = "local"
+address = "local"
+gpus = {json.dumps(list(gpus))}
+root = "fleet"
+{f'python = {json.dumps(python)}' if python else ''}
+""")
+    return str(tmp_path / "fleet.toml")
+
+
+def events_path(tmp_path, shard: int) -> str:
+    return str(tmp_path / "fleet" / "job" / "shards" / str(shard) / "events.jsonl")
+
+
+def file_events(tmp_path, shard: int) -> list[protocol.Record]:
+    return protocol.read_events(events_path(tmp_path, shard))
+
+
+async def until(predicate, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def started(config_path: str, logs: list | None = None) -> Supervisor:
+    config = load_config(config_path)
+    sup = Supervisor(config, on_log=(logs.append if logs is not None else None))
+    results, failures = await sup.deploy()
+    assert not failures and not results[0].errors, (failures, results[0].errors)
+    sup.plan({"local": results[0].gpus})
+    await sup.start()
+    await sup.launch_all()
+    return sup
+
+
+def shard(sup: Supervisor, k: int):
+    return sup.snapshot().shards[k]
+
+
+async def test_job_sentinels_progress_restart_and_replay_through_the_real_agent(tmp_path):
+    go0, go1 = tmp_path / "go0", tmp_path / "go1"
+    script = {
+        "0": [[["progress", 1, 4], ["sleep", 0.3], ["progress", 2, 4], ["wait", str(go0)],
+               ["progress", 4, 4], ["print", "extract-only mode"], ["exit", 0]]],
+        "1": [[["progress", 1, 4], ["print", "ERROR: CUDA error: an illegal memory access"], ["exit", 1]],
+              [["cr_progress", 2, 4], ["sleep", 0.3], ["cr_progress", 3, 4], ["print", ""], ["wait", str(go1)],
+               ["print", "extract-only mode"], ["exit", 0]]],
+    }
+    sup = await started(job_toml(tmp_path, script))
+    try:
+        # Shard 0: RUNNING from its log's progress lines, rates from the lines' own times.
+        await until(lambda: shard(sup, 0).done == 2, what="shard 0 at 2/4")
+        s0 = shard(sup, 0)
+        assert (s0.state, s0.total, s0.reason) == (State.RUNNING, 4, None)
+        # Shard 1: the ERROR line fails launch 1 (reason quotes it), then it backs off and restarts.
+        await until(lambda: len([e for e in file_events(tmp_path, 1) if isinstance(e, protocol.Launch)]) == 2,
+                    what="shard 1 relaunched")
+        evs = file_events(tmp_path, 1)
+        kinds = [(e.KIND, e.launch) for e in evs if e.KIND != "progress"]
+        assert kinds[:4] == [("launch", 1), ("started", 1), ("sentinel", 1), ("exited", 1)]
+        assert [e.by for e in evs if isinstance(e, protocol.Launch)] == ["manual", "auto"]
+        sentinel = next(e for e in evs if isinstance(e, protocol.Sentinel))
+        exited = next(e for e in evs if isinstance(e, protocol.Exited))
+        assert sentinel.line == "ERROR: CUDA error: an illegal memory access" and sentinel.t <= exited.t
+        launch2 = [e for e in evs if isinstance(e, protocol.Launch)][1]
+        assert launch2.t - exited.t >= 0.5                         # the backoff, from the exit's time
+        # \r-redrawn progress bars count too.
+        await until(lambda: shard(sup, 1).done == 3, what="shard 1 at 3/4 from \\r lines")
+        s1 = shard(sup, 1)
+        assert s1.state == State.RUNNING and s1.restarts == 1 and s1.reason is None
+        assert s1.last_failure == "fail sentinel: ERROR: CUDA error: an illegal memory access"
+        assert s1.failures == 1
+
+        # Cut the agent's stream, then kill the agent: each time the record is replayed from the
+        # start and judged the same; nothing is relaunched, no rate is inflated by replay.
+        link = sup.links["local"]
+        before = [(s.state, s.done, s.restarts, s.last_failure) for s in sup.snapshot().shards]
+        for cut in ("stream", "kill"):
+            await until(lambda: link.stream is not None and link.host.replayed, what="stream up")
+            if cut == "stream":
+                await link.stream.close()
+            else:
+                link.stream.proc.kill()
+            await until(lambda: not link.host.replayed, what=f"{cut}: noticed")
+            await until(lambda: link.host.replayed, timeout=30, what=f"{cut}: replayed again")
+            after = [(s.state, s.done, s.restarts, s.last_failure) for s in sup.snapshot().shards]
+            assert after == before, cut
+            for k in (0, 1):
+                live = sup.shards[k].record
+                assert live.launches == fold(file_events(tmp_path, k)).launches
+                r = rates(live, State.RUNNING, link.host.host_now(time.time()))
+                assert r is None or r.samples_per_s < 20             # ~3/s; replay never adds rate
+        # The done lines, then exit 0: DONE; the fold of the file agrees with the live record.
+        go0.touch()
+        go1.touch()
+        await until(lambda: sup.snapshot().totals.settled, what="both settled")
+        snap = sup.snapshot()
+        assert [s.state for s in snap.shards] == [State.DONE, State.DONE]
+        assert [s.done for s in snap.shards] == [4, 3]
+        one_shot = await Supervisor(load_config(str(tmp_path / "fleet.toml"))).read_once()
+        assert [(s.state, s.restarts, s.last_failure) for s in one_shot.shards] == \
+            [(s.state, s.restarts, s.last_failure) for s in snap.shards]
+    finally:
+        await sup.close()
+        await Supervisor(load_config(str(tmp_path / "fleet.toml"))).stop_all(timeout=2)
+
+
+async def test_a_stop_that_escalates_to_sigkill_stays_stopped(tmp_path):
+    script = {"0": [[["ignore_term"], ["progress", 1, 9], ["hang"]]]}
+    sup = await started(job_toml(tmp_path, script, gpus=(0,), backoff="0.2s"))
+    try:
+        await until(lambda: shard(sup, 0).done == 1, what="running")
+        r = await sup.stop(0, timeout=0.5)
+        assert r["status"] == "killed"
+        await until(lambda: shard(sup, 0).state == State.STOPPED, what="STOPPED")
+        await asyncio.sleep(2.0)                                      # 10x the backoff
+        s = shard(sup, 0)
+        assert (s.state, s.reason, s.restarts, s.faulty) == (State.STOPPED, "stopped", 0, False)
+        evs = file_events(tmp_path, 0)
+        assert [e.KIND for e in evs if e.KIND not in ("progress",)][-2:] == ["stop", "exited"]
+        assert next(e for e in evs if isinstance(e, protocol.Exited)).code == -signal.SIGKILL
+    finally:
+        await sup.close()
+
+
+async def test_runner_killed_with_its_job_is_recorded_by_the_agent_and_restarted(tmp_path):
+    """The whole process tree dies at once (OOM killer): no runner is left to record the exit.
+    The agent records it (vanished) under the lock; the judge restarts the shard."""
+    script = {"0": [[["progress", 1, 9], ["hang"]], [["progress", 2, 9], ["hang"]]]}
+    sup = await started(job_toml(tmp_path, script, gpus=(0,), backoff="0.2s"))
+    try:
+        await until(lambda: shard(sup, 0).done == 1, what="running")
+        shard_dir = tmp_path / "fleet" / "job" / "shards" / "0"
+        runner = int((shard_dir / "runner.pid").read_text())
+        child = int((shard_dir / "pid").read_text())
+        os.kill(runner, signal.SIGKILL)
+        os.kill(child, signal.SIGKILL)
+        await until(lambda: shard(sup, 0).done == 2, what="restarted after the vanish")
+        evs = file_events(tmp_path, 0)
+        end = next(e for e in evs if isinstance(e, protocol.Exited))
+        assert end.vanished and end.launch == 1 and end.code is None
+        s = shard(sup, 0)
+        assert s.restarts == 1 and s.last_failure == "process vanished without an exit status"
+    finally:
+        await sup.close()
+        await Supervisor(load_config(str(tmp_path / "fleet.toml"))).stop_all(timeout=2)
+
+
+async def test_a_launch_that_fails_backs_off_counts_and_goes_fatal(tmp_path):
+    """hostctl itself cannot run on the host (its python refuses): each failed launch is an attempt,
+    spaced by the backoff, and the budget ends in FATAL instead of a retry every poll."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *'worker.hostctl launch'*) echo 'hostctl: no space "
+                       f"for the runner' >&2; exit 1;; esac\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    logs: list[str] = []
+    script = {"0": [[["hang"]]]}
+    sup = await started(job_toml(tmp_path, script, gpus=(0,), max_restarts=2, backoff="0.3s",
+                                 python=str(wrapper)), logs)
+    try:
+        await until(lambda: shard(sup, 0).state == State.FATAL, what="FATAL")
+        s = shard(sup, 0)
+        assert s.reason == "gave up after 2 restart(s); last: launch failed: worker.hostctl failed " \
+                           "(exit 1): hostctl: no space for the runner"
+        await asyncio.sleep(1.5)                                       # FATAL: nothing more is tried
+        tries = [m for m in logs if "launch failed" in m]
+        assert len(tries) == 3                                         # the manual one + 2 automatic
+    finally:
+        await sup.close()
