@@ -83,6 +83,7 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
     async def one(host):
         t = transports[host.name]
         await t.connect()
+        await deploy.upload_worker(t, config, host)      # a newer fleet's checks, not the old ones
         args = ["--out", config.host_path(host, config.run.output)] + ([] if deep else ["--shallow"])
         return await deploy.run_worker_module(t, config, host, "verify", *args, timeout=None)
     results = await asyncio.gather(*(one(h) for h in config.hosts), return_exceptions=True)
