@@ -34,8 +34,9 @@ from worker.data import Sample
 from worker.demo import sharegpt_lengths
 from worker.events import EventLog
 from worker.extract import Options, run_extraction
-from worker.model import Capture, find_decoder, resolve_layers
-from worker.writer import Stats, write_sample_file
+from worker.layers import resolve_layers
+from worker.model import Capture, find_decoder
+from worker.writer import SPECULATORS, Stats, write_sample_file
 
 
 def matmul_peak() -> float:
@@ -88,8 +89,8 @@ def naive(lm, samples, plan, out_dir) -> dict:
             ids = torch.from_numpy(s.input_ids)[None].cuda()
             out = lm(input_ids=ids, output_hidden_states=True)
             hs = torch.stack([out.hidden_states[i][0] for i in plan.ids], dim=1).cpu()
-            write_sample_file(out_dir, s.index, {"hidden_states": hs,
-                                                 "token_ids": torch.from_numpy(s.input_ids)}, {})
+            write_sample_file(SPECULATORS, out_dir, s.index,
+                              {"hidden_states": hs, "token_ids": torch.from_numpy(s.input_ids)}, {})
             tokens += s.length
     torch.cuda.synchronize()
     return {"seconds": time.perf_counter() - t0, "tokens": tokens, "samples": len(samples)}

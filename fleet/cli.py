@@ -13,6 +13,8 @@ from typing import Awaitable, Callable
 
 import click
 
+from worker.formats import FORMATS
+
 from . import render
 from .config import Config, ConfigError, load_config
 from .snapshot import json_schema, status_exit_code
@@ -60,6 +62,7 @@ def main() -> None:
     fleet restart SHARD restart a shard (it resumes)
     fleet down          stop every shard
     fleet verify        check the output: every sample once, every file sound
+    fleet export        convert the output to another trainer's layout on every host
     """
 
 
@@ -297,7 +300,8 @@ def verify(config_path: str, shallow: bool) -> None:
         for host, why in failures.items():
             click.echo(f"unreachable: {why}", err=True)
         click.echo(f"{result.written} written, {len(result.skipped)} skipped, "
-                   f"{result.num_samples if result.num_samples is not None else '?'} in the dataset")
+                   f"{result.num_samples if result.num_samples is not None else '?'} in the dataset"
+                   + (f" (format {result.format})" if result.format else ""))
         for i, why in list(result.skipped.items())[:20]:
             click.echo(f"  skipped {i}: {why}")
         if result.missing:
@@ -313,6 +317,38 @@ def verify(config_path: str, shallow: bool) -> None:
             click.echo("verify: OK")
             return 0
         return EXIT_FAULT
+    run_async(go)
+
+
+# --- export ------------------------------------------------------------------------------------
+
+@main.command()
+@config_option
+@click.option("--format", "fmt", required=True, type=click.Choice(FORMATS),
+              help="the trainer layout to write")
+@click.option("--out", required=True, help="the folder to write on every host (a path on the host, "
+                                           "like [run] output)")
+def export(config_path: str, fmt: str, out: str) -> None:
+    """Convert the run's output on every host to another trainer's layout (no GPU needed; it
+    resumes if stopped). Exit 1 if a host reported a problem, 3 if one was unreachable."""
+    config = load(config_path)
+
+    async def go() -> int:
+        from .export import export_fleet
+        sup = Supervisor(config)
+        try:
+            result = await export_fleet(config, {n: l.transport for n, l in sup.links.items()}, fmt, out)
+        except HostError as e:
+            fail(str(e), EXIT_FAULT)
+        finally:
+            await sup.close()
+        for host, s in result.summaries.items():
+            click.echo(f"{host}: {s['written']} written, {s['skipped']} skipped -> {s['out']} ({fmt})")
+        for why in list(result.failed.values()) + list(result.unreachable.values()):
+            click.echo(f"error: {why}", err=True)    # a host's export that stopped says why last
+        if result.unreachable:
+            return EXIT_UNREACHABLE
+        return EXIT_FAULT if result.failed else 0
     run_async(go)
 
 

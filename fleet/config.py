@@ -17,6 +17,9 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from worker.formats import FORMATS, LOSS_MASKS
+from worker.layers import LayerError, check_spec
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:                                     # pragma: no cover
@@ -49,8 +52,11 @@ class RunSpec(Strict):
     model: str = ""
     data: str = ""
     output: str
-    layers: Union[Literal["speculators", "eagle3", "dflash"], list[int]] = "speculators"
+    format: Literal[FORMATS] = "speculators"       # which trainer's files the workers write
+    layers: Union[str, list[int], None] = None      # a preset, "from:<draft config.json>", a list; None: the format's
     last_layer_norm: Literal["pre", "post"] | None = None
+    target_last_hidden_states: bool = False         # specforge-dflash: add DSpark's final state
+    loss_mask: Literal[LOSS_MASKS] = "assistant"
     max_tokens_per_batch: int = Field(16384, gt=0)
     max_length: int | None = Field(None, gt=0)
     too_long: Literal["truncate", "skip"] = "skip"
@@ -74,6 +80,16 @@ class RunSpec(Strict):
             raise ValueError("use letters, digits, '.', '_' or '-' (it names folders)")
         return v
 
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _layer_spec(cls, v):
+        if isinstance(v, str):               # the worker's own resolver: the same names, the same refusals
+            try:
+                check_spec(v)
+            except LayerError as e:
+                raise ValueError(str(e).removeprefix("layers ")) from None
+        return v
+
     @field_validator("layers")
     @classmethod
     def _layers(cls, v):
@@ -83,7 +99,9 @@ class RunSpec(Strict):
         return v
 
     @property
-    def layers_arg(self) -> str:
+    def layers_arg(self) -> str | None:
+        if self.layers is None:
+            return None
         return self.layers if isinstance(self.layers, str) else ",".join(map(str, self.layers))
 
 

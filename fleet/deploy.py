@@ -17,6 +17,7 @@ from functools import cache
 import worker
 
 from .config import Config, HostSpec
+from .jobs import output_args
 from .transport import HostError, Transport
 
 WORKER_DIR = os.path.dirname(os.path.abspath(worker.__file__))
@@ -134,8 +135,8 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec) -> Preflight
     if run.demo:
         await run_demo_assets(t, config, host, model, data)
     args = ["--gpus", "all" if host.gpus == "all" else ",".join(map(str, host.gpus)),
-            "--device", run.device, "--layers", run.layers_arg,
-            "--output", config.host_path(host, run.output)]
+            "--device", run.device, "--output", config.host_path(host, run.output)]
+    args += output_args(run)
     if model:
         args += ["--model", model]
     if data:

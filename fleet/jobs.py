@@ -59,8 +59,8 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
     argv = [python, "-m", "worker.extract", "--model", values["model"], "--data", values["data"],
             "--out", values["output"], "--state", values["shard_dir"],
             "--shard-index", str(place.shard), "--num-shards", str(num_shards),
-            "--layers", run.layers_arg, "--max-tokens-per-batch", str(run.max_tokens_per_batch),
-            "--too-long", run.too_long]
+            "--max-tokens-per-batch", str(run.max_tokens_per_batch), "--too-long", run.too_long]
+    argv += output_args(run)
     if run.last_layer_norm:
         argv += ["--last-layer-norm", run.last_layer_norm]
     if run.max_length:
@@ -70,6 +70,17 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
     elif run.device == "cuda":
         argv += ["--device", "cuda:0"]
     return ShardCommand(argv + list(run.extra_args), env, None)
+
+
+def output_args(run) -> list[str]:
+    """What the worker writes: format, layers (default: the format's own preset), loss mask. The
+    worker's preflight takes the same flags, so both resolve layers alike."""
+    argv = ["--format", run.format, "--loss-mask", run.loss_mask]
+    if run.layers_arg is not None:
+        argv += ["--layers", run.layers_arg]
+    if run.target_last_hidden_states:
+        argv.append("--target-last-hidden-states")
+    return argv
 
 
 def sentinel_spec(config: Config, host: HostSpec) -> dict | None:

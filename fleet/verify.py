@@ -16,6 +16,7 @@ from .transport import HostError, Transport
 @dataclass
 class VerifyResult:
     num_samples: int | None = None
+    format: str | None = None            # the trainer layout every host wrote (meta.json)
     written: int = 0
     skipped: dict[int, str] = field(default_factory=dict)
     missing: list[list[int]] = field(default_factory=list)
@@ -41,6 +42,11 @@ def merge_reports(reports: dict[str, dict]) -> VerifyResult:
             if result.num_samples is not None and result.num_samples != n:
                 result.problems.append(f"{host}: meta.json says {n} samples, another host {result.num_samples}")
             result.num_samples = n
+        fmt = rep.get("format")
+        if fmt is not None:
+            if result.format is not None and result.format != fmt:
+                result.problems.append(f"{host}: files in format {fmt}, another host's in {result.format}")
+            result.format = fmt
         result.problems += [f"{host}: {p}" for p in rep.get("problems", [])]
         result.unrecorded_files += rep.get("unrecorded_files", 0)
         indices = list(_expand(rep.get("written", []))) + [int(i) for i in rep.get("skipped", {})]
@@ -77,6 +83,7 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
     async def one(host):
         t = transports[host.name]
         await t.connect()
+        await deploy.upload_worker(t, config, host)      # a newer fleet's checks, not the old ones
         args = ["--out", config.host_path(host, config.run.output)] + ([] if deep else ["--shallow"])
         return await deploy.run_worker_module(t, config, host, "verify", *args, timeout=None)
     results = await asyncio.gather(*(one(h) for h in config.hosts), return_exceptions=True)

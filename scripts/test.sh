@@ -17,4 +17,8 @@ fi
 PY="${PYTHON:-python3}"
 # torch is pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build.
 "$PY" -m pip install -q --disable-pip-version-check -e '.[worker,test]' torch==2.13.0
+# The trainers whose readers the format tests run, without their pins (torch 2.11, sglang, ...):
+# only their reader modules are imported, and those need nothing beyond the test extra.
+"$PY" -m pip install -q --disable-pip-version-check --no-deps \
+    specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0
 exec "$PY" -m pytest -q "$@"

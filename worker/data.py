@@ -160,13 +160,44 @@ def _chat_messages(row: dict) -> list[dict]:
     return messages
 
 
-def tokenize_chat(messages: list[dict], tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Render with the model's chat template; loss_mask = 1 on the tokens of assistant turns.
+def tokenize_chat(messages: list[dict], tokenizer: Any, mode: str = "assistant"
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Render with the model's chat template; loss_mask = 1 on the tokens the trainers supervise.
 
-    The mask comes from character spans: each assistant message's text is found in the rendered
-    conversation, and a token is an assistant token when its characters overlap such a span.
+    `assistant` (what SpecForge, speculators and EAGLE train on): each assistant turn from the end
+    of the generation prompt through its end-of-turn token, template-inserted text (an empty
+    `<think></think>`) included. `assistant-content`: the characters of each assistant message
+    found in the rendering (misses the end-of-turn token, and turns a template trims). `all`.
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = _render(tokenizer, messages, False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    if mode == "all":
+        return ids, np.ones(len(ids), dtype=np.uint8)
+    if mode == "assistant-content":
+        spans = _content_spans(messages, text)
+    else:
+        spans = [_turn_span(messages, i, text, tokenizer)
+                 for i, m in enumerate(messages) if m["role"] == "assistant"]
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for t, (a, b) in enumerate(enc["offset_mapping"]):
+        if any(a < e and b > s for s, e in spans):
+            mask[t] = 1
+    return ids, mask
+
+
+def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+    except Exception as e:                  # a template's raise_exception(): this row's problem
+        if type(e).__module__.startswith("jinja2"):
+            raise ValueError(f"chat template: {e}") from None
+        raise
+
+
+def _content_spans(messages: list[dict], text: str) -> list[tuple[int, int]]:
+    """Character spans of each assistant message's text, searched for in order."""
     spans, pos = [], 0
     for m in messages:
         at = text.find(m["content"], pos) if m["content"] else -1
@@ -175,18 +206,69 @@ def tokenize_chat(messages: list[dict], tokenizer: Any) -> tuple[np.ndarray, np.
         if m["role"] == "assistant":
             spans.append((at, at + len(m["content"])))
         pos = at + len(m["content"])
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    mask = np.zeros(len(ids), dtype=np.uint8)
-    for t, (a, b) in enumerate(enc["offset_mapping"]):
-        if any(a < e and b > s for s, e in spans):
-            mask[t] = 1
-    return ids, mask
+    return spans
+
+
+def _turn_span(messages: list[dict], i: int, text: str, tokenizer: Any) -> tuple[int, int]:
+    """Characters of assistant turn `i` in the full rendering `text`, from the end of the
+    generation prompt through the turn's end-of-turn token.
+
+    The start is the length of the conversation before the turn rendered with the generation
+    prompt. The end-of-turn token is the last special token of the turn rendered as the last
+    message (after it comes only whitespace); its first occurrence from the start ends the turn in
+    `text` (a template may render a turn differently once later turns follow it, e.g. Qwen3 drops
+    the empty think block, so the turn's own rendering cannot be measured)."""
+    before = _render(tokenizer, messages[:i], True) if i else ""
+    if i and before == _render(tokenizer, messages[:i], False):
+        raise DataError("the chat template adds no generation prompt (add_generation_prompt "
+                        "changes nothing), so an assistant turn's start is unknown: use "
+                        "loss_mask = \"assistant-content\" or \"all\"")
+    if not text.startswith(before):
+        raise ValueError(f"turn {i}: the chat template renders the conversation before it "
+                         f"differently on its own")
+    start = len(before)
+    own = _render(tokenizer, messages[: i + 1], False)
+    if not own.startswith(before):
+        raise ValueError(f"turn {i}: the chat template renders its generation prompt differently "
+                         f"from the turn")
+    turn = own[start:].rstrip()
+    eot = _last_special_token(tokenizer, turn)
+    if eot is not None:
+        at = text.find(eot, start)
+        if at >= 0:
+            return start, at + len(eot)
+    if text.startswith(turn, start):                 # no special end marker: the turn as rendered
+        return start, start + len(turn)
+    raise ValueError(f"turn {i}: cannot find where it ends in the rendered conversation")
+
+
+def _last_special_token(tokenizer: Any, turn: str) -> str | None:
+    """The turn's last token, if it is one of the tokenizer's added special tokens."""
+    ids = tokenizer(turn, add_special_tokens=False)["input_ids"]
+    if not ids:
+        return None
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                if getattr(t, "special", False)}
+    return tokenizer.convert_ids_to_tokens(ids[-1]) if ids[-1] in special else None
+
+
+def _mask_from_row(raw: Any, length: int) -> np.ndarray | str:
+    """A row's own loss_mask: only 0/1 integers or booleans (the string "0" is not false), else
+    the reason it is refused."""
+    if not isinstance(raw, (list, tuple)) or len(raw) != length:
+        return (f"loss_mask length {len(raw) if isinstance(raw, (list, tuple)) else '?'}"
+                f" differs from input_ids length {length}")
+    for n, x in enumerate(raw):
+        if not (isinstance(x, (int, bool)) and x in (0, 1)):
+            return f"loss_mask[{n}] is {x!r}: expected 0 or 1 (integers or booleans)"
+    return np.asarray(raw, dtype=np.uint8)
 
 
 def row_to_sample(index: int, row: Any, vocab_size: int,
-                  tokenizer: Callable[[], Any]) -> Sample | BadRow:
-    """Validate one row. `tokenizer` is called only for raw chats (loading it is not free)."""
+                  tokenizer: Callable[[], Any], loss_mask: str = "assistant") -> Sample | BadRow:
+    """Validate one row. `tokenizer` is called only for raw chats (loading it is not free);
+    `loss_mask` is the mode for raw chats (rows with their own loss_mask keep it)."""
     if isinstance(row, BadRow):
         return row
     if not isinstance(row, dict):
@@ -199,15 +281,13 @@ def row_to_sample(index: int, row: Any, vocab_size: int,
                 return BadRow(index, "input_ids is not a list of integers")
             ids = np.asarray(raw, dtype=np.int64)
             if row.get("loss_mask") is not None:
-                mask_raw = row["loss_mask"]
-                if not isinstance(mask_raw, (list, tuple)) or len(mask_raw) != len(raw):
-                    return BadRow(index, f"loss_mask length {len(mask_raw) if isinstance(mask_raw, (list, tuple)) else '?'}"
-                                         f" differs from input_ids length {len(raw)}")
-                mask = np.asarray([1 if x else 0 for x in mask_raw], dtype=np.uint8)
+                mask = _mask_from_row(row["loss_mask"], len(raw))
+                if isinstance(mask, str):
+                    return BadRow(index, mask)
             else:
                 mask = np.ones(len(ids), dtype=np.uint8)
         elif "conversations" in row or "messages" in row:
-            ids, mask = tokenize_chat(_chat_messages(row), tokenizer())
+            ids, mask = tokenize_chat(_chat_messages(row), tokenizer(), loss_mask)
         else:
             return BadRow(index, "row has none of input_ids, conversations, messages")
     except (ValueError, TypeError, OverflowError) as e:

@@ -12,7 +12,7 @@ import os
 import random
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}")
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 _WORDS = ("the a model layer hidden state token batch shard fleet worker speculative decoding draft "
           "verify sample length budget attention gate delta memory write disk atomic rename resume "
@@ -57,6 +57,16 @@ def make_tokenizer(path: str, vocab_size: int = 512):
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
     return fast
+
+
+def update_chat_template(path: str) -> None:
+    """Demo models made before the template had a generation prompt get the current one."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.chat_template != CHAT_TEMPLATE:
+        tok.chat_template = CHAT_TEMPLATE
+        tok.save_pretrained(path)
 
 
 def tiny_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 8):
@@ -135,6 +145,8 @@ def main() -> None:
     if not os.path.exists(os.path.join(args.model, "config.json")):
         make_model(args.model, hidden=args.hidden, layers=args.layers)
         print(f"made demo model {args.model}")
+    else:
+        update_chat_template(args.model)
     if not os.path.exists(args.data):
         make_chat_dataset(args.data, args.samples)
         print(f"made demo dataset {args.data}")

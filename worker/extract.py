@@ -28,8 +28,10 @@ from . import __version__, protocol
 from .batching import make_batches, padded_length
 from .data import BadRow, DataError, Sample, open_dataset, row_to_sample, shard_range
 from .events import EventLog
-from .model import (Capture, LayerPlan, ModelError, find_decoder, load_model, missing_fast_kernels,
-                    resolve_layers, text_config)
+from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, Layout,
+                      supervision_problem, trainer_setting)
+from .layers import LayerError, LayerPlan, choices, resolve_layers
+from .model import Capture, ModelError, find_decoder, load_model, missing_fast_kernels, text_config
 from .writer import (BackgroundWriter, DiskFullError, Manifest, Stats, load_finished, manifest_path,
                      write_json_atomic)
 
@@ -56,8 +58,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="folder for events.jsonl (what fleet reads); default: no event file")
     p.add_argument("--shard-index", type=int, default=0)
     p.add_argument("--num-shards", type=int, default=1)
-    p.add_argument("--layers", default="speculators",
-                   help="speculators | eagle3 | dflash | comma list of hs indices (default speculators)")
+    p.add_argument("--format", choices=FORMATS, default="speculators",
+                   help="which trainer's files to write (default speculators: hs_<index>.safetensors)")
+    p.add_argument("--layers", default=None,
+                   help=f"{choices()} (default: the preset named like --format; eagle for eagle, "
+                        f"specforge-dflash for specforge-dflash)")
+    p.add_argument("--target-last-hidden-states", action="store_true",
+                   help="specforge-dflash: also write hs[L] post-norm as target_last_hidden_states "
+                        "(SpecForge DSpark; implied by a DSpark draft config)")
+    p.add_argument("--loss-mask", choices=LOSS_MASKS, default="assistant",
+                   help="raw chats: assistant (each assistant turn from the end of the generation "
+                        "prompt through its end-of-turn token; default), assistant-content (the "
+                        "message text only), all")
     p.add_argument("--last-layer-norm", choices=("pre", "post"), default=None,
                    help="for an explicit list holding L: raw last-layer output (pre, default) or "
                         "final-normed (post)")
@@ -96,6 +108,8 @@ class Options:
     writer_threads: int = 4
     sort_window: int = 20000
     pad_multiple: int = 8
+    loss_mask: str = "assistant"
+    format: str = "speculators"
 
 
 def gpu_memory(device: torch.device) -> dict:
@@ -163,7 +177,7 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
     for index, row in dataset.rows(start, stop):
         if index in finished:
             continue
-        sample = row_to_sample(index, row, vocab_size, tokenizer)
+        sample = row_to_sample(index, row, vocab_size, tokenizer, options.loss_mask)
         if isinstance(sample, BadRow):
             yield sample
             continue
@@ -173,6 +187,9 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
                 continue
             sample = Sample(index, sample.input_ids[: options.max_length],
                             sample.loss_mask[: options.max_length])
+        if problem := supervision_problem(options.format, sample.loss_mask):
+            yield BadRow(index, problem)
+            continue
         chunk.append(sample)
         if len(chunk) >= options.sort_window:
             yield chunk
@@ -181,23 +198,19 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
         yield chunk
 
 
-def file_metadata(plan: LayerPlan) -> dict[str, str]:
-    return {"layer_ids": ",".join(map(str, plan.ids)), "last_layer_norm": plan.last_layer_norm,
-            "format": "fleet-hs-1"}
-
-
 def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow], plan: LayerPlan,
                    out_dir: str, shard: int, device: torch.device, options: Options,
                    log: EventLog, stats: Stats, progress_interval: float = 2.0,
                    total: int = 0) -> Stats:
-    """The GPU loop: sample chunks in, files out; bad rows recorded as skipped. Shared by the CLI
-    and the benchmark."""
+    """The GPU loop: sample chunks in, files out (in `options.format`); bad rows recorded as
+    skipped. Shared by the CLI and the benchmark."""
     os.makedirs(out_dir, exist_ok=True)
+    layout = Layout(options.format, plan)
     writer = BackgroundWriter(
-        out_dir, Manifest(manifest_path(out_dir, shard)), file_metadata(plan), stats,
+        out_dir, Manifest(manifest_path(out_dir, shard)), layout.header(), stats,
         depth=options.writer_queue, file_threads=options.writer_threads, device=device,
         on_skip=lambda index, reason: log.emit(protocol.SampleSkipped(index=index, reason=reason)),
-        reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0)
+        reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0, layout=layout)
     extractor = Extractor(model, plan, device, writer, options.pad_multiple)
     stop_ticker = threading.Event()
 
@@ -222,6 +235,16 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
     return stats
 
 
+def run_meta(layout: Layout, layers: str, loss_mask: str, out: str) -> dict:
+    """What meta.json says about the files: format, where the trainer reads, layers, loss mask."""
+    plan = layout.plan
+    return {"format": layout.format, "data_dir": os.path.abspath(layout.data_dir(out)),
+            "layers": layers, "layer_ids": list(plan.ids), "last_layer_norm": plan.last_layer_norm,
+            "num_layers": plan.num_layers, "target_last_hidden_states": plan.target_last,
+            "trainer_setting": trainer_setting(layout.format, plan), "loss_mask": loss_mask,
+            "loss_mask_convention": LOSS_MASK_CONVENTIONS[loss_mask]}
+
+
 def write_meta(out_dir: str, meta: dict) -> None:
     """meta.json describes every file in the folder; a run with other layers must not mix in."""
     path = os.path.join(out_dir, protocol.META_FILE)
@@ -231,7 +254,8 @@ def write_meta(out_dir: str, meta: dict) -> None:
             old = json.load(open(path))
         except ValueError:
             old = {}
-        for key in ("layer_ids", "last_layer_norm", "hidden_size", "num_samples"):
+        for key in ("format", "layer_ids", "last_layer_norm", "target_last_hidden_states",
+                    "hidden_size", "num_samples", "loss_mask"):
             if key in old and old[key] != meta[key]:
                 raise ModelError(f"{out_dir} already holds a run with {key}={old[key]} "
                                  f"(meta.json); this run has {key}={meta[key]}: use another --out")
@@ -263,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args.model, str(device), dtype, args.random_weights)
         vocab_size = model.get_input_embeddings().num_embeddings
         config = text_config(model)
-        plan = resolve_layers(args.layers, config.num_hidden_layers, args.last_layer_norm)
+        plan = resolve_layers(args.layers or args.format, config.num_hidden_layers,
+                              args.last_layer_norm, args.target_last_hidden_states)
+        layout = Layout(args.format, plan)
         log.emit(protocol.Loaded(seconds=round(time.perf_counter() - t0, 2), **gpu_memory(device),
                                  layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm))
         if warning := missing_fast_kernels(model):
@@ -272,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         write_meta(args.out, {
             "model": os.path.abspath(args.model), "model_type": config.model_type,
             "dtype": "bfloat16", "model_dtype": str(dtype).removeprefix("torch."),
-            "layer_ids": list(plan.ids), "last_layer_norm": plan.last_layer_norm,
-            "num_layers": plan.num_layers, "hidden_size": config.hidden_size,
+            **run_meta(layout, args.layers or args.format, args.loss_mask, args.out),
+            "hidden_size": config.hidden_size,
             "num_samples": dataset.num_rows, "data": os.path.abspath(args.data),
             "random_weights": args.random_weights,
             "versions": {"worker": __version__, "torch": torch.__version__,
@@ -298,14 +324,15 @@ def main(argv: list[str] | None = None) -> int:
 
         options = Options(args.max_tokens_per_batch, args.max_length, args.too_long,
                           args.writer_queue, args.writer_threads, args.sort_window,
-                          pad_multiple=args.pad_multiple or (8 if device.type == "cuda" else 1))
+                          pad_multiple=args.pad_multiple or (8 if device.type == "cuda" else 1),
+                          loss_mask=args.loss_mask, format=args.format)
         items = iter_shard(dataset, start, stop, set(finished), vocab_size, tokenizer, options)
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                stats, args.progress_interval, stop - start)
         log.emit(protocol.Done(**stats.snapshot(), total=stop - start,
                                host_peak_bytes=host_peak_bytes(), **gpu_memory(device)))
         return 0
-    except (DataError, ModelError) as e:
+    except (DataError, ModelError, LayerError, FormatError) as e:
         return fail(log, str(e), EXIT_USAGE)
     except DiskFullError as e:
         return fail(log, str(e), EXIT_FAILED)

@@ -1,9 +1,10 @@
 """Loading the base model and capturing exactly the requested hidden states with hooks.
 
-Layer ids are `output_hidden_states` indices: hs[0] is the input to decoder layer 0 (the embedding
-output), hs[k] the output of decoder layer k-1, and hs[L] either the last layer's raw output
-("pre" norm, speculators' convention) or the final-normed output ("post", what transformers itself
-returns as hs[L]). Only the requested tensors are kept; lm_head and logits are never computed.
+Layer ids are `output_hidden_states` indices (worker.layers decides which): hs[0] is the input to
+decoder layer 0 (the embedding output), hs[k] the output of decoder layer k-1, and hs[L] either the
+last layer's raw output ("pre" norm, speculators' convention) or the final-normed output ("post",
+what transformers itself returns as hs[L]). Only the requested tensors are kept; lm_head and logits
+are never computed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 
 import torch
 
-PRESETS = ("speculators", "eagle3", "dflash")
+from .layers import LayerPlan
+
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 
 # Where decoder stacks and final norms live, as attribute paths from the loaded base model.
@@ -25,46 +27,7 @@ NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm")
 
 
 class ModelError(Exception):
-    """The model cannot be used as asked (missing path, unknown architecture, bad layer ids)."""
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    ids: tuple[int, ...]          # hs indices, in file order
-    last_layer_norm: str          # "pre" | "post" | "none" (hs[L] not among the ids)
-    num_layers: int               # L
-
-
-def resolve_layers(spec: str, num_layers: int, last_layer_norm: str | None = None) -> LayerPlan:
-    """A preset name or a comma list of hs indices -> LayerPlan."""
-    L = num_layers
-    spec = spec.strip()
-    if spec == "speculators":
-        ids, norm = [2, L // 2, L - 3, L], "pre"
-    elif spec == "eagle3":
-        ids, norm = [2, L // 2, L - 3, L], "post"
-    elif spec == "dflash":
-        layer_ids = [round(1 + i * (L - 4) / 4) for i in range(5)]
-        ids, norm = [i + 1 for i in layer_ids], "pre"
-    else:
-        try:
-            ids = [int(x) for x in spec.replace(" ", "").split(",") if x]
-        except ValueError:
-            raise ModelError(f"--layers {spec!r}: expected one of {', '.join(PRESETS)} "
-                             f"or a comma list of integers") from None
-        norm = "pre"
-        if not ids:
-            raise ModelError("--layers is empty")
-        if len(set(ids)) != len(ids):
-            raise ModelError(f"--layers {spec!r} repeats an index")
-    if spec in PRESETS:
-        ids = sorted(set(min(max(i, 0), L) for i in ids))
-    bad = [i for i in ids if not 0 <= i <= L]
-    if bad:
-        raise ModelError(f"layer id {bad[0]} out of range: this model has hs indices 0..{L}")
-    if last_layer_norm is not None:
-        norm = last_layer_norm
-    return LayerPlan(tuple(ids), norm if L in ids else "none", L)
+    """The model cannot be used as asked (missing path, unknown architecture)."""
 
 
 def _get_path(obj: Any, path: str) -> Any:

@@ -1,9 +1,9 @@
 """`python -m worker.preflight`: can this host run its shards? One JSON object on stdout.
 
 Checks the Python version, torch/transformers/safetensors (built-in job only), GPUs against the
-ones asked for, the model and data paths, and free disk at the output against the estimated output
-size (tokens x layers x hidden x 2 bytes). Standard library only, except that it imports torch when
-the built-in job needs it.
+ones asked for, the model and data paths, the layers and format (through the worker's own resolver),
+and free disk at the output against the estimated output size (tokens x layers x hidden x 2 bytes).
+Standard library only, except that it imports torch when the built-in job needs it.
 """
 
 from __future__ import annotations
@@ -14,18 +14,12 @@ import json
 import os
 import sys
 
+from .formats import FormatError, check_plan
 from .gpu import GpuReader
+from .layers import LayerError, resolve_layers
 from .probe import disk_space
 
 MIN_PYTHON = (3, 9)
-
-
-def layer_count(spec: str) -> int:
-    if spec in ("speculators", "eagle3"):
-        return 4
-    if spec == "dflash":
-        return 5
-    return len([x for x in spec.split(",") if x.strip()])
 
 
 def model_shape(model: str) -> tuple[int, int] | None:
@@ -121,15 +115,24 @@ def run(args: argparse.Namespace) -> dict:
     if args.builtin and args.model and os.path.isdir(args.model) and not args.demo:
         if model_shape(args.model) is None:
             check("error", f"{args.model}/config.json is missing or has no hidden_size/num_hidden_layers")
+    shape = model_shape(args.model) if args.model else None
+    layer_count = None
+    if args.builtin and shape:
+        try:          # the worker's own resolver: the same ids, the same refusals, before launch
+            plan = resolve_layers(args.layers or args.format, shape[1], None,
+                                  args.target_last_hidden_states)
+            check_plan(args.format, plan)
+            layer_count = len(plan.ids)
+        except (LayerError, FormatError) as e:
+            check("error", str(e))
     if args.output:
         space = disk_space(args.output)
         free = report["free_bytes"] = space.free
         if not os.access(space.probe, os.W_OK):
             check("error", f"output {args.output}: {space.probe} is not writable")
-        shape = model_shape(args.model) if args.model else None
         tokens = estimate_tokens(args.data) if args.data else None
-        if shape and tokens is not None and args.builtin:
-            need = tokens * layer_count(args.layers) * shape[0] * 2 - existing_output_bytes(args.output)
+        if shape and tokens is not None and layer_count:
+            need = tokens * layer_count * shape[0] * 2 - existing_output_bytes(args.output)
             report["estimated_bytes"] = max(need, 0)
             if need > free:
                 check("error", f"output {args.output}: needs about {need / 1e9:.1f} GB, "
@@ -140,18 +143,24 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m worker.preflight")
     ap.add_argument("--model", default=None)
     ap.add_argument("--data", default=None)
     ap.add_argument("--output", default=None)
     ap.add_argument("--gpus", default="all")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--layers", default="speculators")
+    ap.add_argument("--layers", default=None, help="as the worker's --layers (default: --format)")
+    ap.add_argument("--format", default="speculators")
+    ap.add_argument("--target-last-hidden-states", action="store_true")
+    ap.add_argument("--loss-mask", default="assistant", help="accepted as the worker takes it")
     ap.add_argument("--builtin", action="store_true", help="the built-in extraction worker runs here")
     ap.add_argument("--demo", action="store_true", help="model and data are made on first use")
-    args = ap.parse_args(argv)
-    print(json.dumps(run(args)))
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(json.dumps(run(parse_args(argv))))
     return 0
 
 

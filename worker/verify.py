@@ -1,7 +1,7 @@
 """`python -m worker.verify --out DIR`: check a host's output folder; one JSON object on stdout.
 
-Every manifest entry's file exists, opens, has the declared shapes and metadata, and holds finite
-values; every index is recorded once. The supervisor merges hosts' reports and checks that every
+Every manifest entry's file exists where meta.json's format puts it, opens, has the declared keys,
+shapes and metadata, and holds finite values; every index is recorded once. The supervisor merges hosts' reports and checks that every
 global index 0..N-1 is present exactly once across the fleet.
 """
 
@@ -14,6 +14,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from . import protocol
+from .formats import FormatError, Layout
+from .layers import LayerPlan
 
 
 def to_ranges(indices) -> list[list[int]]:
@@ -27,33 +29,32 @@ def to_ranges(indices) -> list[list[int]]:
     return ranges
 
 
-def check_file(out: str, rec: dict, layers: int | None, hidden: int | None) -> str | None:
-    import torch
-    from safetensors import safe_open
-
-    index, T = rec["index"], rec.get("tokens")
-    path = os.path.join(out, protocol.sample_file_name(index))
+def layout_of(meta: dict) -> Layout:
+    """The layout meta.json describes (runs from before formats existed are speculators files)."""
+    ids = tuple(meta.get("layer_ids", ()))
+    L = meta.get("num_layers", max(ids, default=0))
+    plan = LayerPlan(ids, meta.get("last_layer_norm", "none"), L,
+                     bool(meta.get("target_last_hidden_states", False)))
     try:
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            hs = f.get_tensor("hidden_states")
-            ids = f.get_tensor("token_ids")
-            mask = f.get_tensor("loss_mask")
+        return Layout(meta.get("format", "speculators"), plan)
+    except FormatError:                    # an unreadable meta.json: check what can be checked
+        return Layout("speculators", plan)
+
+
+def check_file(layout: Layout, out: str, rec: dict, hidden: int | None) -> str | None:
+    index = rec["index"]
+    path = layout.path(out, index)
+    try:
+        tensors, meta = layout.load(path)
     except FileNotFoundError:
         return f"sample {index}: {path} missing"
     except Exception as e:
-        return f"sample {index}: {path} unreadable: {type(e).__name__}: {e}"
-    if hs.dtype != torch.bfloat16:
-        return f"sample {index}: hidden_states dtype {hs.dtype}, expected bfloat16"
-    expect = (T, layers, hidden)
-    if hs.dim() != 3 or any(e is not None and e != s for e, s in zip(expect, hs.shape)):
-        return f"sample {index}: hidden_states shape {tuple(hs.shape)}, expected {expect}"
-    if ids.shape != (hs.shape[0],) or mask.shape != (hs.shape[0],):
-        return f"sample {index}: token_ids/loss_mask length differs from hidden_states"
-    if meta.get("sample_index") != str(index):
+        return f"sample {index}: {path} unreadable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    problem = layout.check(tensors, rec.get("tokens"), hidden)
+    if problem:
+        return f"sample {index}: {path}: {problem}"
+    if layout.format == "speculators" and meta.get("sample_index") != str(index):
         return f"sample {index}: metadata sample_index is {meta.get('sample_index')!r}"
-    if not bool(torch.isfinite(hs).all()):
-        return f"sample {index}: non-finite values"
     return None
 
 
@@ -63,6 +64,7 @@ def verify(out: str, deep: bool = True, threads: int = 8) -> dict:
         meta = json.load(open(meta_path))
     except (OSError, ValueError):
         meta = {}
+    layout = layout_of(meta)
     problems: list[str] = []
     seen: dict[int, dict] = {}
     folder = os.path.join(out, protocol.MANIFEST_DIR)
@@ -77,22 +79,15 @@ def verify(out: str, deep: bool = True, threads: int = 8) -> dict:
             seen[i] = rec
     written = [r for r in seen.values() if "skipped" not in r]
     skipped = {i: r["skipped"] for i, r in seen.items() if "skipped" in r}
-    layers = len(meta["layer_ids"]) if "layer_ids" in meta else None
     if deep and written:
         with ThreadPoolExecutor(threads) as pool:
-            for problem in pool.map(lambda r: check_file(out, r, layers, meta.get("hidden_size")), written):
+            for problem in pool.map(lambda r: check_file(layout, out, r, meta.get("hidden_size")),
+                                    written):
                 if problem:
                     problems.append(problem)
-    on_disk = set()
-    if os.path.isdir(out):
-        for name in os.listdir(out):
-            if name.startswith(protocol.SAMPLE_PREFIX) and name.endswith(protocol.SAMPLE_SUFFIX):
-                try:
-                    on_disk.add(int(name[len(protocol.SAMPLE_PREFIX):-len(protocol.SAMPLE_SUFFIX)]))
-                except ValueError:
-                    problems.append(f"{name}: unexpected file name")
-    unrecorded = on_disk - {r["index"] for r in written}
-    return {"num_samples": meta.get("num_samples"), "written": to_ranges(r["index"] for r in written),
+    unrecorded = set(layout.scan(out)) - {r["index"] for r in written}
+    return {"num_samples": meta.get("num_samples"), "format": layout.format,
+            "written": to_ranges(r["index"] for r in written),
             "skipped": {str(i): why for i, why in sorted(skipped.items())},
             "unrecorded_files": len(unrecorded), "problems": problems, "checked": len(written)}
 

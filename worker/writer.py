@@ -19,22 +19,27 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import save_file
 
 from . import protocol
+from .formats import Layout
+from .layers import LayerPlan
+
+SPECULATORS = Layout("speculators", LayerPlan((), "none", 0))   # the layout when none is given
 
 
 class DiskFullError(Exception):
     pass
 
 
-def write_sample_file(out_dir: str, index: int, tensors: dict[str, torch.Tensor],
+def write_sample_file(layout: Layout, out_dir: str, index: int, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str]) -> int:
-    """Write hs_<index>.safetensors atomically; returns its size in bytes."""
-    final = os.path.join(out_dir, protocol.sample_file_name(index))
+    """Write sample `index` where `layout` puts it, atomically: a `.tmp-` file at the top of
+    `out_dir` (no reader lists it), fsync, rename into place. Returns its size in bytes."""
+    final = layout.path(out_dir, index)
     tmp = os.path.join(out_dir, f"{protocol.TEMP_PREFIX}{index}-{os.getpid()}-{threading.get_ident()}")
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        layout.save(tensors, tmp, metadata)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -48,7 +53,7 @@ def write_sample_file(out_dir: str, index: int, tensors: dict[str, torch.Tensor]
             pass
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFullError(f"disk full writing sample {index} to {out_dir}") from None
-        if "No space left" in str(e):     # safetensors reports I/O errors as its own exception
+        if "No space left" in str(e):     # safetensors and torch.save report I/O errors their own way
             raise DiskFullError(f"disk full writing sample {index} to {out_dir}") from None
         raise
     return os.path.getsize(final)
@@ -174,8 +179,10 @@ class BackgroundWriter:
 
     def __init__(self, out_dir: str, manifest: Manifest, metadata: dict[str, str], stats: Stats,
                  depth: int, file_threads: int, device: torch.device,
-                 on_skip: Callable[[int, str], None], reserve_tokens: int = 0):
+                 on_skip: Callable[[int, str], None], reserve_tokens: int = 0,
+                 layout: Layout = SPECULATORS):
         self.out_dir = out_dir
+        self.layout = layout
         self.reserve_tokens = reserve_tokens
         self.manifest = manifest
         self.metadata = metadata
@@ -249,6 +256,11 @@ class BackgroundWriter:
             except BaseException as e:       # surfaced to the GPU loop at its next submit
                 self.error = e
 
+    def _write(self, sample, hidden: torch.Tensor, meta: dict[str, str]) -> int:
+        tensors = self.layout.pack(hidden, torch.from_numpy(sample.input_ids),
+                                   torch.from_numpy(sample.loss_mask))
+        return write_sample_file(self.layout, self.out_dir, sample.index, tensors, meta)
+
     def _record_skip(self, index: int, reason: str) -> None:
         self.manifest.append([{"index": index, "skipped": reason}])
         with self.stats.lock:
@@ -267,15 +279,12 @@ class BackgroundWriter:
                     futures.append((sample, None, "non-finite hidden states"))
                     continue
                 T = sample.length
-                tensors = {"hidden_states": view[row, :T],
-                           "token_ids": torch.from_numpy(sample.input_ids),
-                           "loss_mask": torch.from_numpy(sample.loss_mask)}
-                if tensors["hidden_states"].shape != (T, n, H) or tensors["loss_mask"].shape != (T,):
+                hidden = view[row, :T]
+                if hidden.shape != (T, n, H) or sample.loss_mask.shape != (T,):
                     futures.append((sample, None, "shape mismatch"))
                     continue
                 meta = dict(self.metadata, sample_index=str(sample.index))
-                futures.append((sample, self.files.submit(write_sample_file, self.out_dir,
-                                                          sample.index, tensors, meta), None))
+                futures.append((sample, self.files.submit(self._write, sample, hidden, meta), None))
             records, first_error = [], None
             for sample, fut, problem in futures:
                 if problem is not None:

@@ -117,7 +117,8 @@ def test_out_of_memory_splits_batches_and_skips_only_what_cannot_fit(tmp_path, d
     from worker.data import Sample
     from worker.events import EventLog
     from worker.extract import Options, run_extraction
-    from worker.model import load_model, resolve_layers
+    from worker.layers import resolve_layers
+    from worker.model import load_model
     from worker.writer import Stats
 
     model = load_model(dense_model, "cpu", torch.float32)

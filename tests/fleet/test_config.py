@@ -122,3 +122,44 @@ def test_cli_reports_config_errors_with_exit_2(tmp_path):
         r = subprocess.run([sys.executable, "-m", "fleet.cli", *cmd, "-c", path], capture_output=True, text=True)
         assert r.returncode == 2, (cmd, r.stderr)
         assert r.stderr.strip() == f"error: {path}:18: unknown key 'prot' in [[hosts]] #1; did you mean 'port'?"
+
+
+# --- format, layers, loss mask --------------------------------------------------------------------
+
+def test_format_layers_and_loss_mask_defaults_and_choices(tmp_path):
+    run = load_config(write(tmp_path, GOOD.replace('layers = "speculators"\n', ""))).run
+    assert (run.format, run.layers, run.loss_mask, run.target_last_hidden_states) == \
+        ("speculators", None, "assistant", False)
+    text = GOOD.replace('layers = "speculators"', 'format = "specforge-dflash"\nlayers = "from:/d/config.json"\n'
+                                                  'loss_mask = "assistant-content"\ntarget_last_hidden_states = true')
+    run = load_config(write(tmp_path, text)).run
+    assert (run.format, run.layers_arg, run.loss_mask) == ("specforge-dflash", "from:/d/config.json", "assistant-content")
+    for layers in ('"specforge-dflash:5"', '"eagle3"', '"speculators-dflash"', "[2, 17, 32]"):
+        assert load_config(write(tmp_path, GOOD.replace('"speculators"', layers))).run.layers is not None
+
+
+@pytest.mark.parametrize("new, expected", [
+    ('layers = "dflash"', "run.layers: 'dflash' is ambiguous: speculators' DFlash and SpecForge's DFlash "
+                          "read different layers; use one of speculators, speculators-eagle3"),
+    ('layers = "specforge-dflash:x"', "expected specforge-dflash:<draft layers>"),
+    ('layers = "from:"', "name the draft model's config.json"),
+    ('format = "eagle2"', "run.format: Input should be 'speculators', 'specforge-eagle3', 'specforge-dflash' or 'eagle'"),
+    ('loss_mask = "assistants"', "run.loss_mask: Input should be 'assistant', 'assistant-content' or 'all'"),
+])
+def test_format_layer_and_mask_errors_are_one_line(tmp_path, new, expected):
+    msg = error_of(tmp_path, GOOD.replace('layers = "speculators"', new))
+    assert msg.startswith(f"{tmp_path / 'fleet.toml'}:6: ") and expected in msg and "\n" not in msg, msg
+
+
+def test_shard_command_carries_format_layers_and_mask(tmp_path):
+    from fleet.jobs import Placement, shard_command
+    text = GOOD.replace('layers = "speculators"', 'format = "specforge-dflash"\nlayers = "specforge-dflash:5"\n'
+                                                  'target_last_hidden_states = true\nloss_mask = "all"')
+    c = load_config(write(tmp_path, text))
+    argv = shard_command(c, c.hosts[0], Placement(0, "box1", 0), 2).argv
+    assert argv[argv.index("--format") + 1] == "specforge-dflash"
+    assert argv[argv.index("--layers") + 1] == "specforge-dflash:5"
+    assert argv[argv.index("--loss-mask") + 1] == "all" and "--target-last-hidden-states" in argv
+    c = load_config(write(tmp_path, GOOD.replace('layers = "speculators"', 'format = "eagle"')))
+    argv = shard_command(c, c.hosts[0], Placement(0, "box1", 0), 2).argv
+    assert "--layers" not in argv and argv[argv.index("--format") + 1] == "eagle"   # the worker picks "eagle"

@@ -165,18 +165,23 @@ def test_too_long_samples(tmp_path, dense_model, token_data, mode):
     rows = [json.loads(l) for l in open(token_data)]
     long_ones = [i for i, row in enumerate(rows) if len(row["input_ids"]) > 30]
     assert long_ones
-    skipped = {e["index"] for e in read_events(state) if e["event"] == "sample_skipped"}
+    reasons = {e["index"]: e["reason"] for e in read_events(state) if e["event"] == "sample_skipped"}
     if mode == "skip":
-        assert skipped == set(long_ones)
+        assert set(reasons) == set(long_ones)
         assert not os.path.exists(os.path.join(out, f"hs_{long_ones[0]}.safetensors"))
     else:
-        assert not skipped
-        t, _ = load_sample(out, long_ones[0])
-        assert t["hidden_states"].shape[0] == 30 and t["token_ids"].tolist() == rows[long_ones[0]]["input_ids"][:30]
+        # Cut to 30 tokens, a sample whose supervised part started later teaches nothing: skipped.
+        unsupervised = {i for i in long_ones if not any(rows[i]["loss_mask"][:30])}
+        assert unsupervised and set(reasons) == unsupervised
+        assert all(r == "no supervised token (loss_mask is all 0)" for r in reasons.values())
+        kept = next(i for i in long_ones if i not in unsupervised)
+        t, _ = load_sample(out, kept)
+        assert t["hidden_states"].shape[0] == 30 and t["token_ids"].tolist() == rows[kept]["input_ids"][:30]
 
 
 @pytest.mark.parametrize("form", ["sharegpt", "openai"])
-def test_raw_chats_mask_assistant_tokens_only(tmp_path, dense_model, form):
+def test_raw_chats_assistant_content_mask(tmp_path, dense_model, form):
+    """--loss-mask assistant-content: the message text only (the mask before modes existed)."""
     from transformers import AutoTokenizer
     data = tmp_path / "chat.jsonl"
     user, assistant = "please explain the hidden state", "the model writes each layer to disk"
@@ -186,7 +191,8 @@ def test_raw_chats_mask_assistant_tokens_only(tmp_path, dense_model, form):
         row = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
     data.write_text(json.dumps(row) + "\n")
     out = str(tmp_path / "out")
-    assert run_worker("--model", dense_model, "--data", str(data), "--out", out).returncode == 0
+    assert run_worker("--model", dense_model, "--data", str(data), "--out", out,
+                      "--loss-mask", "assistant-content").returncode == 0
     t, _ = load_sample(out, 0)
     tok = AutoTokenizer.from_pretrained(dense_model)
     ids, mask = t["token_ids"].tolist(), t["loss_mask"].tolist()
@@ -218,6 +224,12 @@ def test_user_errors_are_one_line_with_exit_2(tmp_path, dense_model, token_data)
     assert r.returncode == 2 and "no such file" in r.stderr
     r = run_worker("--model", dense_model, "--data", token_data, "--out", str(tmp_path / "o"), "--layers", "2,40")
     assert r.returncode == 2 and "out of range" in r.stderr
+    r = run_worker("--model", dense_model, "--data", token_data, "--out", str(tmp_path / "o"), "--layers", "dflash")
+    assert r.returncode == 2 and "ambiguous" in r.stderr and "specforge-dflash" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = run_worker("--model", dense_model, "--data", token_data, "--out", str(tmp_path / "o"),
+                   "--format", "eagle", "--layers", "speculators")
+    assert r.returncode == 2 and "format eagle (EAGLE-1/2) reads hs[8] post-norm only" in r.stderr
     # A folder holding other layers is refused rather than mixed.
     out = str(tmp_path / "mixed")
     assert run_worker("--model", dense_model, "--data", token_data, "--out", out, "--layers", "1,2").returncode == 0

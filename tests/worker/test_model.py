@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.model import Capture, ModelError, find_decoder, load_model, missing_fast_kernels, resolve_layers
+from worker.layers import LayerError, resolve_layers
+from worker.model import Capture, ModelError, find_decoder, load_model, missing_fast_kernels
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -13,13 +14,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_presets_follow_the_conventions():
-    assert resolve_layers("speculators", 64) == resolve_layers("2,32,61,64", 64)
+    assert resolve_layers("speculators", 64).ids == resolve_layers("2,32,61,64", 64).ids
     assert resolve_layers("speculators", 64).last_layer_norm == "pre"
     eagle = resolve_layers("eagle3", 64)
     assert eagle.ids == (2, 32, 61, 64) and eagle.last_layer_norm == "post"
-    dflash = resolve_layers("dflash", 64)
-    assert len(dflash.ids) == 5 and dflash.ids[0] == 2 and dflash.ids[-1] == 62   # hs[id+1], ids 1..L-3
-    assert dflash.last_layer_norm == "none"
     assert resolve_layers("0,3", 8, "post").last_layer_norm == "none"          # L not asked for
     assert resolve_layers("3,8", 8, "post").last_layer_norm == "post"
 
@@ -27,7 +25,7 @@ def test_presets_follow_the_conventions():
 @pytest.mark.parametrize("spec, message", [("2,99", "out of range"), ("2,2", "repeats"),
                                            ("two", "comma list"), ("", "empty")])
 def test_bad_layer_specs_say_why(spec, message):
-    with pytest.raises(ModelError, match=message):
+    with pytest.raises(LayerError, match=message):
         resolve_layers(spec, 8)
 
 

@@ -1,0 +1,81 @@
+"""The run's plan: made once, at the first `fleet up`, from fleet.toml, the GPUs preflight found
+and the identity of the work; stored on every host (worker/plan.py) and read back by every command.
+
+Nothing recomputes the shard layout afterwards: `fleet restart 0` launches shard 0 with the plan's
+`num_shards` whatever fleet.toml or an unreachable host says now. A fleet.toml that disagrees with
+the plan is refused with the differences and the way out (`fleet down`, then `fleet up --replan`,
+which keeps every finished sample: output files are named by global index).
+"""
+
+from __future__ import annotations
+
+import time
+
+from worker.identity import differences
+from worker.plan import PLAN_VERSION
+
+from .config import Config
+from .jobs import Placement, place_shards
+
+# fleet.toml values that change what is written (the rest: batch size, device, env, telemetry,
+# may change between launches). Model and data are compared by identity, not by path.
+SPEC_KEYS = ("output", "layers", "last_layer_norm", "max_length", "too_long", "format", "dtype",
+             "loss_mask")
+
+
+class PlanError(Exception):
+    """fleet.toml and the run's plan disagree; the message lists how and what to do."""
+
+
+def spec_of(config: Config) -> dict:
+    run = config.run
+    spec = {key: getattr(run, key) for key in SPEC_KEYS if hasattr(run, key)}
+    spec["job"] = config.spec.job.command if config.spec.job else None
+    return spec
+
+
+def make_plan(config: Config, gpus_by_host: dict[str, list[int]], identity: dict) -> dict:
+    return {"version": PLAN_VERSION, "run": config.run.name, "created": round(time.time(), 3),
+            "num_shards": sum(len(g) for g in gpus_by_host.values()),
+            "shards": [{"id": p.shard, "host": p.host, "gpu": p.gpu}
+                       for p in place_shards(config, gpus_by_host)],
+            "spec": spec_of(config), "identity": identity}
+
+
+def placements(plan: dict) -> list[Placement]:
+    return [Placement(s["id"], s["host"], s["gpu"]) for s in plan["shards"]]
+
+
+def layout(plan: dict) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for s in plan["shards"]:
+        out.setdefault(s["host"], []).append(s["gpu"])
+    return out
+
+
+def plan_differences(old: dict, new: dict, compare_identity: bool = True) -> list[str]:
+    """How `new` (from fleet.toml now) differs from `old` (the run's plan), one line each."""
+    out = []
+    a, b = layout(old), layout(new)
+    for host in sorted(set(a) | set(b)):
+        if a.get(host) != b.get(host):
+            out.append(f"gpus of {host}: {a.get(host, 'none')} -> {b.get(host, 'none')}")
+    out += differences(old.get("spec", {}), new.get("spec", {}))
+    if compare_identity:
+        out += differences(old.get("identity", {}), new.get("identity", {}))
+    return out
+
+
+def refusal(old: dict, diffs: list[str]) -> str:
+    made = time.strftime("%Y-%m-%d %H:%M", time.localtime(old.get("created", 0)))
+    return (f"fleet.toml disagrees with run {old.get('run')}'s plan (made {made}): "
+            + "; ".join(diffs) + ". To run the new plan: `fleet down`, then `fleet up --replan` "
+            "(finished samples are kept); or restore fleet.toml")
+
+
+def check_hosts(plan: dict, config: Config) -> None:
+    known = {h.name for h in config.hosts}
+    missing = sorted({s["host"] for s in plan["shards"]} - known)
+    if missing:
+        raise PlanError(f"the run's plan places shards on {', '.join(missing)}, which fleet.toml no "
+                        f"longer lists: restore it, or `fleet down` and `fleet up --replan`")

@@ -1,0 +1,152 @@
+"""`python -m worker.export SRC --format F --out DST`: convert a finished (or partial) run to
+another trainer's layout, without the GPU.
+
+Every sample SRC's manifests record is read through SRC's layout and written through DST's, with
+the same atomic write and manifest as the extractor, so an export that is stopped resumes where it
+stopped. Samples recorded as skipped stay skipped. Layers stay as they are (EAGLE-1/2 keeps hs[L]
+alone): a format that needs states SRC does not hold (hs[L] post-norm from a pre-norm run) is
+refused; re-extract for it.
+Progress goes to stderr; the last line on stdout is one JSON summary (what `fleet export` reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from . import protocol
+from .formats import FORMATS, FormatError, Layout, supervision_problem, trainer_setting
+from .layers import LayerPlan
+from .verify import layout_of
+from .writer import DiskFullError, Manifest, load_finished, manifest_path, write_json_atomic, write_sample_file
+
+EXIT_PROBLEMS, EXIT_USAGE = 1, 2
+CHUNK = 64
+
+
+class ExportError(Exception):
+    """SRC or DST cannot be used as asked (one line for the user)."""
+
+
+def open_source(src: str) -> tuple[dict, Layout]:
+    try:
+        with open(os.path.join(src, protocol.META_FILE)) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise ExportError(f"{src}: no {protocol.META_FILE} (not an output folder of the worker)") from None
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{src}/{protocol.META_FILE}: unreadable: {e}") from None
+    return meta, layout_of(meta)
+
+
+def target_layout(fmt: str, plan: LayerPlan) -> Layout:
+    """The same layers in `fmt`; EAGLE-1/2 keeps only hs[L] (post-norm) of them."""
+    if fmt == "eagle" and plan.num_layers in plan.ids and plan.last_layer_norm == "post":
+        plan = LayerPlan((plan.num_layers,), "post", plan.num_layers)
+    try:
+        return Layout(fmt, plan)
+    except FormatError as e:
+        raise ExportError(f"cannot export to {fmt}: {e}") from None
+
+
+def convert(src: str, src_layout: Layout, dst: str, dst_layout: Layout, index: int) -> dict:
+    """Read one sample, write it in the new layout; its manifest record."""
+    tensors, _ = src_layout.load(src_layout.path(src, index))
+    hidden, ids, mask = src_layout.unpack(tensors)
+    if dst_layout.plan.ids != src_layout.plan.ids:
+        hidden = hidden[:, [src_layout.plan.ids.index(k) for k in dst_layout.plan.ids]]
+    if problem := supervision_problem(dst_layout.format, mask.numpy().astype(bool)):
+        return {"index": index, "skipped": problem}
+    packed = dst_layout.pack(hidden, ids, mask)
+    size = write_sample_file(dst_layout, dst, index, packed, dict(dst_layout.header(), sample_index=str(index)))
+    return {"index": index, "tokens": int(ids.shape[0]), "bytes": size}
+
+
+def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> dict:
+    meta, src_layout = open_source(src)
+    dst_layout = target_layout(fmt, src_layout.plan)
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise ExportError(f"{dst}: the output must be another folder than the source")
+    records = load_finished(src)
+    done = load_finished(dst)
+    todo = sorted(i for i in records if i not in done)
+    os.makedirs(dst, exist_ok=True)
+    if os.path.exists(os.path.join(dst, protocol.META_FILE)):
+        old = json.load(open(os.path.join(dst, protocol.META_FILE)))
+        if old.get("format") != fmt or old.get("layer_ids") != list(dst_layout.plan.ids):
+            raise ExportError(f"{dst} already holds format {old.get('format')} with layers "
+                              f"{old.get('layer_ids')}: use another --out")
+    plan = dst_layout.plan
+    write_json_atomic(os.path.join(dst, protocol.META_FILE),
+                      dict(meta, format=fmt, data_dir=os.path.abspath(dst_layout.data_dir(dst)),
+                           layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm,
+                           trainer_setting=trainer_setting(fmt, plan),
+                           exported_from=os.path.abspath(src)))
+    manifest = Manifest(manifest_path(dst, "export"))
+    summary = {"source": src, "out": dst, "format": fmt, "to_do": len(todo), "written": 0,
+               "skipped": 0, "problems": []}
+    t0 = time.monotonic()
+
+    def one(i: int) -> dict:
+        rec = records[i]
+        if "skipped" in rec:
+            return rec
+        try:
+            return convert(src, src_layout, dst, dst_layout, i)
+        except DiskFullError:
+            raise
+        except Exception as e:            # a damaged source file: reported, the rest goes on
+            return {"index": i, "problem": f"sample {i}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+
+    with ThreadPoolExecutor(threads) as pool:
+        for start in range(0, len(todo), CHUNK):
+            results = list(pool.map(one, todo[start:start + CHUNK]))
+            manifest.append([r for r in results if "problem" not in r])
+            for r in results:
+                if "problem" in r:
+                    summary["problems"].append(r["problem"])
+                elif "skipped" in r:
+                    summary["skipped"] += 1
+                else:
+                    summary["written"] += 1
+            if progress:
+                progress(min(start + CHUNK, len(todo)), len(todo), time.monotonic() - t0)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m worker.export",
+                                 description="Convert an output folder of the worker to another "
+                                             "trainer's layout.")
+    ap.add_argument("src", help="the output folder to read (its meta.json says its format)")
+    ap.add_argument("--format", required=True, choices=FORMATS)
+    ap.add_argument("--out", required=True, help="the folder to write")
+    ap.add_argument("--threads", type=int, default=4, help="files converted in parallel")
+    args = ap.parse_args(argv)
+
+    def progress(done: int, total: int, seconds: float) -> None:
+        print(f"export: {done}/{total} samples ({100 * done // max(total, 1)}%), {seconds:.0f} s",
+              file=sys.stderr, flush=True)
+
+    try:
+        summary = export(args.src, args.format, args.out, max(args.threads, 1), progress)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except DiskFullError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_PROBLEMS
+    for p in summary["problems"][:20]:
+        print(f"problem: {p}", file=sys.stderr)
+    print(f"export: {summary['written']} written, {summary['skipped']} skipped, "
+          f"{len(summary['problems'])} problem(s) -> {args.out}", file=sys.stderr)
+    print(json.dumps(summary))
+    return EXIT_PROBLEMS if summary["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Each trainer's file layout, in one place: where sample i goes, what its file holds, how it reads
+back. The writer, `worker.verify` and `worker.export` all go through a Layout.
+
+| format           | files (under the output folder)         | keys                                            |
+|------------------|-----------------------------------------|-------------------------------------------------|
+| speculators      | hs_<i>.safetensors                      | hidden_states bf16 [T, n, H], token_ids, loss_mask |
+| specforge-eagle3 | rows_<g>-<g+2000>/data_<i>.ckpt         | input_ids, loss_mask int64 [T], aux_hidden_state bf16 [1, T, 3H], hidden_state [1, T, H] |
+| specforge-dflash | rows_<g>-<g+2000>/data_<i>.ckpt         | input_ids, loss_mask, hidden_states [1, T, k*H] (+ target_last_hidden_states [1, T, H]) |
+| eagle            | data/rows_<g>-<g+2000>/data_<i>.ckpt    | input_ids [T], hidden_state [T, H], loss_mask [T] |
+
+`manifest/` and `meta.json` stay at the top of the output folder: SpecForge's reader only lists
+`*.ckpt`, speculators opens `hs_<i>.safetensors` by index, and EAGLE-1/2 (which `torch.load`s every
+file under its data path) is pointed at `data/`. Temp files are written at the top too (a `.tmp-`
+name no reader lists), then renamed into place.
+
+Standard library at import (preflight checks a format without torch); torch is imported to read and
+write.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .layers import LayerPlan
+
+FORMATS = ("speculators", "specforge-eagle3", "specforge-dflash", "eagle")
+# How worker.data masks raw chats (rows with their own loss_mask keep it); meta.json says which.
+LOSS_MASK_CONVENTIONS = {
+    "assistant": "raw chats: each assistant turn from the end of the generation prompt through its "
+                 "end-of-turn token (template-inserted text included); rows with loss_mask keep it",
+    "assistant-content": "raw chats: the characters of each assistant message as found in the "
+                         "rendering; rows with loss_mask keep it",
+    "all": "raw chats: every token; rows with loss_mask keep it",
+}
+LOSS_MASKS = tuple(LOSS_MASK_CONVENTIONS)
+ROWS_PER_FOLDER = 2000            # SpecForge's prepare_hidden_states groups rows like this
+_CKPT_NAME = re.compile(r"data_(\d+)\.ckpt$")
+_HS_NAME = re.compile(r"hs_(\d+)\.safetensors$")
+
+
+class FormatError(Exception):
+    """The layers asked for cannot be written in this format (or read back as it)."""
+
+
+def check_plan(fmt: str, plan: LayerPlan) -> None:
+    """Refuse, with one line, layers that this trainer's reader would misread."""
+    if fmt not in FORMATS:
+        raise FormatError(f"format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    L, ids = plan.num_layers, plan.ids
+    if fmt == "specforge-eagle3":
+        if len(ids) != 4 or ids[-1] != L or plan.last_layer_norm != "post" or L in ids[:-1]:
+            raise FormatError(f"format specforge-eagle3 reads 3 aux layers + hs[{L}] post-norm "
+                              f"(layers = \"specforge-eagle3\"); these layers are {list(ids)} with "
+                              f"hs[L] {plan.last_layer_norm}")
+    elif fmt == "specforge-dflash":
+        if plan.target_last and (ids[-1] != L or plan.last_layer_norm != "post"):
+            raise FormatError(f"target_last_hidden_states must be hs[{L}] post-norm")
+        if not context_slots(fmt, plan):
+            raise FormatError("format specforge-dflash needs at least one context layer")
+    elif fmt == "eagle":
+        if ids != (L,) or plan.last_layer_norm != "post":
+            raise FormatError(f"format eagle (EAGLE-1/2) reads hs[{L}] post-norm only "
+                              f"(layers = \"eagle\"); these layers are {list(ids)}")
+
+
+def supervision_problem(fmt: str, loss_mask) -> str | None:
+    """Why a sample teaches this trainer nothing (then it is skipped, not written), or None.
+
+    SpecForge's DFlash normaliser raises on a sample without two consecutive supervised tokens."""
+    if not loss_mask.any():
+        return "no supervised token (loss_mask is all 0)"
+    if fmt == "specforge-dflash" and not (loss_mask[:-1] & loss_mask[1:]).any():
+        return "no two consecutive supervised tokens (SpecForge DFlash needs them)"
+    return None
+
+
+def trainer_setting(fmt: str, plan: LayerPlan) -> str:
+    """The flag or draft-config value with which this format's trainer reads exactly these layers
+    (its own numbering: speculators' ids are hs indices, SpecForge's are hs index - 1)."""
+    ctx = [plan.ids[s] for s in context_slots(fmt, plan)]
+    if fmt == "speculators":                 # it splits the last slot off as the verifier state
+        return "--target-layer-ids " + " ".join(map(str, plan.ids[:-1]))
+    if fmt == "specforge-eagle3":
+        return f"model.aux_hidden_state_layer_ids = {[k - 1 for k in ctx]}"
+    if fmt == "specforge-dflash":
+        return f"dflash_config.target_layer_ids = {[k - 1 for k in ctx]}"
+    return "none: EAGLE-1/2 reads the final-normed last layer only"
+
+
+def context_slots(fmt: str, plan: LayerPlan) -> list[int]:
+    """Slots of the captured [T, n, H] that a trainer concatenates as its input features."""
+    n = len(plan.ids)
+    if fmt == "specforge-eagle3" or (fmt == "specforge-dflash" and plan.target_last):
+        return list(range(n - 1))
+    if fmt == "eagle":
+        return []
+    return list(range(n))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One format with the layers it holds: paths, file contents, reading back."""
+    format: str
+    plan: LayerPlan
+
+    def __post_init__(self) -> None:
+        check_plan(self.format, self.plan)
+
+    # --- where --------------------------------------------------------------------------------
+    def data_dir(self, out: str) -> str:
+        """The folder the trainer is pointed at."""
+        return os.path.join(out, "data") if self.format == "eagle" else out
+
+    def path(self, out: str, index: int) -> str:
+        if self.format == "speculators":
+            return os.path.join(out, f"hs_{index}.safetensors")
+        g = index // ROWS_PER_FOLDER * ROWS_PER_FOLDER
+        return os.path.join(self.data_dir(out), f"rows_{g}-{g + ROWS_PER_FOLDER}", f"data_{index}.ckpt")
+
+    def scan(self, out: str) -> dict[int, str]:
+        """Every sample file on disk, by index (what verify compares with the manifests)."""
+        found: dict[int, str] = {}
+        top = self.data_dir(out)
+        if self.format == "speculators":
+            names = os.listdir(top) if os.path.isdir(top) else []
+            walk = [(top, names)]
+        else:
+            walk = [(root, names) for root, _, names in os.walk(top)]
+        pattern = _HS_NAME if self.format == "speculators" else _CKPT_NAME
+        for root, names in walk:
+            for name in names:
+                m = pattern.fullmatch(name)
+                if m:
+                    found[int(m.group(1))] = os.path.join(root, name)
+        return found
+
+    # --- what ---------------------------------------------------------------------------------
+    def pack(self, hidden, token_ids, loss_mask) -> dict:
+        """One sample's file contents from hidden [T, n, H] bf16, token_ids and loss_mask [T].
+
+        Every tensor is a fresh, compact copy: torch.save writes a view's whole storage."""
+        import torch
+
+        T, n, H = hidden.shape
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).clone()
+        mask = torch.as_tensor(loss_mask)
+        if self.format == "speculators":
+            return {"hidden_states": hidden, "token_ids": ids, "loss_mask": mask.to(torch.uint8)}
+        mask = mask.to(torch.int64).clone()
+        ctx = self._compact(hidden[:, context_slots(self.format, self.plan)].reshape(T, -1))
+        if self.format == "specforge-eagle3":
+            return {"input_ids": ids, "loss_mask": mask, "aux_hidden_state": ctx[None],
+                    "hidden_state": self._compact(hidden[:, n - 1])[None]}
+        if self.format == "specforge-dflash":
+            out = {"input_ids": ids, "loss_mask": mask, "hidden_states": ctx[None]}
+            if self.plan.target_last:
+                out["target_last_hidden_states"] = self._compact(hidden[:, n - 1])[None]
+            return out
+        return {"input_ids": ids, "hidden_state": self._compact(hidden[:, 0]), "loss_mask": mask}
+
+    @staticmethod
+    def _compact(t):
+        import torch
+        return t.to(torch.bfloat16).clone(memory_format=torch.contiguous_format)
+
+    def unpack(self, tensors: dict) -> tuple[Any, Any, Any]:
+        """(hidden [T, n, H], token_ids [T], loss_mask [T]) back from a file's contents."""
+        import torch
+
+        if self.format == "speculators":
+            return tensors["hidden_states"], tensors["token_ids"], tensors["loss_mask"]
+        ids, mask = tensors["input_ids"].reshape(-1), tensors["loss_mask"].reshape(-1)
+        T = ids.shape[0]
+        if self.format == "eagle":
+            return tensors["hidden_state"].reshape(T, 1, -1), ids, mask
+        key = "aux_hidden_state" if self.format == "specforge-eagle3" else "hidden_states"
+        H = self._hidden_size(tensors)
+        parts = [tensors[key].reshape(T, -1, H)]
+        if self.format == "specforge-eagle3":
+            parts.append(tensors["hidden_state"].reshape(T, 1, H))
+        elif self.plan.target_last:
+            parts.append(tensors["target_last_hidden_states"].reshape(T, 1, H))
+        return torch.cat(parts, dim=1), ids, mask
+
+    def _hidden_size(self, tensors: dict) -> int:
+        key = "aux_hidden_state" if self.format == "specforge-eagle3" else "hidden_states"
+        return tensors[key].shape[-1] // len(context_slots(self.format, self.plan))
+
+    def header(self) -> dict[str, str]:
+        """Header metadata of a speculators file (ckpt files hold only what their readers load)."""
+        return {"layer_ids": ",".join(map(str, self.plan.ids)),
+                "last_layer_norm": self.plan.last_layer_norm, "format": "fleet-hs-1"}
+
+    # --- files --------------------------------------------------------------------------------
+    def save(self, tensors: dict, path: str, metadata: dict[str, str]) -> None:
+        if self.format == "speculators":
+            from safetensors.torch import save_file
+            save_file(tensors, path, metadata=metadata)
+        else:
+            import torch
+            with open(path, "wb") as f:     # a file object: torch names the archive after a path
+                torch.save(tensors, f)      # what every ckpt reader torch.loads; no extra keys
+
+    def load(self, path: str) -> tuple[dict, dict]:
+        """(tensors, metadata) of one file; raises on a missing or damaged file."""
+        if self.format == "speculators":
+            from safetensors import safe_open
+            with safe_open(path, framework="pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}, (f.metadata() or {})
+        import torch
+        return torch.load(path, map_location="cpu", weights_only=True), {}
+
+    def check(self, tensors: dict, tokens: int | None, hidden_size: int | None) -> str | None:
+        """What is wrong with one file's contents, or None."""
+        import torch
+
+        want = {"speculators": ("hidden_states", "token_ids", "loss_mask"),
+                "specforge-eagle3": ("input_ids", "loss_mask", "aux_hidden_state", "hidden_state"),
+                "specforge-dflash": ("input_ids", "loss_mask", "hidden_states")
+                + (("target_last_hidden_states",) if self.plan.target_last else ()),
+                "eagle": ("input_ids", "hidden_state", "loss_mask")}[self.format]
+        missing = [k for k in want if k not in tensors]
+        if missing:
+            return f"keys {missing} missing"
+        try:
+            hidden, ids, mask = self.unpack(tensors)
+        except (RuntimeError, ValueError, ZeroDivisionError) as e:
+            return f"shapes do not fit the layers: {e}"
+        expect = (tokens, len(self.plan.ids) or None, hidden_size)
+        if hidden.dim() != 3 or any(e is not None and e != s for e, s in zip(expect, hidden.shape)):
+            return f"hidden states shape {tuple(hidden.shape)}, expected {expect}"
+        if hidden.dtype != torch.bfloat16:
+            return f"hidden states dtype {hidden.dtype}, expected bfloat16"
+        if ids.shape != (hidden.shape[0],) or mask.shape != (hidden.shape[0],):
+            return "token ids / loss_mask length differs from the hidden states"
+        if not bool(torch.isfinite(hidden).all()):
+            return "non-finite values"
+        return None

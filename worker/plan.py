@@ -1,0 +1,60 @@
+"""`<root>/<run>/plan.json`: the run's plan, fixed at its first launch and stored on every host.
+
+It holds the shard layout (id, host, GPU; `num_shards`), the fleet.toml values the work depends
+on, and the identity of the work (worker.identity). Every fleet command reads it back from any
+reachable host instead of recomputing it. Standard library only.
+
+    python -m worker.plan write --run-dir R     (the plan as JSON on stdin; atomic)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+PLAN_FILE = "plan.json"
+PLAN_VERSION = 1
+
+
+def plan_path(run_dir: str) -> str:
+    return os.path.join(run_dir, PLAN_FILE)
+
+
+def read_plan(run_dir: str) -> dict | None:
+    """The plan, or None when there is none (or it is unreadable: then the caller replans)."""
+    try:
+        with open(plan_path(run_dir)) as f:
+            plan = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return plan if isinstance(plan, dict) and plan.get("version") == PLAN_VERSION else None
+
+
+def write_plan(run_dir: str, plan: dict) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    path = plan_path(run_dir)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(plan, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m worker.plan")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("write")
+    w.add_argument("--run-dir", required=True)
+    args = ap.parse_args(argv)
+    os.umask(os.umask(0o022) | 0o022)
+    plan = json.loads(sys.stdin.read())
+    write_plan(args.run_dir, plan)
+    print(json.dumps({"status": "written", "path": plan_path(args.run_dir)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
