@@ -13,6 +13,8 @@ from typing import Awaitable, Callable
 
 import click
 
+from worker.identity import differences
+
 from worker.formats import FORMATS
 
 from . import render
@@ -20,7 +22,8 @@ from .config import Config, ConfigError, load_config
 from .snapshot import json_schema, status_exit_code
 from .state import State
 from .supervisor import Supervisor
-from .transport import HostError
+from .plan import PlanError, refusal, spec_of
+from .transport import HostError, HostUnusable
 
 EXIT_FAULT, EXIT_CONFIG, EXIT_UNREACHABLE = 1, 2, 3
 
@@ -68,50 +71,59 @@ def main() -> None:
 
 # --- up ----------------------------------------------------------------------------------------
 
-async def deploy_and_plan(sup: Supervisor, quiet: bool = False) -> int:
+async def deploy_and_plan(sup: Supervisor, replan: bool = False) -> dict:
+    """Deploy and preflight every host, then settle the run's plan; exits on any refusal."""
     config = sup.config
-    if not quiet:
-        click.echo(f"deploying to {len(config.hosts)} host(s)…", err=True)
+    click.echo(f"deploying to {len(config.hosts)} host(s)…", err=True)
     results, failures = await sup.deploy()
     from .deploy import format_preflight
     click.echo(format_preflight(results, failures), err=True)
-    if failures:
-        fail(f"{len(failures)} host(s) unreachable: " + "; ".join(failures.values()), EXIT_UNREACHABLE)
-    errors = [f"{r.host}: {e}" for r in results for e in r.errors]
+    unreachable = {h: e for h, e in failures.items() if not isinstance(e, HostUnusable)}
+    if unreachable:
+        fail(f"{len(unreachable)} host(s) unreachable: " + "; ".join(map(str, unreachable.values())),
+             EXIT_UNREACHABLE)
+    errors = [str(e) for e in failures.values()] + [f"{r.host}: {e}" for r in results for e in r.errors]
     if errors:
         fail("preflight refused: " + "; ".join(errors), EXIT_FAULT)
-    gpus = {r.host: r.gpus for r in results}
-    sup.plan(gpus)
-    return 0
+    try:
+        return await sup.settle_plan(results, replan)
+    except PlanError as e:
+        fail(str(e), EXIT_FAULT)
+        raise
 
 
 @main.command()
 @config_option
 @click.option("--headless", is_flag=True, help="no TUI: print one line per state change; exit when "
-                                                 "every shard is DONE or FATAL")
-def up(config_path: str, headless: bool) -> None:
+                                                 "every shard is DONE, FATAL or STOPPED")
+@click.option("--replan", is_flag=True, help="the run's plan (shard layout, model, data, layers) no "
+                                             "longer matches fleet.toml: make a new one. Only when no "
+                                             "shard is live; finished samples are kept")
+def up(config_path: str, headless: bool, replan: bool) -> None:
     """Deploy the worker, launch a shard on every GPU and supervise them.
 
-    Re-running `fleet up` on a live run re-attaches: live shards are never started twice, failed
-    ones are restarted and resume where they stopped. Quitting leaves the workers running.
+    The first `fleet up` fixes the run's plan (which shard runs where, and the identity of the
+    model, data and layers) on every host; later commands follow it, and a fleet.toml that
+    disagrees is refused with the differences. Re-running `fleet up` on a live run re-attaches:
+    live shards are never started twice, failed ones are restarted and resume where they
+    stopped. Quitting leaves the workers running.
     """
     config = load(config_path)
 
-    async def deploy_phase() -> dict[str, list[int]]:
+    async def deploy_phase() -> dict:
         sup = Supervisor(config)
         try:
-            await deploy_and_plan(sup)
+            return await deploy_and_plan(sup, replan)
         finally:
             await sup.close()
-        return {h.name: [p.gpu for p in sup.placements if p.host == h.name] for h in config.hosts}
 
     if not headless:
         from .tui.app import run_tui
         try:
-            gpus = asyncio.run(deploy_phase())
+            plan = asyncio.run(deploy_phase())
         except KeyboardInterrupt:
             sys.exit(130)
-        sys.exit(run_tui(config, gpus))
+        sys.exit(run_tui(config, plan))
 
     async def go() -> int:
         seen: dict[int, str] = {}
@@ -124,7 +136,7 @@ def up(config_path: str, headless: bool) -> None:
                     click.echo(line)
 
         sup = Supervisor(config, on_change=print_changes, on_log=lambda m: click.echo(f"  {m}", err=True))
-        await deploy_and_plan(sup)
+        await deploy_and_plan(sup, replan)
         await sup.start()
         await sup.launch_all()
         try:
@@ -163,6 +175,8 @@ def status(config_path: str, as_json: bool, as_schema: bool) -> None:
         sup = Supervisor(config)
         try:
             snap = await sup.read_once()
+        except PlanError as e:
+            fail(str(e), EXIT_CONFIG)
         finally:
             await sup.close()
         if as_json:
@@ -208,7 +222,10 @@ def down(config_path: str, yes: bool, timeout: float) -> None:
 
 async def find_shard(sup: Supervisor, ref: str) -> int:
     """Read the fleet once and resolve SHARD (id or HOST:GPU) on a reachable host, or exit."""
-    await sup.read_once()
+    try:
+        await sup.read_once()
+    except PlanError as e:
+        fail(str(e), EXIT_CONFIG)
     try:
         k = sup.resolve_shard(ref)
     except KeyError as e:
@@ -223,13 +240,19 @@ async def find_shard(sup: Supervisor, ref: str) -> int:
 @config_option
 @click.argument("shard")
 def restart(config_path: str, shard: str) -> None:
-    """Restart SHARD (an id, or HOST:GPU); it resumes from its manifest."""
+    """Restart SHARD (an id, or HOST:GPU); it resumes from its manifest.
+
+    It runs as the run's plan says (its GPU, its share of the rows), whatever fleet.toml or an
+    unreachable host says now; a fleet.toml that changed what is written is refused.
+    """
     config = load(config_path)
 
     async def go() -> int:
         sup = Supervisor(config)
         try:
             k = await find_shard(sup, shard)
+            if sup.plan and (diffs := differences(sup.plan.get("spec", {}), spec_of(config))):
+                fail(refusal(sup.plan, diffs), EXIT_FAULT)
             result = await sup.relaunch(k, by="manual")
         finally:
             await sup.close()
@@ -282,24 +305,38 @@ def logs(config_path: str, shard: str, follow: bool, lines: int) -> None:
 @main.command()
 @config_option
 @click.option("--shallow", is_flag=True, help="check the manifests only, not every file")
-def verify(config_path: str, shallow: bool) -> None:
+@click.option("--repair", is_flag=True, help="drop the manifest entries of missing or broken files "
+                                             "(and remove those files) so the next `fleet up` redoes "
+                                             "exactly them; needs every shard stopped")
+def verify(config_path: str, shallow: bool, repair: bool) -> None:
     """Check the output: every global index present exactly once (written or recorded as skipped),
     every file readable, shapes as declared, values finite. Exit 1 listing what is wrong."""
     config = load(config_path)
+    if repair and shallow:
+        fail("--repair opens every file; drop --shallow", EXIT_CONFIG)
 
     async def go() -> int:
-        from .verify import verify_fleet
+        from .verify import reopen_repaired, verify_fleet
         sup = Supervisor(config)
         try:
+            if repair and (live := await sup.live_shards()):
+                fail(f"--repair needs every shard stopped; live: {', '.join(live)} (fleet down first)",
+                     EXIT_FAULT)
             result, failures = await verify_fleet(
-                config, {n: l.transport for n, l in sup.links.items()}, deep=not shallow)
+                config, {n: l.transport for n, l in sup.links.items()}, deep=not shallow, repair=repair)
+            if result.repaired:
+                for line in await reopen_repaired(sup, result):
+                    click.echo(line)
         except HostError as e:
             fail(str(e), EXIT_FAULT)
         finally:
             await sup.close()
         for host, why in failures.items():
             click.echo(f"unreachable: {why}", err=True)
-        click.echo(f"{result.written} written, {len(result.skipped)} skipped, "
+        for host, other in result.shared.items():
+            click.echo(f"{host}: shares {other}'s output folder (counted once)")
+        fraction = f" ({result.skip_fraction:.2%})" if result.skip_fraction is not None else ""
+        click.echo(f"{result.written} written, {len(result.skipped)} skipped{fraction}, "
                    f"{result.num_samples if result.num_samples is not None else '?'} in the dataset"
                    + (f" (format {result.format})" if result.format else ""))
         for i, why in list(result.skipped.items())[:20]:

@@ -60,6 +60,7 @@ class RunSpec(Strict):
     max_tokens_per_batch: int = Field(16384, gt=0)
     max_length: int | None = Field(None, gt=0)
     too_long: Literal["truncate", "skip"] = "skip"
+    max_skip_fraction: float = Field(0.01, ge=0, le=1)  # more rows skipped than this fails the shard
     device: Literal["auto", "cuda", "cpu"] = "auto"
     extra_args: list[str] = []          # more flags for python -m worker.extract
     env: dict[str, str] = {}            # environment for every shard process

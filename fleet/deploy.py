@@ -18,7 +18,7 @@ import worker
 
 from .config import Config, HostSpec
 from .jobs import output_args
-from .transport import HostError, Transport
+from .transport import HostError, HostUnusable, Transport
 
 WORKER_DIR = os.path.dirname(os.path.abspath(worker.__file__))
 
@@ -61,11 +61,11 @@ async def run_worker_module(t: Transport, config: Config, host: HostSpec, module
     if r.rc != 0:
         why = _python_missing(config, host, r.stderr) or \
             f"{host.name}: worker.{module} failed (exit {r.rc}): {last_line(r.stderr)}"
-        raise HostError(why)
+        raise HostUnusable(why)
     try:
         return json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        raise HostError(f"{host.name}: worker.{module} printed no result: {last_line(r.stdout)}") from None
+        raise HostUnusable(f"{host.name}: worker.{module} printed no result: {last_line(r.stdout)}") from None
 
 
 def last_line(text: str) -> str:
@@ -110,7 +110,7 @@ async def upload_worker(t: Transport, config: Config, host: HostSpec) -> bool:
     if r.rc != 0:
         why = _python_missing(config, host, r.stderr) or \
             f"{host.name}: upload to {target} failed: {last_line(r.stderr)}"
-        raise HostError(why)
+        raise HostUnusable(why)
     return True
 
 
@@ -122,6 +122,16 @@ class Preflight:
     report: dict = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def plan(self) -> dict | None:
+        """The run's plan.json on this host, if it has one."""
+        return self.report.get("plan")
+
+    @property
+    def identity(self) -> dict:
+        """What this host's model and data are (worker.identity)."""
+        return self.report.get("identity") or {}
 
 
 async def deploy_host(t: Transport, config: Config, host: HostSpec) -> Preflight:
@@ -135,7 +145,8 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec) -> Preflight
     if run.demo:
         await run_demo_assets(t, config, host, model, data)
     args = ["--gpus", "all" if host.gpus == "all" else ",".join(map(str, host.gpus)),
-            "--device", run.device, "--output", config.host_path(host, run.output)]
+            "--device", run.device, "--output", config.host_path(host, run.output),
+            "--run-dir", config.run_dir(host)]
     args += output_args(run)
     if model:
         args += ["--model", model]
@@ -154,11 +165,11 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec) -> Preflight
 async def run_demo_assets(t: Transport, config: Config, host: HostSpec, model: str, data: str) -> None:
     r = await t.run(python_argv(config, host, "demo", "--model", model, "--data", data), timeout=900)
     if r.rc != 0:
-        raise HostError(_python_missing(config, host, r.stderr) or
+        raise HostUnusable(_python_missing(config, host, r.stderr) or
                         f"{host.name}: making the demo model failed: {last_line(r.stderr)}")
 
 
-def format_preflight(results: list[Preflight], failures: dict[str, str]) -> str:
+def format_preflight(results: list[Preflight], failures: dict[str, HostError]) -> str:
     """One table: host, python, torch, GPUs, free disk, estimate, verdict."""
     rows = [("host", "worker", "python", "torch", "gpus", "free", "needs", "result")]
     for p in results:
@@ -170,8 +181,9 @@ def format_preflight(results: list[Preflight], failures: dict[str, str]) -> str:
                      ",".join(map(str, p.gpus)) or "-",
                      f"{free / 1e9:.1f} GB" if free is not None else "?",
                      f"{need / 1e9:.1f} GB" if need is not None else "?", verdict))
-    for host, why in failures.items():
-        rows.append((host, "-", "-", "-", "-", "-", "-", "UNREACHABLE: " + why))
+    for host, e in failures.items():
+        label = "REFUSED: " if isinstance(e, HostUnusable) else "UNREACHABLE: "
+        rows.append((host, "-", "-", "-", "-", "-", "-", label + str(e).removeprefix(f"{host}: ")))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r[:-1], widths)) + "  " + str(r[-1])
                      for r in rows)

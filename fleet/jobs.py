@@ -60,7 +60,8 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
             "--out", values["output"], "--state", values["shard_dir"],
             "--shard-index", str(place.shard), "--num-shards", str(num_shards),
             "--max-tokens-per-batch", str(run.max_tokens_per_batch), "--too-long", run.too_long]
-    argv += output_args(run)
+    argv += output_args(run) + ["--plan", os.path.join(config.run_dir(host), "plan.json"),
+                                "--max-skip-fraction", str(run.max_skip_fraction)]
     if run.last_layer_norm:
         argv += ["--last-layer-norm", run.last_layer_norm]
     if run.max_length:

@@ -78,11 +78,13 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
         return Verdict(State.PENDING, action=Action.LAUNCH)
     if a.ended:
         kind, why = outcome(a, record.needs_done_sentinel)
+        if kind == Outcome.DONE and record.reopened:
+            return Verdict(State.PENDING, record.reopened, Action.LAUNCH)
         if kind == Outcome.DONE:
             return Verdict(State.DONE)
         if kind == Outcome.STOPPED:
             return Verdict(State.STOPPED, why, attempts=attempts)
-        return _failed(why, a.end.t, attempts, host_now, policy)
+        return _failed(why, a.end.t, attempts, host_now, policy, a.failure_fatal)
     if alive is False:                     # dead, its end not yet in the record (the agent adds it)
         return Verdict(State.FAILED, "process vanished without an exit status", attempts=attempts)
     phase = a.phase
@@ -91,7 +93,7 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
     if a.stop is not None:
         return Verdict(State(phase.value), "stopping", attempts=attempts)
     if a.failure is not None:              # a fail line or `failed` while the process still runs
-        return _failed(a.failure, a.failure_t or a.t, attempts, host_now, policy)
+        return _failed(a.failure, a.failure_t or a.t, attempts, host_now, policy, a.failure_fatal)
     idle = host_now - a.last_progress_t
     if phase == Phase.RUNNING and policy.stall_timeout is not None and idle > policy.stall_timeout:
         why = f"no progress for {idle:.0f}s"
@@ -102,7 +104,11 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
     return Verdict(State(phase.value), attempts=attempts)
 
 
-def _failed(why: str, failed_t: float, attempts: int, host_now: float, policy: Policy) -> Verdict:
+def _failed(why: str, failed_t: float, attempts: int, host_now: float, policy: Policy,
+            not_retryable: bool = False) -> Verdict:
+    if not_retryable:
+        return Verdict(State.FATAL, f"{why} (not retried: a restart would fail the same way)",
+                       attempts=attempts)
     if attempts >= policy.max_restarts:
         return Verdict(State.FATAL, f"gave up after {policy.max_restarts} restart(s); last: {why}",
                        attempts=attempts)

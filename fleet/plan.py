@@ -19,8 +19,8 @@ from .jobs import Placement, place_shards
 
 # fleet.toml values that change what is written (the rest: batch size, device, env, telemetry,
 # may change between launches). Model and data are compared by identity, not by path.
-SPEC_KEYS = ("output", "layers", "last_layer_norm", "max_length", "too_long", "format", "dtype",
-             "loss_mask")
+SPEC_KEYS = ("output", "layers", "last_layer_norm", "target_last_hidden_states", "max_length",
+             "too_long", "format", "dtype", "loss_mask")
 
 
 class PlanError(Exception):
@@ -30,6 +30,7 @@ class PlanError(Exception):
 def spec_of(config: Config) -> dict:
     run = config.run
     spec = {key: getattr(run, key) for key in SPEC_KEYS if hasattr(run, key)}
+    spec["output"] = {h.name: config.host_path(h, run.output) for h in config.hosts}  # as each host sees it
     spec["job"] = config.spec.job.command if config.spec.job else None
     return spec
 

@@ -43,6 +43,7 @@ class Attempt:
     done_sentinel: bool = False           # a [job]'s done line
     failure: str | None = None            # a `failed` event or a fail line, while it ran
     failure_t: float | None = None
+    failure_fatal: bool = False           # the process said a restart would fail the same way
     stop: protocol.StopRequested | None = None
     end: protocol.Exited | None = None
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
@@ -102,11 +103,16 @@ class ShardRecord:
     last_failure: str | None = None       # why the newest failed attempt failed
     last_failure_t: float | None = None
     failures: int = 0                     # attempts that ended FAILED, ever
+    reopened: str | None = None           # samples dropped since the newest attempt ended
 
     def apply(self, ev: protocol.Record) -> None:
         a = self.attempt
         if isinstance(ev, protocol.Launch):
             self._launch(ev)
+            return
+        if isinstance(ev, protocol.Reopened):
+            if a is not None and a.ended:
+                self.reopened = f"{ev.samples} sample(s) to redo: {ev.reason}"
             return
         if a is None or (ev.launch is not None and ev.launch != a.n):
             return                            # before any launch, or another launch's leftover
@@ -135,7 +141,7 @@ class ShardRecord:
             self.warning = ev.message
         elif isinstance(ev, protocol.Failed):
             if a.failure is None:
-                a.failure, a.failure_t = ev.reason, ev.t
+                a.failure, a.failure_t, a.failure_fatal = ev.reason, ev.t, bool(ev.fatal)
         elif isinstance(ev, protocol.Sentinel):
             if ev.match == "done":
                 a.done_sentinel = True
@@ -156,6 +162,7 @@ class ShardRecord:
         if self.first_launch_t is None:
             self.first_launch_t = ev.t
         self.attempt = Attempt(n=ev.launch, t=ev.t, by=ev.by, gpu=ev.gpu, last_progress_t=ev.t)
+        self.reopened = None
         self.last_event, self.last_event_t = ev.KIND, ev.t
 
     def _count(self, ev) -> None:

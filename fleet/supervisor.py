@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from worker import protocol
+from worker.identity import differences
 
 from . import deploy
 from .config import Config, HostSpec
-from .jobs import Placement, place_shards, sentinel_spec, shard_command, shard_dir
+from .jobs import Placement, sentinel_spec, shard_command, shard_dir
 from .judge import Action, LaunchFailure, Policy, Verdict, judge
+from .plan import PlanError, check_hosts, make_plan, placements, plan_differences, refusal
 from .record import ShardRecord
 from .snapshot import FleetSnapshot, HostView, ShardView, all_replayed, build_snapshot
 from .state import LIVE, State
@@ -88,13 +90,15 @@ class Supervisor:
         self.shards: dict[int, ShardSlot] = {}
         self.placements: list[Placement] = []
         self.num_shards = 0
+        self.plan: dict | None = None
         self._closing = False
         self._decider: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
 
     # --- setup ---------------------------------------------------------------------------------
-    async def deploy(self) -> tuple[list[deploy.Preflight], dict[str, str]]:
-        """Upload and preflight every host in parallel; returns results and unreachable hosts."""
+    async def deploy(self) -> tuple[list[deploy.Preflight], dict[str, HostError]]:
+        """Upload and preflight every host in parallel; returns results and the hosts that failed
+        (HostUnusable: reachable but unable to run the worker; other HostErrors: unreachable)."""
         for link in self.links.values():
             link.host.reachable = None
         results = await asyncio.gather(
@@ -103,7 +107,7 @@ class Supervisor:
         ok, failures = [], {}
         for link, r in zip(self.links.values(), results):
             if isinstance(r, HostError):
-                failures[link.spec.name] = str(r).removeprefix(f"{link.spec.name}: ")
+                failures[link.spec.name] = r
                 link.host.reachable, link.host.error = False, str(r)
             elif isinstance(r, BaseException):
                 raise r
@@ -112,13 +116,62 @@ class Supervisor:
                 link.host.reachable = True
         return ok, failures
 
-    def plan(self, gpus_by_host: dict[str, list[int]]) -> None:
-        """Fix the shard layout (one per GPU) and create the shard records."""
-        self.placements = place_shards(self.config, gpus_by_host)
-        self.num_shards = len(self.placements)
+    async def settle_plan(self, results: list[deploy.Preflight], replan: bool = False) -> dict:
+        """The run's plan after deploy: the one the hosts hold if fleet.toml still agrees with it,
+        else a refusal (PlanError) naming the differences — or, with `replan` and nothing live, a
+        new one. Every host gets the plan that is used."""
+        base = results[0]
+        for r in results[1:]:
+            diffs = differences(base.identity, r.identity)
+            if diffs:
+                raise PlanError(f"{r.host}'s model or data differs from {base.host}'s: " + "; ".join(diffs))
+        desired = make_plan(self.config, {r.host: r.gpus for r in results}, base.identity)
+        held = [r.plan for r in results if r.plan]
+        existing = max(held, key=lambda p: p.get("created", 0)) if held else None
+        plan, replaced = desired, False
+        if existing is not None:
+            diffs = plan_differences(existing, desired)
+            if not diffs:
+                plan = existing
+            elif not replan:
+                raise PlanError(refusal(existing, diffs))
+            else:
+                live = await self.live_shards()
+                if live:
+                    raise PlanError(f"--replan needs every shard stopped; live: {', '.join(live)} "
+                                    f"(fleet down first)")
+                self.on_log("replanned: " + "; ".join(diffs))
+                replaced = True
+        await asyncio.gather(*(self._write_plan(self.links[r.host], plan, replaced) for r in results
+                               if r.plan != plan))
+        self.use_plan(plan)
+        return plan
+
+    async def _write_plan(self, link: HostLink, plan: dict, replaced: bool) -> None:
+        argv = deploy.python_argv(self.config, link.spec, "plan", "write", "--run-dir",
+                                  self.config.run_dir(link.spec), *(["--archive-records"] if replaced else []))
+        r = await link.transport.run(argv, timeout=60, input=json.dumps(plan).encode())
+        if r.rc != 0:
+            raise PlanError(f"{link.spec.name}: cannot write the run's plan: {deploy.last_line(r.stderr)}")
+
+    def use_plan(self, plan: dict) -> None:
+        """Take the shard layout from the run's plan and create the shard records."""
+        check_hosts(plan, self.config)
+        self.plan = plan
+        self.placements = placements(plan)
+        self.num_shards = plan["num_shards"]
         for link in self.links.values():
             link.placements = [p for p in self.placements if p.host == link.spec.name]
         self.shards = {p.shard: self._new_slot(p) for p in self.placements}
+
+    async def live_shards(self) -> list[str]:
+        """'id (host:gpu)' of every shard whose process is alive, on every reachable host."""
+        probe = Supervisor(self.config)
+        try:
+            snap = await probe.read_once()
+        finally:
+            await probe.close()
+        return [f"{s.id} ({s.host}:{s.gpu})" for s in snap.shards if s.alive]
 
     def _new_slot(self, p: Placement) -> ShardSlot:
         return ShardSlot(p, ShardRecord(needs_done_sentinel=self.policy.needs_done_sentinel))
@@ -146,24 +199,38 @@ class Supervisor:
     # --- one-shot reading (status, restart, logs) ------------------------------------------------
     async def read_once(self) -> FleetSnapshot:
         """Connect to every host, replay its record once, return the snapshot (same judge, no
-        actions). Each call starts from a clean record: the hosts' records are the whole truth."""
-        self.shards, self.placements, self.num_shards = {}, [], 0
+        actions). Shards come from the run's plan (any reachable host's; so shards of unreachable
+        hosts are listed too), or from the records found when the run has no plan."""
+        self.shards, self.placements, self.num_shards, self.plan = {}, [], 0, None
         for link in self.links.values():
             link.placements = []
 
-        async def one(link: HostLink) -> None:
+        async def one(link: HostLink) -> list[str]:
             try:
                 await link.transport.connect()
                 r = await link.transport.run(self._agent_argv(link, once=True), timeout=120)
-                for line in r.stdout.splitlines():
-                    self._handle(link, line, discover=True)
-                if r.rc != 0:
-                    why = deploy.last_line(r.stderr)
-                    raise HostError(f"{link.spec.name}: agent failed: {why}")
-                link.host.reachable, link.host.error = True, None
+                lines = r.stdout.splitlines()
+                hello = protocol.parse_message(lines[0]) if lines else None
+                if isinstance(hello, protocol.Hello) and hello.plan:
+                    plans.append(hello.plan)
+                if r.rc != 0 and not any('"type":"error"' in l for l in lines):
+                    raise HostError(f"{link.spec.name}: agent failed: {deploy.last_line(r.stderr)}")
+                return lines
             except HostError as e:
                 link.host.reachable, link.host.error = False, str(e).removeprefix(f"{link.spec.name}: ")
-        await asyncio.gather(*(one(l) for l in self.links.values()))
+                return []
+        plans: list[dict] = []
+        outputs = await asyncio.gather(*(one(l) for l in self.links.values()))
+        if plans:
+            self.use_plan(max(plans, key=lambda p: p.get("created", 0)))
+        for link, lines in zip(self.links.values(), outputs):
+            try:
+                for line in lines:
+                    self._handle(link, line, discover=not plans)
+                if lines:
+                    link.host.reachable, link.host.error = True, None
+            except HostError as e:
+                link.host.reachable, link.host.error = False, str(e).removeprefix(f"{link.spec.name}: ")
         return self.snapshot()
 
     def _discover(self, link: HostLink, k: int, ev: protocol.Record) -> ShardSlot | None:

@@ -20,6 +20,11 @@ class HostError(Exception):
     """The host cannot be reached or used; the message is one line and names the host."""
 
 
+class HostUnusable(HostError):
+    """The host answers but cannot run the worker (its python is missing or broken, its root is
+    not writable, a worker module failed): a preflight refusal, not an unreachable host."""
+
+
 @dataclass
 class Completed:
     rc: int
@@ -179,6 +184,10 @@ class SSHTransport(Transport):
                         f"ssh-keyscan -p {h.port} {h.address} >> {h.known_hosts}, or set "
                         f"accept_new = true for this host") from None
                 self.conn = await self._connect_accept_new(known_hosts, kwargs)
+            except asyncssh.KeyImportError as e:
+                raise HostError(f"{self.where}: identity_file {h.identity_file} cannot be used: {e} "
+                                f"(an encrypted key: add it to the SSH agent with ssh-add and leave "
+                                f"identity_file out)") from None
             except asyncssh.PermissionDenied:
                 raise HostError(f"{self.where}: authentication failed (key "
                                 f"{h.identity_file or 'from the SSH agent / ~/.ssh'})") from None

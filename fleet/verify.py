@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from . import deploy
 from .config import Config
+from .jobs import shard_dir
 from .transport import HostError, Transport
 
 
@@ -22,6 +23,12 @@ class VerifyResult:
     missing: list[list[int]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     unrecorded_files: int = 0
+    repaired: dict[str, dict] = field(default_factory=dict)   # host -> what --repair did there
+    shared: dict[str, str] = field(default_factory=dict)      # host -> the host whose folder it shares
+
+    @property
+    def skip_fraction(self) -> float | None:
+        return len(self.skipped) / self.num_samples if self.num_samples else None
 
     @property
     def ok(self) -> bool:
@@ -36,7 +43,14 @@ def _expand(ranges: list[list[int]]):
 def merge_reports(reports: dict[str, dict]) -> VerifyResult:
     result = VerifyResult()
     owner: dict[int, str] = {}
+    folders: dict[str, str] = {}
     for host, rep in reports.items():
+        folder = rep.get("folder_id")
+        if folder and folder in folders:               # one shared folder (NFS): counted once
+            result.shared[host] = folders[folder]
+            continue
+        if folder:
+            folders[folder] = host
         n = rep.get("num_samples")
         if n is not None:
             if result.num_samples is not None and result.num_samples != n:
@@ -48,6 +62,8 @@ def merge_reports(reports: dict[str, dict]) -> VerifyResult:
                 result.problems.append(f"{host}: files in format {fmt}, another host's in {result.format}")
             result.format = fmt
         result.problems += [f"{host}: {p}" for p in rep.get("problems", [])]
+        if rep.get("repaired"):
+            result.repaired[host] = rep["repaired"]
         result.unrecorded_files += rep.get("unrecorded_files", 0)
         indices = list(_expand(rep.get("written", []))) + [int(i) for i in rep.get("skipped", {})]
         for i in indices:
@@ -74,8 +90,13 @@ def merge_reports(reports: dict[str, dict]) -> VerifyResult:
     return result
 
 
-async def verify_fleet(config: Config, transports: dict[str, Transport], deep: bool = True
-                       ) -> tuple[VerifyResult, dict[str, str]]:
+def shard_of(index: int, num_rows: int, num_shards: int) -> int:
+    """The shard whose contiguous range holds `index` (the inverse of worker.data.shard_range)."""
+    return next(k for k in range(num_shards - 1, -1, -1) if k * num_rows // num_shards <= index)
+
+
+async def verify_fleet(config: Config, transports: dict[str, Transport], deep: bool = True,
+                       repair: bool = False) -> tuple[VerifyResult, dict[str, str]]:
     """Run the per-host check everywhere in parallel; (merged result, unreachable hosts)."""
     if config.spec.job is not None:
         raise HostError("verify checks the built-in worker's output; this run uses a custom [job]")
@@ -84,7 +105,8 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
         t = transports[host.name]
         await t.connect()
         await deploy.upload_worker(t, config, host)      # a newer fleet's checks, not the old ones
-        args = ["--out", config.host_path(host, config.run.output)] + ([] if deep else ["--shallow"])
+        args = ["--out", config.host_path(host, config.run.output)] + ([] if deep else ["--shallow"]) \
+            + (["--repair"] if repair else [])
         return await deploy.run_worker_module(t, config, host, "verify", *args, timeout=None)
     results = await asyncio.gather(*(one(h) for h in config.hosts), return_exceptions=True)
     reports, failures = {}, {}
@@ -96,3 +118,27 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
         else:
             reports[host.name] = r
     return merge_reports(reports), failures
+
+
+async def reopen_repaired(sup, result: VerifyResult) -> list[str]:
+    """What --repair did, and a `reopened` record on every shard that has samples to redo, so the
+    next `fleet up` relaunches exactly those shards (their plan says which rows they own)."""
+    lines, per_shard = [], {}
+    await sup.read_once()
+    plan = sup.plan
+    for host, rep in result.repaired.items():
+        lines.append(f"{host}: repaired: dropped {len(rep['dropped'])} broken or missing sample(s)"
+                     f"{' ' + str(rep['dropped'][:20]) if rep['dropped'] else ''}, removed "
+                     f"{rep['removed_files']} file(s), {len(rep['deduplicated'])} duplicate entr(ies)")
+        if plan and result.num_samples:
+            for i in rep["dropped"]:
+                k = shard_of(i, result.num_samples, plan["num_shards"])
+                per_shard[k] = per_shard.get(k, 0) + 1
+    for k, n in sorted(per_shard.items()):
+        place = next(p for p in sup.placements if p.shard == k)
+        link = sup.links[place.host]
+        await deploy.run_worker_module(link.transport, sup.config, link.spec, "hostctl", "reopen",
+                                       "--shard-dir", shard_dir(sup.config, link.spec, k),
+                                       "--samples", str(n), "--reason", "dropped by fleet verify --repair")
+        lines.append(f"shard {k}: {n} sample(s) to redo: `fleet up` (or `fleet restart {k}`) redoes them")
+    return lines

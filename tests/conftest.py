@@ -21,6 +21,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    """A real OpenSSH sshd on 127.0.0.1 (tests/sshd_server.py), for the whole session."""
+    from tests.sshd_server import SshdError, start_sshd
+    try:
+        server, proc = start_sshd(str(tmp_path_factory.mktemp("sshd")))
+    except SshdError as e:
+        pytest.fail(str(e))
+    yield server
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """{'qwen3': dir, 'qwen3_5_text': dir}: 8 layers, hidden 64, with tokenizer + chat template."""
     from worker.demo import make_model

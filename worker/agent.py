@@ -25,6 +25,7 @@ import traceback
 from . import protocol
 from .gpu import GpuReader
 from .hostctl import is_running, read_pid
+from .plan import read_plan
 from .probe import disk_space
 
 REPLAY_RECENT_S = 120.0           # progress events kept in full on replay (rates need 30 s)
@@ -119,7 +120,7 @@ class Agent:
 
     def replay(self) -> None:
         """hello, every shard's record so far with its liveness, GPUs, disk, then `replayed`."""
-        self.send(protocol.Hello(host=socket.gethostname(), pid=os.getpid()))
+        self.send(protocol.Hello(host=socket.gethostname(), pid=os.getpid(), plan=read_plan(self.run_dir)))
         self.poll_shards(replay=True, force_liveness=True)
         self.poll_gpu()
         self.poll_disk()

@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from .identity import jsonl_row_count
+
 
 class DataError(Exception):
     """The dataset as a whole cannot be read (missing path, unknown format)."""
@@ -57,12 +59,7 @@ class Dataset:
 class JsonlDataset(Dataset):
     def __init__(self, path: str):
         self.path = path
-        count, last = 0, b"\n"
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                count += chunk.count(b"\n")
-                last = chunk[-1:]
-        self.num_rows = count + (0 if last == b"\n" else 1)
+        self.num_rows = jsonl_row_count(path)
 
     def rows(self, start: int, stop: int) -> Iterator[tuple[int, Any]]:
         with open(self.path, "rb") as f:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -19,6 +21,8 @@ import sys
 import threading
 import time
 import traceback
+import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -30,6 +34,8 @@ from .data import BadRow, DataError, Sample, open_dataset, row_to_sample, shard_
 from .events import EventLog
 from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, Layout,
                       supervision_problem, trainer_setting)
+from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
+                       work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers
 from .model import Capture, ModelError, find_decoder, load_model, missing_fast_kernels, text_config
 from .writer import (BackgroundWriter, DiskFullError, Manifest, Stats, load_finished, manifest_path,
@@ -42,6 +48,11 @@ EXIT_TERMINATED = 143
 
 class Terminated(Exception):
     pass
+
+
+class NotRetryable(Exception):
+    """A failure that a restart would meet again (the work is not the run's, too many rows
+    skipped): the failure event says so, and the judge gives up at once."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,6 +100,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="pad each batch's width to a multiple of this (default 8 on a GPU, 1 on the "
                         "CPU); coarser widths mean fewer distinct shapes for shape-tuned kernels")
     p.add_argument("--progress-interval", type=float, default=2.0, help="seconds between progress events")
+    p.add_argument("--plan", default=None,
+                   help="the run's plan.json (fleet passes it): refuse work whose identity differs")
+    p.add_argument("--max-skip-fraction", type=float, default=0.01,
+                   help="fail the shard when more than this fraction of its rows are skipped (default 0.01)")
     p.add_argument("--random-weights", action="store_true",
                    help="initialise from config.json with random weights (benchmarks, dry runs)")
     args = p.parse_args(argv)
@@ -110,6 +125,7 @@ class Options:
     pad_multiple: int = 8
     loss_mask: str = "assistant"
     format: str = "speculators"
+    max_positions: int | None = None     # the model's longest sequence; longer rows are skipped
 
 
 def gpu_memory(device: torch.device) -> dict:
@@ -124,7 +140,9 @@ def host_peak_bytes() -> int:
 
 
 class Extractor:
-    """Runs batches through the model; splits a batch that runs out of GPU memory."""
+    """Runs batches through the model. A batch that fails (out of GPU memory, or any error a
+    sample can cause) is split in halves down to the one sample that fails, which is skipped with
+    the reason: one bad sample never costs the others."""
 
     def __init__(self, model: torch.nn.Module, plan: LayerPlan, device: torch.device,
                  writer: BackgroundWriter, pad_multiple: int):
@@ -135,25 +153,38 @@ class Extractor:
         self.pad_multiple = pad_multiple
 
     def run(self, batch: list[Sample]) -> None:
-        if not self._try(batch):
-            if len(batch) == 1:
-                self.writer.skip(batch[0].index, f"out of GPU memory at {batch[0].length} tokens")
-                return
-            half = len(batch) // 2
-            self.run(batch[:half])
-            self.run(batch[half:])
+        problem = self._try(batch)
+        if problem is None:
+            return
+        if len(batch) == 1:
+            self.writer.skip(batch[0].index, problem)
+            return
+        half = len(batch) // 2
+        self.run(batch[:half])
+        self.run(batch[half:])
 
-    def _try(self, batch: list[Sample]) -> bool:
+    def _try(self, batch: list[Sample]) -> str | None:
+        """None when the batch went through; else why it did not."""
         try:
-            self._forward(batch)
-            return True
+            result = self._forward(batch)
         except torch.cuda.OutOfMemoryError:
-            pass
+            problem = f"out of GPU memory at {max(s.length for s in batch)} tokens"
+        except Terminated:
+            raise
+        except Exception as e:
+            if "CUDA error" in str(e):       # a sticky device error: only a new process recovers
+                raise
+            line = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            problem = f"{type(e).__name__} in the forward pass: {line}"
+        else:
+            self.writer.submit(batch, *result)  # outside the try: a writer error is not a sample's
+            return None
         self.capture.slots = [None] * len(self.capture.slots)   # outside the except: frames freed
-        torch.cuda.empty_cache()
-        return False
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return problem
 
-    def _forward(self, batch: list[Sample]) -> None:
+    def _forward(self, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
         width = padded_length(max(s.length for s in batch), self.pad_multiple)
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         lengths = torch.tensor([s.length for s in batch])
@@ -166,7 +197,7 @@ class Extractor:
             valid = torch.arange(width, device=self.device)[None, :] < lengths.to(self.device)[:, None]
             bad = ~torch.isfinite(hidden).flatten(2).all(-1)     # [B, S]
             finite = ~(bad & valid).any(1)
-        self.writer.submit(batch, hidden, finite)
+        return hidden, finite
 
 
 def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: int,
@@ -187,6 +218,10 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
                 continue
             sample = Sample(index, sample.input_ids[: options.max_length],
                             sample.loss_mask[: options.max_length])
+        if options.max_positions and sample.length > options.max_positions:
+            yield BadRow(index, f"longer than the model's {options.max_positions} positions: "
+                                f"{sample.length} tokens")
+            continue
         if problem := supervision_problem(options.format, sample.loss_mask):
             yield BadRow(index, problem)
             continue
@@ -246,20 +281,16 @@ def run_meta(layout: Layout, layers: str, loss_mask: str, out: str) -> dict:
 
 
 def write_meta(out_dir: str, meta: dict) -> None:
-    """meta.json describes every file in the folder; a run with other layers must not mix in."""
+    """meta.json describes every file in the folder (check_identity has refused other work). It
+    keeps the folder's `folder_id`, by which verify knows hosts that share one folder."""
     path = os.path.join(out_dir, protocol.META_FILE)
-    if os.path.exists(path):
-        import json
-        try:
-            old = json.load(open(path))
-        except ValueError:
-            old = {}
-        for key in ("format", "layer_ids", "last_layer_norm", "target_last_hidden_states",
-                    "hidden_size", "num_samples", "loss_mask"):
-            if key in old and old[key] != meta[key]:
-                raise ModelError(f"{out_dir} already holds a run with {key}={old[key]} "
-                                 f"(meta.json); this run has {key}={meta[key]}: use another --out")
-    write_json_atomic(path, meta)
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = {}
+    folder_id = old.get("folder_id") if isinstance(old, dict) else None
+    write_json_atomic(path, {**meta, "folder_id": folder_id or uuid.uuid4().hex})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,19 +308,26 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(device)
         dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
         dataset = open_dataset(args.data)
+        if dataset.num_rows == 0:
+            raise DataError(f"{args.data}: empty (0 rows)")
         start, stop = shard_range(dataset.num_rows, args.num_shards, args.shard_index)
         log.emit(protocol.Started(pid=os.getpid(), host=socket.gethostname(), device=str(device),
                                   shard=args.shard_index, num_shards=args.num_shards, start=start,
                                   stop=stop, total=stop - start))
+        shape = model_shape(args.model)
+        if shape is None:
+            raise ModelError(f"{args.model}: " + ("no config.json with hidden_size and num_hidden_layers"
+                                                   if os.path.isdir(args.model) else "model folder not found"))
+        plan = resolve_layers(args.layers or args.format, shape.num_layers,
+                              args.last_layer_norm, args.target_last_hidden_states)
+        layout = Layout(args.format, plan)
+        identity = check_identity(args, plan)        # before any file is touched
         finished = load_finished(args.out)
         log.emit(protocol.Loading(model=args.model))
         t0 = time.perf_counter()
         model = load_model(args.model, str(device), dtype, args.random_weights)
         vocab_size = model.get_input_embeddings().num_embeddings
         config = text_config(model)
-        plan = resolve_layers(args.layers or args.format, config.num_hidden_layers,
-                              args.last_layer_norm, args.target_last_hidden_states)
-        layout = Layout(args.format, plan)
         log.emit(protocol.Loaded(seconds=round(time.perf_counter() - t0, 2), **gpu_memory(device),
                                  layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm))
         if warning := missing_fast_kernels(model):
@@ -301,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             **run_meta(layout, args.layers or args.format, args.loss_mask, args.out),
             "hidden_size": config.hidden_size,
             "num_samples": dataset.num_rows, "data": os.path.abspath(args.data),
-            "random_weights": args.random_weights,
+            "random_weights": args.random_weights, "identity": identity,
             "versions": {"worker": __version__, "torch": torch.__version__,
                          "transformers": __import__("transformers").__version__,
                          "safetensors": __import__("safetensors").__version__}})
@@ -325,13 +363,18 @@ def main(argv: list[str] | None = None) -> int:
         options = Options(args.max_tokens_per_batch, args.max_length, args.too_long,
                           args.writer_queue, args.writer_threads, args.sort_window,
                           pad_multiple=args.pad_multiple or (8 if device.type == "cuda" else 1),
-                          loss_mask=args.loss_mask, format=args.format)
+                          loss_mask=args.loss_mask, format=args.format,
+                          max_positions=shape.max_positions)
         items = iter_shard(dataset, start, stop, set(finished), vocab_size, tokenizer, options)
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                stats, args.progress_interval, stop - start)
+        if problem := too_many_skipped(args.out, start, stop, args.max_skip_fraction):
+            raise NotRetryable(problem)
         log.emit(protocol.Done(**stats.snapshot(), total=stop - start,
                                host_peak_bytes=host_peak_bytes(), **gpu_memory(device)))
         return 0
+    except NotRetryable as e:
+        return fail(log, str(e), EXIT_FAILED, fatal=True)
     except (DataError, ModelError, LayerError, FormatError) as e:
         return fail(log, str(e), EXIT_USAGE)
     except DiskFullError as e:
@@ -345,9 +388,44 @@ def main(argv: list[str] | None = None) -> int:
                     EXIT_FAILED, traceback.format_exc())
 
 
-def fail(log: EventLog, reason: str, code: int, tb: str = "") -> int:
+def check_identity(args: argparse.Namespace, plan: LayerPlan) -> dict:
+    """This shard's work as worker.identity sees it; NotRetryable when it is not the run's plan's
+    or not what the output folder already holds (another model, dataset, layers or format)."""
+    try:
+        identity = work_identity(args.model, args.data, output_identity(plan, args.format, args.loss_mask))
+    except IdentityError as e:
+        raise ModelError(str(e)) from None
+    if args.plan:
+        try:
+            with open(args.plan) as f:
+                planned = json.load(f).get("identity") or {}
+        except (OSError, ValueError, AttributeError) as e:
+            raise ModelError(f"{args.plan}: cannot read the run's plan: {e}") from None
+        if diffs := differences(planned, identity):
+            raise NotRetryable(f"this shard's work differs from the run's plan ({args.plan}): "
+                               + "; ".join(diffs) + " (fleet up --replan after fleet down, or restore it)")
+    if diffs := output_mismatch(args.out, identity):
+        raise NotRetryable(f"{args.out} holds another run's work (its meta.json): " + "; ".join(diffs)
+                           + ": use another --out")
+    return identity
+
+
+def too_many_skipped(out_dir: str, start: int, stop: int, limit: float) -> str | None:
+    """Nothing counts as done that did nothing: more than `limit` of the shard's rows skipped
+    fails it, with the count and the commonest reasons."""
+    skipped = [r["skipped"] for i, r in load_finished(out_dir).items()
+               if start <= i < stop and "skipped" in r]
+    rows = stop - start
+    if not rows or len(skipped) <= limit * rows:
+        return None
+    reasons = Counter(re.sub(r"\d{2,}|(?<=\[)\d+(?=\])", "N", why) for why in skipped).most_common(3)
+    return (f"skipped {len(skipped)} of {rows} rows ({len(skipped) / rows:.1%} > max_skip_fraction "
+            f"{limit:g}): " + "; ".join(f"{why} ({n})" for why, n in reasons))
+
+
+def fail(log: EventLog, reason: str, code: int, tb: str = "", fatal: bool = False) -> int:
     tail = tb.strip().splitlines()[-12:] if tb else []
-    log.emit(protocol.Failed(reason=reason, exit_code=code, traceback=tail))
+    log.emit(protocol.Failed(reason=reason, exit_code=code, traceback=tail, fatal=fatal))
     print(f"error: shard {log.shard}: {reason}", file=sys.stderr, flush=True)
     return code
 

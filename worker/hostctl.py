@@ -218,6 +218,15 @@ def stop(shard_dir: str, timeout: float, why: str = "user", reason: str | None =
     return {"status": "killed", "pid": pid}
 
 
+def reopen(shard_dir: str, samples: int, reason: str) -> dict:
+    """Record that samples of a finished shard were dropped (by verify --repair): it is not DONE."""
+    if is_running(shard_dir):
+        return {"status": "running"}
+    os.makedirs(shard_dir, exist_ok=True)
+    protocol.append_jsonl(_paths(shard_dir)["events"], protocol.Reopened(samples=samples, reason=reason))
+    return {"status": "reopened"}
+
+
 def stop_all(run_dir: str, timeout: float) -> dict:
     folder = os.path.join(run_dir, "shards")
     shards = sorted(n for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(folder) else []
@@ -248,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--timeout", type=float, default=10.0)
     st.add_argument("--why", choices=("user", "restart"), default="user")
     st.add_argument("--reason", default=None, help="for a restart: the failure it restarts from")
+    ro = sub.add_parser("reopen")
+    ro.add_argument("--shard-dir", required=True)
+    ro.add_argument("--samples", type=int, required=True)
+    ro.add_argument("--reason", default="")
     sa = sub.add_parser("stop-all")
     sa.add_argument("--run-dir", required=True)
     sa.add_argument("--timeout", type=float, default=10.0)
@@ -267,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                    sentinels)
     elif args.cmd == "stop-all":
         result = stop_all(args.run_dir, args.timeout)
+    elif args.cmd == "reopen":
+        result = reopen(args.shard_dir, args.samples, args.reason)
     else:
         result = stop(args.shard_dir, args.timeout, args.why, args.reason)
     print(json.dumps(result), flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 
 EDGE = 1 << 20                      # bytes hashed at each end of a weight file
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -34,6 +35,61 @@ def jsonl_row_count(path: str) -> int:
             count += chunk.count(b"\n")
             last = chunk[-1:]
     return count + (0 if last == b"\n" else 1)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    num_layers: int
+    max_positions: int | None        # longest sequence the model takes (None: not declared)
+
+
+def model_shape(model: str) -> ModelShape | None:
+    """From config.json (text_config first), without loading the model."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+    try:
+        return ModelShape(int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]),
+                          int(cfg["max_position_embeddings"]) if cfg.get("max_position_embeddings") else None)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def output_identity(plan, fmt: str, loss_mask: str) -> dict:
+    """What is written: the layers (a worker.layers.LayerPlan), the format, the loss mask."""
+    return {"layer_ids": list(plan.ids), "last_layer_norm": plan.last_layer_norm,
+            "target_last": bool(getattr(plan, "target_last", False)), "format": fmt, "loss_mask": loss_mask}
+
+
+def work_identity(model: str | None, data: str | None, output: dict) -> dict:
+    """The identity of a run's work: model, data and what is written (IdentityError if unreadable)."""
+    out: dict = {}
+    if model:
+        out["model"] = model_identity(model)
+    if data:
+        out["data"] = dataset_identity(data)
+    out.update(output)
+    return out
+
+
+def output_mismatch(out_dir: str, identity: dict) -> list[str]:
+    """How `identity` differs from the work already in `out_dir` (its meta.json); [] if none is
+    there or it agrees. Only what both record is compared (an older meta.json records less)."""
+    try:
+        with open(os.path.join(out_dir, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return []
+    held = meta.get("identity") if isinstance(meta, dict) else None
+    if not isinstance(held, dict):
+        held = {k: meta[k] for k in ("layer_ids", "last_layer_norm", "format", "loss_mask")
+                if isinstance(meta, dict) and k in meta}
+    return differences({k: v for k, v in held.items() if k in identity},
+                       {k: v for k, v in identity.items() if k in held})
 
 
 def model_identity(path: str) -> dict:

@@ -4,7 +4,11 @@ It holds the shard layout (id, host, GPU; `num_shards`), the fleet.toml values t
 on, and the identity of the work (worker.identity). Every fleet command reads it back from any
 reachable host instead of recomputing it. Standard library only.
 
-    python -m worker.plan write --run-dir R     (the plan as JSON on stdin; atomic)
+    python -m worker.plan write --run-dir R [--archive-records]   (the plan as JSON on stdin)
+
+A new plan for a run that already ran (`fleet up --replan`) moves the old shard records aside
+(`shards` → `shards.before-<time>`): a record judged DONE under the old layout says nothing about
+the new one. The output folder is untouched, so finished samples are kept by global index.
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ def read_plan(run_dir: str) -> dict | None:
     return plan if isinstance(plan, dict) and plan.get("version") == PLAN_VERSION else None
 
 
-def write_plan(run_dir: str, plan: dict) -> None:
+def write_plan(run_dir: str, plan: dict, archive_records: bool = False) -> None:
     os.makedirs(run_dir, exist_ok=True)
+    records = os.path.join(run_dir, "shards")
+    if archive_records and os.path.isdir(records):
+        os.rename(records, f"{records}.before-{int(plan.get('created', 0))}")
     path = plan_path(run_dir)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
@@ -48,10 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write")
     w.add_argument("--run-dir", required=True)
+    w.add_argument("--archive-records", action="store_true",
+                   help="a new plan: move the old shard records aside")
     args = ap.parse_args(argv)
     os.umask(os.umask(0o022) | 0o022)
     plan = json.loads(sys.stdin.read())
-    write_plan(args.run_dir, plan)
+    write_plan(args.run_dir, plan, args.archive_records)
     print(json.dumps({"status": "written", "path": plan_path(args.run_dir)}))
     return 0
 

@@ -16,22 +16,13 @@ import sys
 
 from .formats import FormatError, check_plan
 from .gpu import GpuReader
+from .identity import (IdentityError, model_shape, output_identity, output_mismatch,
+                       work_identity)
 from .layers import LayerError, resolve_layers
+from .plan import read_plan
 from .probe import disk_space
 
 MIN_PYTHON = (3, 9)
-
-
-def model_shape(model: str) -> tuple[int, int] | None:
-    """(hidden_size, num_hidden_layers) from config.json, text_config first."""
-    try:
-        cfg = json.load(open(os.path.join(model, "config.json")))
-    except (OSError, ValueError):
-        return None
-    cfg = cfg.get("text_config", cfg)
-    if "hidden_size" in cfg and "num_hidden_layers" in cfg:
-        return int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
-    return None
 
 
 def estimate_tokens(data: str, sample_rows: int = 2000) -> int | None:
@@ -65,6 +56,41 @@ def existing_output_bytes(output: str) -> int:
             except (OSError, ValueError):
                 pass
     return total
+
+
+def dataset_problem(path: str, rows: int | None, sample: int = 100) -> str | None:
+    """Nothing counts as done that did nothing: an empty dataset, a JSON array where JSON lines are
+    read, or first rows none of which the worker can use are refused before any launch."""
+    if rows == 0:
+        return f"data {path}: empty (0 rows)"
+    with open(path, "rb") as f:
+        head = f.read(1 << 16).lstrip()
+        f.seek(0)
+        lines = [l for _, l in zip(range(sample), f)]
+    if head.startswith(b"["):
+        return (f"data {path}: a JSON array, not JSON lines (one object per line); convert it, "
+                f"e.g. jq -c '.[]' {path} > {path.rsplit('.', 1)[0]}.jsonl")
+    reasons = [row_problem(l) for l in lines]
+    if reasons and all(reasons):
+        return f"data {path}: none of the first {len(reasons)} rows is usable: row 0: {reasons[0]}"
+    return None
+
+
+def row_problem(line: bytes) -> str | None:
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        return f"not valid JSON: {e}"
+    if not isinstance(row, dict):
+        return "row is not an object"
+    ids = row.get("input_ids")
+    if ids is not None:
+        ok = isinstance(ids, list) and ids and all(isinstance(x, int) and not isinstance(x, bool) for x in ids)
+        return None if ok else "input_ids is not a non-empty list of integers"
+    turns = row.get("messages", row.get("conversations"))
+    if isinstance(turns, list) and turns:
+        return None
+    return "row has none of input_ids, conversations, messages"
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -112,27 +138,50 @@ def run(args: argparse.Namespace) -> dict:
     for label, path in (("model", args.model), ("data", args.data)):
         if path and not os.path.exists(path):
             check("error", f"{label} path {path} does not exist")
+    if args.run_dir:
+        report["plan"] = read_plan(args.run_dir)
     if args.builtin and args.model and os.path.isdir(args.model) and not args.demo:
         if model_shape(args.model) is None:
             check("error", f"{args.model}/config.json is missing or has no hidden_size/num_hidden_layers")
     shape = model_shape(args.model) if args.model else None
-    layer_count = None
+    layers = None
     if args.builtin and shape:
         try:          # the worker's own resolver: the same ids, the same refusals, before launch
-            plan = resolve_layers(args.layers or args.format, shape[1], None,
-                                  args.target_last_hidden_states)
-            check_plan(args.format, plan)
-            layer_count = len(plan.ids)
+            layers = resolve_layers(args.layers or args.format, shape.num_layers, None,
+                                    args.target_last_hidden_states)
+            check_plan(args.format, layers)
         except (LayerError, FormatError) as e:
             check("error", str(e))
+            layers = None
+    try:
+        output = output_identity(layers, args.format, args.loss_mask) if layers else {}
+        model = args.model if args.builtin and args.model and os.path.isdir(args.model) else None
+        data = args.data if args.data and os.path.exists(args.data) else None
+        report["identity"] = identity = work_identity(model, data, output)
+    except IdentityError as e:
+        check("error", str(e))
+        report["identity"] = identity = {}
+    if args.builtin and args.data and os.path.isfile(args.data):
+        problem = dataset_problem(args.data, identity.get("data", {}).get("rows"))
+        if problem:
+            check("error", problem)
+    if args.output:
+        for part in os.path.abspath(args.output).split(os.sep):
+            if len(part.encode()) > 255:
+                check("error", f"output {args.output}: a folder name is {len(part.encode())} bytes long; "
+                               f"file systems allow 255")
+        diffs = output_mismatch(args.output, identity) if identity else []
+        if diffs:
+            check("error", f"output {args.output} holds another run's work (its meta.json): "
+                           + "; ".join(diffs) + " — use another output folder")
     if args.output:
         space = disk_space(args.output)
         free = report["free_bytes"] = space.free
         if not os.access(space.probe, os.W_OK):
             check("error", f"output {args.output}: {space.probe} is not writable")
         tokens = estimate_tokens(args.data) if args.data else None
-        if shape and tokens is not None and layer_count:
-            need = tokens * layer_count * shape[0] * 2 - existing_output_bytes(args.output)
+        if shape and tokens is not None and layers:
+            need = tokens * len(layers.ids) * shape.hidden_size * 2 - existing_output_bytes(args.output)
             report["estimated_bytes"] = max(need, 0)
             if need > free:
                 check("error", f"output {args.output}: needs about {need / 1e9:.1f} GB, "
@@ -154,6 +203,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--format", default="speculators")
     ap.add_argument("--target-last-hidden-states", action="store_true")
     ap.add_argument("--loss-mask", default="assistant", help="accepted as the worker takes it")
+    ap.add_argument("--run-dir", default=None, help="the run's folder: its plan.json is reported")
     ap.add_argument("--builtin", action="store_true", help="the built-in extraction worker runs here")
     ap.add_argument("--demo", action="store_true", help="model and data are made on first use")
     return ap.parse_args(argv)

@@ -13,6 +13,7 @@ Who writes what::
     the runner       Sentinel, Progress   a [job]'s log lines / output files, as they appear
                      Exited         the process ended (code, or stopped on purpose)
     hostctl stop     StopRequested  written before the first signal is sent
+    hostctl reopen   Reopened       `fleet verify --repair` dropped some of its samples
     the agent        Exited(vanished=True)   the lock is free and the launch has no end record
                                     (the runner itself was killed); written under the lock
 
@@ -202,6 +203,7 @@ class Failed(Record):
     reason: str = "failed"
     exit_code: Optional[int] = None
     traceback: Optional[list] = None
+    fatal: bool = False               # a restart would fail the same way: do not retry
 
 
 @event
@@ -225,6 +227,17 @@ class StopRequested(Record):
     launch: Optional[int] = None
     why: str = "user"
     reason: Optional[str] = None      # for a restart: the failure it restarts from
+
+
+@event
+@dataclass
+class Reopened(Record):
+    """`fleet verify --repair` dropped samples of this shard: a DONE shard has work again."""
+    KIND: ClassVar[str] = "reopened"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    samples: int = 0
+    reason: str = ""
 
 
 @event
@@ -276,6 +289,7 @@ class Hello(Message):
     host: str = ""
     pid: int = 0
     t: float = field(default_factory=now)
+    plan: Optional[dict] = None        # the run's plan.json on this host (worker/plan.py)
 
 
 @message

@@ -58,7 +58,9 @@ def check_file(layout: Layout, out: str, rec: dict, hidden: int | None) -> str |
     return None
 
 
-def verify(out: str, deep: bool = True, threads: int = 8) -> dict:
+def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) -> dict:
+    """The folder's report; with `repair`, manifest entries whose files are missing or broken are
+    dropped (and the broken files removed), so the next launch of their shard redoes exactly those."""
     meta_path = os.path.join(out, protocol.META_FILE)
     try:
         meta = json.load(open(meta_path))
@@ -67,6 +69,7 @@ def verify(out: str, deep: bool = True, threads: int = 8) -> dict:
     layout = layout_of(meta)
     problems: list[str] = []
     seen: dict[int, dict] = {}
+    twice: set[int] = set()
     folder = os.path.join(out, protocol.MANIFEST_DIR)
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         for rec in protocol.iter_jsonl(os.path.join(folder, name)):
@@ -75,29 +78,68 @@ def verify(out: str, deep: bool = True, threads: int = 8) -> dict:
                 continue
             if i in seen:
                 problems.append(f"sample {i}: recorded twice in the manifests")
+                twice.add(i)
                 continue
             seen[i] = rec
     written = [r for r in seen.values() if "skipped" not in r]
     skipped = {i: r["skipped"] for i, r in seen.items() if "skipped" in r}
+    broken: dict[int, str] = {}
     if deep and written:
         with ThreadPoolExecutor(threads) as pool:
-            for problem in pool.map(lambda r: check_file(layout, out, r, meta.get("hidden_size")),
-                                    written):
+            for rec, problem in zip(written, pool.map(
+                    lambda r: check_file(layout, out, r, meta.get("hidden_size")), written)):
                 if problem:
                     problems.append(problem)
+                    broken[rec["index"]] = problem
+    report = {"num_samples": meta.get("num_samples"), "format": layout.format, "checked": len(written),
+              "folder_id": meta.get("folder_id")}
+    if repair and (broken or twice):
+        report["repaired"] = repair_folder(out, layout, broken, twice, folder)
+        problems = [p for p in problems if not any(p.startswith(f"sample {i}:") for i in set(broken) | twice)]
+        written = [r for r in written if r["index"] not in broken]
     unrecorded = set(layout.scan(out)) - {r["index"] for r in written}
-    return {"num_samples": meta.get("num_samples"), "format": layout.format,
-            "written": to_ranges(r["index"] for r in written),
-            "skipped": {str(i): why for i, why in sorted(skipped.items())},
-            "unrecorded_files": len(unrecorded), "problems": problems, "checked": len(written)}
+    report.update({"written": to_ranges(r["index"] for r in written),
+                   "skipped": {str(i): why for i, why in sorted(skipped.items())},
+                   "unrecorded_files": len(unrecorded), "problems": problems})
+    return report
+
+
+def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[int], folder: str) -> dict:
+    """Rewrite each manifest without the broken entries (and with one entry per index), atomically;
+    remove the broken files. What is dropped is redone by the next launch of its shard."""
+    from .writer import write_lines_atomic
+    kept: set[int] = set()
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        lines = []
+        for rec in protocol.iter_jsonl(path):
+            i = rec.get("index")
+            if isinstance(i, int):
+                if i in broken or i in kept:
+                    continue
+                kept.add(i)
+            lines.append(json.dumps(rec, separators=(",", ":")))
+        write_lines_atomic(path, lines)
+    removed = 0
+    for i in broken:
+        try:
+            os.unlink(layout.path(out, i))
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return {"dropped": sorted(broken), "deduplicated": sorted(twice), "removed_files": removed}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m worker.verify")
     ap.add_argument("--out", required=True)
     ap.add_argument("--shallow", action="store_true", help="manifests only; do not open the files")
+    ap.add_argument("--repair", action="store_true",
+                    help="drop manifest entries whose files are missing or broken (and those files)")
     args = ap.parse_args(argv)
-    print(json.dumps(verify(args.out, deep=not args.shallow)))
+    if args.repair and args.shallow:
+        ap.error("--repair needs the files opened; drop --shallow")
+    print(json.dumps(verify(args.out, deep=not args.shallow, repair=args.repair)))
     return 0
 
 

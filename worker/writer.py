@@ -60,12 +60,39 @@ def write_sample_file(layout: Layout, out_dir: str, index: int, tensors: dict[st
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
+    """Temp file, fsync, rename; on any failure the temp file goes and a full disk says so."""
     tmp = os.path.join(os.path.dirname(path), f"{protocol.TEMP_PREFIX}{os.path.basename(path)}-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(f"disk full writing {path}") from None
+        raise
+
+
+def write_lines_atomic(path: str, lines: list[str]) -> None:
+    """Replace a JSON-lines file whole (temp file, fsync, rename): a reader sees old or new."""
+    tmp = os.path.join(os.path.dirname(path), f"{protocol.TEMP_PREFIX}{os.path.basename(path)}-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def manifest_path(out_dir: str, shard: int) -> str:

@@ -71,6 +71,11 @@ class FleetApp(App[str]):
         self.snap: FleetSnapshot | None = None
         self.cells_written = 0                     # counted for the benchmark
 
+    @property
+    def main(self):
+        """The main screen: panes are looked up there, so a redraw under a modal never fails."""
+        return self.screen_stack[0]
+
     def compose(self) -> ComposeResult:
         yield TopBar(id="top")
         with Horizontal(id="middle"):
@@ -89,10 +94,10 @@ class FleetApp(App[str]):
     async def on_mount(self) -> None:
         if self.open_source is not None:
             self.source = await self.open_source()
-        self.query_one("#filter", Input).display = False
+        self.main.query_one("#filter", Input).display = False
         self.set_interval(self.interval, lambda: self.post_message(Refresh()))
         self.post_message(Refresh())
-        self.query_one(ShardTable).focus()
+        self.main.query_one(ShardTable).focus()
 
     def on_refresh(self, _: Refresh) -> None:
         self.draw(self.source.snapshot())
@@ -100,29 +105,29 @@ class FleetApp(App[str]):
     def draw(self, snap: FleetSnapshot) -> None:
         self.snap = snap
         with self.batch_update():
-            self.query_one(TopBar).show(snap)
-            self.cells_written += self.query_one(GpuTable).show(snap)
-            table = self.query_one(ShardTable)
+            self.main.query_one(TopBar).show(snap)
+            self.cells_written += self.main.query_one(GpuTable).show(snap)
+            table = self.main.query_one(ShardTable)
             self.cells_written += table.show(snap, self.text_filter, self.faulty_only, self.sort)
-            self.query_one(ThroughputPane).add(snap)
+            self.main.query_one(ThroughputPane).add(snap)
             views = [f"sort {self.sort}"] + (["faulty only"] if self.faulty_only else []) + \
                 ([f"filter '{self.text_filter}'"] if self.text_filter else []) + \
                 ([f"{len(table.marked)} marked"] if table.marked else [])
-            self.query_one("#shards-title", Static).update(
+            self.main.query_one("#shards-title", Static).update(
                 f"shards ({table.row_count}/{len(snap.shards)})  " + " · ".join(views))
-        self.query_one(ShardLog).follow(self.source, table.selected_shard)
+        self.main.query_one(ShardLog).follow(self.source, table.selected_shard)
 
     # --- keys ----------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """Hide keys that cannot apply now (the footer shows only what works)."""
         if action in ("restart", "stop", "log", "mark"):
-            return self.query_one(ShardTable).selected_shard is not None or None
+            return self.main.query_one(ShardTable).selected_shard is not None or None
         if action == "restart_failed":
             return bool(self.snap and self._restartable()) or None
         return True
 
     def _targets(self) -> list[int]:
-        table = self.query_one(ShardTable)
+        table = self.main.query_one(ShardTable)
         if table.marked:
             return sorted(table.marked)
         return [table.selected_shard] if table.selected_shard is not None else []
@@ -141,7 +146,7 @@ class FleetApp(App[str]):
             self.notify(f"failed: {e}", severity="error")
             return
         self.notify("\n".join(lines) or "done")
-        self.query_one(ShardTable).marked.clear()
+        self.main.query_one(ShardTable).marked.clear()
         self.post_message(Refresh())
 
     def action_restart(self) -> None:
@@ -169,7 +174,7 @@ class FleetApp(App[str]):
         self._confirm_then("Stop the WHOLE run (every shard on every host)?", self.source.stop_all)
 
     def action_mark(self) -> None:
-        table = self.query_one(ShardTable)
+        table = self.main.query_one(ShardTable)
         k = table.selected_shard
         if k is not None:
             table.marked.symmetric_difference_update({k})
@@ -177,12 +182,12 @@ class FleetApp(App[str]):
             table.action_cursor_down()
 
     def action_log(self) -> None:
-        k = self.query_one(ShardTable).selected_shard
+        k = self.main.query_one(ShardTable).selected_shard
         if k is not None:
             self.push_screen(LogScreen(self.source, k))
 
     def action_filter(self) -> None:
-        box = self.query_one("#filter", Input)
+        box = self.main.query_one("#filter", Input)
         box.display = True
         box.value = self.text_filter
         box.focus()
@@ -190,14 +195,14 @@ class FleetApp(App[str]):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.text_filter = event.value.strip()
         event.input.display = False
-        self.query_one(ShardTable).focus()
+        self.main.query_one(ShardTable).focus()
         self.post_message(Refresh())
 
     def action_clear_filter(self) -> None:
-        box = self.query_one("#filter", Input)
+        box = self.main.query_one("#filter", Input)
         box.display = False
         self.text_filter = ""
-        self.query_one(ShardTable).focus()
+        self.main.query_one(ShardTable).focus()
         self.post_message(Refresh())
 
     def action_faulty(self) -> None:
@@ -220,14 +225,14 @@ class FleetApp(App[str]):
             await close()
 
 
-def run_tui(config, gpus_by_host: dict[str, list[int]]) -> int:
+def run_tui(config, plan: dict) -> int:
     """Open the live view on a deployed run: follow every host, launch what is not live, draw."""
     from ..supervisor import Supervisor
     from .source import SupervisorSource
 
     async def open_source() -> SupervisorSource:
         sup = Supervisor(config)
-        sup.plan(gpus_by_host)
+        sup.use_plan(plan)
         await sup.start()
         source = SupervisorSource(sup)
         source.launch_task = asyncio.create_task(sup.launch_all())

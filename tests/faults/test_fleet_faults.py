@@ -77,6 +77,7 @@ model = {json.dumps(dense_model)}
 data = "d.jsonl"
 output = "out"
 max_length = 100
+max_skip_fraction = 0.5                # 2 of 6 rows are meant to be skipped
 device = "cpu"
 
 [[hosts]]
@@ -88,7 +89,7 @@ root = "fleet"
     assert fleet("up", "--headless", "-c", str(tmp_path / "fleet.toml")).returncode == 0
     v = fleet("verify", "-c", str(tmp_path / "fleet.toml"))
     assert v.returncode == 0, v.stdout
-    assert "4 written, 2 skipped, 6 in the dataset" in v.stdout
+    assert "4 written, 2 skipped (33.33%), 6 in the dataset" in v.stdout
     assert "skipped 1: too long: 150 tokens > --max-length 100" in v.stdout
     assert "skipped 3: too long: 210 tokens > --max-length 100" in v.stdout
 
@@ -111,6 +112,7 @@ data = "d.jsonl"
 output = "out"
 device = "cpu"
 max_tokens_per_batch = 4096
+max_skip_fraction = 0.1               # the one sample that never fits is 1 of 32
 env = {{ PYTHONPATH = {json.dumps(pythonpath)}, FLEET_INJECT_OOM_ABOVE = "256" }}
 
 [[hosts]]
@@ -121,14 +123,14 @@ root = "fleet"
 """)
     write("")
     config = load_config(str(path))
-    inject = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inject_oom")
+    inject = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inject")
     write(f"{code_dir(config, config.hosts[0])}:{inject}")
     r = fleet("up", "--headless", "-c", str(path))
     assert r.returncode == 0, r.stdout + r.stderr
     skipped = [e for e in events(tmp_path, "oom", 0) if e["event"] == "sample_skipped"]
     assert [(e["index"], e["reason"]) for e in skipped] == [(30, "out of GPU memory at 300 tokens")]
     v = fleet("verify", "-c", str(path))
-    assert v.returncode == 0 and "31 written, 1 skipped, 32 in the dataset" in v.stdout, v.stdout
+    assert v.returncode == 0 and "31 written, 1 skipped (3.12%), 32 in the dataset" in v.stdout, v.stdout
 
 
 def test_gpu_index_out_of_range_is_refused_by_preflight(tmp_path, dense_model, token_data):

@@ -146,7 +146,7 @@ def test_enormous_row_is_skipped_with_its_length(tmp_path, dense_model):
     rows = [{"input_ids": [1, 2, 3]}, {"input_ids": list(range(400)) * 500}, {"input_ids": [4, 5]}]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out, state = str(tmp_path / "out"), str(tmp_path / "st")
-    r = run_worker("--model", dense_model, "--data", str(data), "--out", out, "--state", state,
+    r = run_worker("--max-skip-fraction", "1", "--model", dense_model, "--data", str(data), "--out", out, "--state", state,
                    "--max-length", "4096")
     assert r.returncode == 0, r.stderr
     skipped = {e["index"]: e["reason"] for e in read_events(state) if e["event"] == "sample_skipped"}

@@ -11,17 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from tests.sshd_server import SshdError, start_sshd
 
-@pytest.fixture(scope="session")
-def sshd(tmp_path_factory):
-    try:
-        server, proc = start_sshd(str(tmp_path_factory.mktemp("sshd")))
-    except SshdError as e:
-        pytest.fail(str(e))
-    yield server
-    proc.terminate()
-    proc.wait(10)
 
 
 def fleet_toml(tmp, *, model: str | None, data: str | None, port: int, client_key: str, known_hosts: str,

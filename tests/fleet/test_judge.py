@@ -92,6 +92,23 @@ def test_custom_job_sentinels_order_and_need():
     assert verdict(relaunched, 6, True, job).state == State.STARTING
 
 
+def test_a_failure_the_worker_calls_not_retryable_is_fatal_at_once_alive_or_not():
+    evs = [launch(0), p.Loaded(t=1, launch=1), p.Failed(t=2, launch=1, reason="skipped 9 of 10 rows", fatal=True)]
+    for alive, more in ((True, []), (False, [p.Exited(t=3, launch=1, code=1)])):
+        v = verdict(evs + more, 1000, alive)
+        assert (v.state, v.action) == (State.FATAL, Action.NONE)
+        assert v.reason == "skipped 9 of 10 rows (not retried: a restart would fail the same way)"
+
+
+def test_a_repaired_done_shard_is_pending_and_launched_again():
+    done = [launch(0), p.Done(t=2, launch=1, done=5, total=5), p.Exited(t=3, launch=1, code=0)]
+    v = verdict(done + [p.Reopened(t=9, samples=2, reason="dropped by fleet verify --repair")], 10, False)
+    assert (v.state, v.action) == (State.PENDING, Action.LAUNCH)
+    assert v.reason == "2 sample(s) to redo: dropped by fleet verify --repair"
+    relaunched = done + [p.Reopened(t=9, samples=2, reason="r"), launch(11, n=2)]
+    assert verdict(relaunched, 12, True).state == State.STARTING
+
+
 def test_restart_policy_backs_off_then_gives_up_and_a_manual_launch_resets():
     assert [backoff_delay(a, 2, 60) for a in range(7)] == [2, 4, 8, 16, 32, 60, 60]
     evs, t = [launch(0)], 0.0
@@ -190,7 +207,7 @@ def test_snapshot_totals_expected_alert_unknown_hosts_and_exit_codes():
 # --- invariants over random histories ---------------------------------------------------------
 
 WORKER = st.sampled_from(["started", "loading", "loaded", "progress", "progress", "done", "failed",
-                          "fail_line", "done_line"])
+                          "fatal", "fail_line", "done_line"])
 STEP = st.one_of(
     st.tuples(st.just("worker"), WORKER),
     st.tuples(st.just("exit"), st.sampled_from([0, 0, 1, -9])),
@@ -243,8 +260,8 @@ class World:
                 self.add(p.Progress(t=t, launch=n, done=self.done, total=100, tokens=self.done * 7))
             elif arg == "done":
                 self.add(p.Done(t=t, launch=n, done=self.done, total=100))
-            elif arg == "failed":
-                self.add(p.Failed(t=t, launch=n, reason="boom"))
+            elif arg in ("failed", "fatal"):
+                self.add(p.Failed(t=t, launch=n, reason="boom", fatal=arg == "fatal"))
             elif arg in ("fail_line", "done_line"):
                 self.add(p.Sentinel(t=t, launch=n, match=arg[:4], line="a line"))
             else:

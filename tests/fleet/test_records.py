@@ -78,7 +78,7 @@ async def started(config_path: str, logs: list | None = None) -> Supervisor:
     sup = Supervisor(config, on_log=(logs.append if logs is not None else None))
     results, failures = await sup.deploy()
     assert not failures and not results[0].errors, (failures, results[0].errors)
-    sup.plan({"local": results[0].gpus})
+    await sup.settle_plan(results)
     await sup.start()
     await sup.launch_all()
     return sup

@@ -84,7 +84,7 @@ async def test_live_tui_kill_restart_filter_and_quit(tmp_path, dense_model, long
     sup = Supervisor(config)
     results, failures = await sup.deploy()
     assert not failures and not results[0].errors
-    sup.plan({"local": results[0].gpus})
+    await sup.settle_plan(results)
 
     async def open_source():
         await sup.start()

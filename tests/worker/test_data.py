@@ -137,7 +137,7 @@ def test_worker_masks_chats_and_skips_unsupervised_samples(tmp_path, dense_model
             {"conversations": [{"from": "human", "value": "hi"}]}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out, state = str(tmp_path / "out"), str(tmp_path / "st")
-    r = run_worker("--model", dense_model, "--data", str(data), "--out", out, "--state", state)
+    r = run_worker("--max-skip-fraction", "1", "--model", dense_model, "--data", str(data), "--out", out, "--state", state)
     assert r.returncode == 0, r.stderr
     tok = tokenizers["chatml"]
     t = load_file(f"{out}/hs_0.safetensors")

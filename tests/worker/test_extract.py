@@ -141,7 +141,7 @@ def test_malformed_rows_are_skipped_and_reported(tmp_path, dense_model):
              good.encode()]
     data.write_bytes(b"\n".join(lines) + b"\n")
     out, state = str(tmp_path / "out"), str(tmp_path / "state")
-    r = run_worker("--model", dense_model, "--data", str(data), "--out", out, "--state", state)
+    r = run_worker("--max-skip-fraction", "1", "--model", dense_model, "--data", str(data), "--out", out, "--state", state)
     assert r.returncode == 0, r.stderr
     skipped = {e["index"]: e["reason"] for e in read_events(state) if e["event"] == "sample_skipped"}
     assert set(skipped) == {1, 2, 3, 4, 5, 6, 7, 8}
@@ -159,7 +159,7 @@ def test_malformed_rows_are_skipped_and_reported(tmp_path, dense_model):
 @pytest.mark.parametrize("mode", ["skip", "truncate"])
 def test_too_long_samples(tmp_path, dense_model, token_data, mode):
     out, state = str(tmp_path / "out"), str(tmp_path / "state")
-    r = run_worker("--model", dense_model, "--data", token_data, "--out", out, "--state", state,
+    r = run_worker("--max-skip-fraction", "1", "--model", dense_model, "--data", token_data, "--out", out, "--state", state,
                    "--max-length", "30", "--too-long", mode)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(l) for l in open(token_data)]
@@ -234,7 +234,8 @@ def test_user_errors_are_one_line_with_exit_2(tmp_path, dense_model, token_data)
     out = str(tmp_path / "mixed")
     assert run_worker("--model", dense_model, "--data", token_data, "--out", out, "--layers", "1,2").returncode == 0
     r = run_worker("--model", dense_model, "--data", token_data, "--out", out)
-    assert r.returncode == 2 and "already holds a run with layer_ids" in r.stderr
+    assert r.returncode == 1 and "holds another run's work (its meta.json)" in r.stderr
+    assert "layer_ids: [1, 2] -> [2, 4, 5, 8]" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_hybrid_warns_about_missing_fast_kernels(tmp_path, models, token_data):

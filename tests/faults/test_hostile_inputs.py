@@ -1,0 +1,137 @@
+"""The smaller ways a careless user or a hostile host broke fleet, each through the real code path:
+unusable identity files, logs that are not UTF-8, a full disk at meta.json, a custom job's giant
+unterminated log line, preflight's blind spots, a broken python or root taken for an unreachable
+host."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, run_worker
+from tests.faults.test_worker_faults import small_tmpfs  # noqa: F401  (fixture)
+from tests.fleet.conftest import fleet, fleet_toml
+from worker import protocol
+from worker.sentinels import MAX_LINE, LogWatcher, SentinelSpec
+
+
+def local_toml(tmp_path, body: str, host: str = "") -> str:
+    (tmp_path / "fleet.toml").write_text(body + f"""
+[[hosts]]
+name = "local"
+address = "local"
+gpus = [0]
+root = "fleet"
+{host}
+""")
+    return str(tmp_path / "fleet.toml")
+
+
+@pytest.mark.ssh
+def test_an_encrypted_or_garbage_identity_file_is_one_line(tmp_path, sshd):
+    encrypted = tmp_path / "enc_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "secret", "-f", str(encrypted)], check=True)
+    garbage = tmp_path / "garbage_key"
+    garbage.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nnot a key\n-----END OPENSSH PRIVATE KEY-----\n")
+    for key, words in ((encrypted, "ssh-add"), (garbage, "cannot be used")):
+        config = fleet_toml(tmp_path, model=None, data=None, port=sshd.port, client_key=str(key),
+                            known_hosts=sshd.known_hosts, job='[job]\ncommand = "true"')
+        for args in (("status",), ("up", "--headless")):
+            r = fleet(*args, "-c", config)
+            assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+            assert f"identity_file {key} cannot be used" in r.stdout + r.stderr and words in r.stdout + r.stderr
+
+
+@pytest.mark.ssh
+def test_logs_with_bytes_that_are_not_utf8_print_over_ssh(tmp_path, sshd):
+    script = tmp_path / "noisy.py"
+    script.write_text("import sys\nsys.stdout.buffer.write(b'before \\xff\\xfe bytes\\nafter\\n')\n")
+    config = fleet_toml(tmp_path, model=None, data=None, port=sshd.port, client_key=sshd.client_key,
+                        known_hosts=sshd.known_hosts, gpus=(0,), job=f'[job]\ncommand = "{{python}} {script}"')
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    r = fleet("logs", "0", "-c", config)
+    assert r.returncode == 0 and "before \ufffd\ufffd bytes" in r.stdout and "after" in r.stdout
+    follow = subprocess.Popen([sys.executable, "-m", "fleet.cli", "logs", "0", "-f", "-c", config], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = follow.stdout.readline() + follow.stdout.readline()
+        assert "before \ufffd\ufffd bytes" in first and "after" in first
+        assert follow.poll() is None                                  # still following, no traceback
+    finally:
+        follow.kill()
+        follow.wait(10)
+
+
+def test_a_full_disk_at_meta_json_is_one_line_and_leaves_no_temp_file(tmp_path, dense_model, small_tmpfs):  # noqa: F811
+    rows = tmp_path / "d.jsonl"
+    rows.write_text("\n".join(json.dumps({"input_ids": [1, 2, 3]}) for _ in range(4)) + "\n")
+    out = os.path.join(small_tmpfs, "out")
+    os.makedirs(out)
+    fd = os.open(os.path.join(small_tmpfs, "filler"), os.O_WRONLY | os.O_CREAT)
+    try:                                                             # fill the disk to the last byte
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    r = run_worker("--model", dense_model, "--data", str(rows), "--out", out)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"disk full writing {out}/meta.json" in r.stderr, r.stderr
+    assert os.listdir(out) == []
+
+
+def test_a_giant_unterminated_log_line_is_read_once_and_bounded(tmp_path):
+    """The runner follows a [job]'s log: a line with no end is read once, in bounded chunks, and
+    matched on its tail; a \\r-redrawn progress bar counts."""
+    log = tmp_path / "log"
+    with open(log, "wb") as f:
+        f.write(b"x" * (20 << 20))                                  # 20 MiB, no newline
+    w = LogWatcher(SentinelSpec(fail="ERROR", progress=r"processed (?P<done>\d+)/(?P<total>\d+)"),
+                   str(log), 0, launch=1, shard=0)
+    assert w.poll() == [] and w.offset == 20 << 20 and len(w.partial) <= MAX_LINE
+    assert w.poll() == [] and w.offset == 20 << 20                  # nothing read twice
+    with open(log, "ab") as f:
+        f.write(b" ERROR at the end\rprocessed 3/9\r")
+    events = w.poll(final=True)
+    assert [type(e) for e in events] == [protocol.Sentinel, protocol.Progress]
+    assert events[0].line.endswith("ERROR at the end") and (events[1].done, events[1].total) == (3, 9)
+
+
+def test_preflight_refuses_layers_out_of_range_and_over_long_path_names(tmp_path, dense_model, token_data):
+    long = "x" * 300
+    config = local_toml(tmp_path, f"""
+[run]
+name = "pf"
+model = {json.dumps(dense_model)}
+data = {json.dumps(token_data)}
+output = "out/{long}"
+layers = [1, 99]
+device = "cpu"
+""")
+    r = fleet("up", "--headless", "-c", config)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "layer id 99 out of range" in r.stderr and "a folder name is 300 bytes long" in r.stderr
+
+
+def test_a_broken_python_or_an_unwritable_root_is_a_refusal_not_an_unreachable_host(tmp_path):
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'python: error while loading shared libraries' >&2\nexit 127\n")
+    broken.chmod(0o755)
+    job = '\n[job]\ncommand = "true"\n'
+    config = local_toml(tmp_path, '[run]\nname = "b"\noutput = "out"\n' + job, f"python = {json.dumps(str(broken))}")
+    r = fleet("up", "--headless", "-c", config)
+    assert r.returncode == 1, r.stderr
+    assert "preflight refused: local:" in r.stderr and "shared libraries" in r.stderr
+    assert "unreachable" not in r.stderr.lower()
+    (tmp_path / "a-file").write_text("")
+    config = local_toml(tmp_path, '[run]\nname = "b"\noutput = "out"\n' + job).replace("", "")
+    text = open(config).read().replace('root = "fleet"', f'root = {json.dumps(str(tmp_path / "a-file" / "root"))}')
+    open(config, "w").write(text)
+    r = fleet("up", "--headless", "-c", config)
+    assert r.returncode == 1 and "preflight refused: local: upload to" in r.stderr, r.stderr
+    assert "NotADirectoryError" in r.stderr and "Traceback" not in r.stderr

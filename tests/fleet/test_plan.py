@@ -1,0 +1,239 @@
+"""A run's plan and its output have one identity (through a real sshd, real workers, real files):
+another model or dataset into the same output is refused, the shard layout is fixed at the first
+launch and followed by every command, `verify --repair` makes broken output redoable, and
+fleet.toml changes are refused until `fleet up --replan`."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from tests.conftest import run_worker
+from tests.fleet.conftest import fleet, fleet_popen
+from tests.sshd_server import start_sshd
+
+pytestmark = pytest.mark.ssh
+
+
+def hosts_toml(tmp_path, servers: dict, *, model: str, data: str, gpus: dict, run: str = "t",
+               output: str | None = None, extra_run: str = "") -> str:
+    """One [[hosts]] per name -> sshd; each host has its own root, all share one output folder
+    (a shared file system, as on a cluster)."""
+    out = output or str(tmp_path / "out")
+    text = f"""
+[run]
+name = "{run}"
+model = {json.dumps(model)}
+data = {json.dumps(data)}
+output = {json.dumps(out)}
+max_tokens_per_batch = 512
+device = "cpu"
+env = {{ OMP_NUM_THREADS = "1" }}
+{extra_run}
+
+[supervise]
+backoff_base = "0.3s"
+max_restarts = 2
+connect_timeout = "3s"
+"""
+    for name, server in servers.items():
+        text += f"""
+[[hosts]]
+name = "{name}"
+address = "127.0.0.1"
+port = {server.port}
+user = "root"
+identity_file = {json.dumps(server.client_key)}
+known_hosts = {json.dumps(server.known_hosts)}
+python = {json.dumps(__import__('sys').executable)}
+gpus = {json.dumps(gpus[name])}
+root = {json.dumps(str(tmp_path / ('root-' + name)))}
+"""
+    path = tmp_path / "fleet.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def launches(tmp_path, host: str, run: str, shard: int) -> list[dict]:
+    path = tmp_path / f"root-{host}" / run / "shards" / str(shard) / "events.jsonl"
+    return [e for e in map(json.loads, open(path)) if e["event"] == "launch"]
+
+
+def argv_value(launch: dict, flag: str) -> str:
+    return launch["argv"][launch["argv"].index(flag) + 1]
+
+
+@pytest.fixture
+def data(tmp_path):
+    from worker.demo import make_token_dataset
+    return lambda n, name="d", seed=11: make_token_dataset(str(tmp_path / f"{name}.jsonl"), n, vocab_size=500,
+                                                           mean_tokens=30, seed=seed)
+
+
+@pytest.fixture
+def box2(tmp_path):
+    server, proc = start_sshd(str(tmp_path / "sshd2"))
+    yield server, proc
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_another_model_or_dataset_into_the_same_output_is_refused(tmp_path, sshd, dense_model, data):
+    from worker.demo import make_model
+    d1 = data(40)
+    config = hosts_toml(tmp_path, {"box": sshd}, model=dense_model, data=d1, gpus={"box": [0]})
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    meta = open(tmp_path / "out" / "meta.json").read()
+    # Same shape, other weights; same row count, other rows; another run name, the same output.
+    other_model = make_model(str(tmp_path / "other-model"), seed=1)
+    d2 = data(40, name="d2", seed=12)
+    other = hosts_toml(tmp_path, {"box": sshd}, model=other_model, data=d2, gpus={"box": [0]}, run="t2")
+    r = fleet("up", "--headless", "-c", other)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "holds another run's work (its meta.json)" in r.stderr
+    assert "model.weights:" in r.stderr and "data.first_row:" in r.stderr and "Traceback" not in r.stderr
+    assert open(tmp_path / "out" / "meta.json").read() == meta            # nothing touched
+    # The worker on its own refuses too, before touching a file, and says retrying cannot help.
+    state = str(tmp_path / "state")
+    w = run_worker("--model", other_model, "--data", d2, "--out", str(tmp_path / "out"), "--state", state)
+    assert w.returncode == 1 and "holds another run's work" in w.stderr
+    failed = [json.loads(l) for l in open(os.path.join(state, "events.jsonl")) if '"failed"' in l]
+    assert failed[-1]["fatal"] is True
+    assert open(tmp_path / "out" / "meta.json").read() == meta
+    assert fleet("verify", "-c", config).returncode == 0
+
+
+def test_the_layout_is_fixed_at_the_first_launch_and_followed_by_every_command(
+        tmp_path, sshd, box2, dense_model, data):
+    server2, proc2 = box2
+    rows = data(3000)
+    servers = {"box1": sshd, "box2": server2}
+    config = hosts_toml(tmp_path, servers, model=dense_model, data=rows, gpus={"box1": [0], "box2": [0]})
+    up = fleet_popen("up", "--headless", "-c", config)
+    try:
+        import time
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not os.path.exists(tmp_path / "root-box2" / "t" / "shards" / "1" / "pid"):
+            time.sleep(0.2)
+        up.kill()
+        up.wait(10)
+        assert json.load(open(tmp_path / "root-box1" / "t" / "plan.json"))["num_shards"] == 2
+        assert json.load(open(tmp_path / "root-box2" / "t" / "plan.json")) == \
+            json.load(open(tmp_path / "root-box1" / "t" / "plan.json"))
+        # box2 goes away; shard 0 restarted from box1 keeps the plan's layout (2 shards).
+        proc2.terminate()
+        proc2.wait(10)
+        rs = fleet("restart", "0", "-c", config)
+        assert rs.returncode == 0, rs.stdout + rs.stderr
+        assert argv_value(launches(tmp_path, "box1", "t", 0)[-1], "--num-shards") == "2"
+        st = json.loads(fleet("status", "--json", "-c", config).stdout)
+        assert [(s["id"], s["host"]) for s in st["shards"]] == [(0, "box1"), (1, "box2")]
+        assert st["shards"][1]["state"] == "UNKNOWN"                  # listed from the plan, not lost
+        # Growing box1's GPUs while shards are live: refused, with the differences and the way out.
+        grown = hosts_toml(tmp_path, {"box1": sshd}, model=dense_model, data=rows, gpus={"box1": [0, 1]})
+        r = fleet("up", "--headless", "-c", grown)
+        assert r.returncode == 1 and "gpus of box1: [0] -> [0, 1]; gpus of box2: [0] -> none" in r.stderr
+        assert "`fleet down`, then `fleet up --replan`" in r.stderr
+        assert argv_value(launches(tmp_path, "box1", "t", 0)[-1], "--num-shards") == "2"   # nothing launched
+        r = fleet("status", "-c", grown)                              # box2's shards would be lost
+        assert r.returncode == 2 and "box2, which fleet.toml no longer lists" in r.stderr
+    finally:
+        if up.poll() is None:
+            up.kill()
+        fleet("down", "--yes", "-c", config)
+    # box2 back; everything stopped. A changed layout is refused until --replan, which covers
+    # every row exactly once with the finished samples kept.
+    server2b, proc2b = start_sshd(str(tmp_path / "sshd2b"))
+    try:
+        servers = {"box1": sshd, "box2": server2b}
+        old_plan = json.load(open(tmp_path / "root-box1" / "t" / "plan.json"))
+        grown = hosts_toml(tmp_path, servers, model=dense_model, data=rows, gpus={"box1": [0, 1], "box2": [0]})
+        r = fleet("up", "--headless", "-c", grown)
+        assert r.returncode == 1
+        assert "gpus of box1: [0] -> [0, 1]" in r.stderr and "fleet up --replan" in r.stderr
+        before = {int(json.loads(l)["index"]) for p in glob.glob(str(tmp_path / "out" / "manifest" / "*"))
+                  for l in open(p)}
+        r = fleet("up", "--headless", "--replan", "-c", grown)
+        assert r.returncode == 0, r.stdout + r.stderr
+        plan = json.load(open(tmp_path / "root-box2" / "t" / "plan.json"))
+        assert plan["num_shards"] == 3 and plan["created"] > old_plan["created"]
+        assert os.path.isdir(tmp_path / "root-box1" / "t" / f"shards.before-{int(plan['created'])}")
+        v = fleet("verify", "-c", grown)
+        assert v.returncode == 0 and "3000 written" in v.stdout, v.stdout
+        indices = [int(json.loads(l)["index"]) for p in glob.glob(str(tmp_path / "out" / "manifest" / "*"))
+                   for l in open(p)]
+        assert sorted(indices) == list(range(3000)) and before <= set(indices)
+    finally:
+        proc2b.terminate()
+        proc2b.wait(10)
+
+
+def test_verify_repair_drops_broken_output_and_up_redoes_exactly_it(tmp_path, sshd, dense_model, data):
+    config = hosts_toml(tmp_path, {"box": sshd}, model=dense_model, data=data(60), gpus={"box": [0, 1]})
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    out = tmp_path / "out"
+    with open(out / "hs_7.safetensors", "r+b") as f:
+        f.truncate(100)
+    os.unlink(out / "hs_45.safetensors")
+    v = fleet("verify", "-c", config)
+    assert v.returncode == 1 and "sample 7:" in v.stdout and "sample 45:" in v.stdout
+    assert fleet("up", "--headless", "-c", config).returncode == 0        # DONE: nothing redone yet
+    assert fleet("verify", "-c", config).returncode == 1
+    r = fleet("verify", "--repair", "-c", config)
+    assert "dropped 2 broken or missing sample(s) [7, 45]" in r.stdout, r.stdout
+    assert "shard 0: 1 sample(s) to redo" in r.stdout and "shard 1: 1 sample(s) to redo" in r.stdout
+    assert not os.path.exists(out / "hs_7.safetensors")
+    st = json.loads(fleet("status", "--json", "-c", config).stdout)
+    assert [s["state"] for s in st["shards"]] == ["PENDING", "PENDING"]
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    v = fleet("verify", "-c", config)
+    assert v.returncode == 0 and "60 written" in v.stdout, v.stdout
+    assert [len(launches(tmp_path, "box", "t", k)) for k in (0, 1)] == [2, 2]
+
+
+def test_nothing_counts_as_done_that_did_nothing(tmp_path, sshd, dense_model, data):
+    def up_with(rows_text: str, name: str, **kw):
+        path = tmp_path / name
+        path.write_text(rows_text)
+        cfg = hosts_toml(tmp_path, {"box": sshd}, model=dense_model, data=str(path), gpus={"box": [0]},
+                         output=str(tmp_path / f"out-{name}"), **kw)
+        return fleet("up", "--headless", "-c", cfg), cfg
+    rows = [{"input_ids": [1, 2, 3, 4]} for _ in range(5)]
+    r, _ = up_with(json.dumps(rows, indent=2), "array.json")
+    assert r.returncode == 1 and "a JSON array, not JSON lines" in r.stderr
+    r, _ = up_with("", "empty.jsonl")
+    assert r.returncode == 1 and "empty (0 rows)" in r.stderr
+    r, _ = up_with("\n".join(json.dumps({"text": "hi"}) for _ in range(5)) + "\n", "bad.jsonl")
+    assert r.returncode == 1 and "none of the first 5 rows is usable" in r.stderr
+    # Good first rows, then 30% rows the worker must skip: the shard fails at once, with counts
+    # and reasons, and is not retried (a restart would skip the same rows).
+    good = [json.dumps({"input_ids": [5, 6, 7] * 5}) for _ in range(70)]
+    r, cfg = up_with("\n".join(good + ["[1, 2]"] * 30) + "\n", "skips.jsonl")
+    assert r.returncode == 1, r.stdout
+    assert "skipped 30 of 100 rows (30.0% > max_skip_fraction 0.01): row is not an object (30)" in r.stdout
+    assert "not retried" in r.stdout and len(launches(tmp_path, "box", "t", 0)) == 1
+    v = fleet("verify", "-c", cfg)
+    assert "70 written, 30 skipped (30.00%)" in v.stdout
+
+
+def test_one_bad_sample_never_kills_a_shard(tmp_path, dense_model):
+    """A row longer than the model's positions is skipped before the forward; any other error a
+    sample causes inside a batch is isolated by bisection and that sample alone skipped."""
+    rows = [{"input_ids": [9] * 5000}] + [{"input_ids": [3, 4, 5] * 8} for _ in range(20)]
+    rows[12] = {"input_ids": [3, 4, 77, 5] * 6}                              # token 77 fails
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    inject = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "faults", "inject")
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    r = run_worker("--model", dense_model, "--data", str(tmp_path / "d.jsonl"), "--out", out,
+                   "--state", state, "--max-skip-fraction", "0.2",
+                   env={**os.environ, "PYTHONPATH": inject, "FLEET_INJECT_ERROR_TOKEN": "77"})
+    assert r.returncode == 0, r.stderr
+    skipped = {e["index"]: e["reason"] for e in map(json.loads, open(os.path.join(state, "events.jsonl")))
+               if e["event"] == "sample_skipped"}
+    assert skipped == {0: "longer than the model's 4096 positions: 5000 tokens",
+                       12: "RuntimeError in the forward pass: injected failure on token 77"}
+    assert len(glob.glob(os.path.join(out, "hs_*.safetensors"))) == 19
