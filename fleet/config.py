@@ -26,7 +26,7 @@ else:                                     # pragma: no cover
     import tomli as tomllib
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-PLACEHOLDERS = {"python", "shard", "num_shards", "gpu", "host", "output", "run", "model", "data",
+PLACEHOLDERS = {"python", "shard", "num_shards", "gpu", "gpus", "host", "output", "run", "model", "data",
                 "shard_dir"}
 
 
@@ -61,6 +61,8 @@ class RunSpec(Strict):
     max_length: int | None = Field(None, gt=0)
     too_long: Literal["truncate", "skip"] = "skip"
     max_skip_fraction: float = Field(0.01, ge=0, le=1)  # more rows skipped than this fails the shard
+    gpus_per_shard: int = Field(1, ge=1, le=64)         # one shard spans this many GPUs of a host
+    compile: Literal["auto", "on", "off"] = "auto"      # torch.compile the decoder layers (auto: GPU, dense)
     device: Literal["auto", "cuda", "cpu"] = "auto"
     extra_args: list[str] = []          # more flags for python -m worker.extract
     env: dict[str, str] = {}            # environment for every shard process

@@ -146,7 +146,8 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec) -> Preflight
         await run_demo_assets(t, config, host, model, data)
     args = ["--gpus", "all" if host.gpus == "all" else ",".join(map(str, host.gpus)),
             "--device", run.device, "--output", config.host_path(host, run.output),
-            "--run-dir", config.run_dir(host)]
+            "--run-dir", config.run_dir(host), "--gpus-per-shard", str(run.gpus_per_shard),
+            "--max-tokens-per-batch", str(run.max_tokens_per_batch)]
     args += output_args(run)
     if model:
         args += ["--model", model]

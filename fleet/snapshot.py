@@ -58,6 +58,7 @@ class ShardStatus(BaseModel):
     id: int
     host: str
     gpu: int
+    gpus: list[int] = Field(default_factory=list, description="every GPU of the shard (gpus_per_shard)")
     state: State
     reason: Optional[str] = Field(None, description="why it is in this state (failures, stops)")
     faulty: bool = Field(False, description="STALLED, FAILED, BACKOFF, FATAL or UNKNOWN")
@@ -84,6 +85,8 @@ class ShardStatus(BaseModel):
     writer_wait_s: float = 0.0
     gpu_mem_bytes: Optional[int] = None
     warning: Optional[str] = None
+    detail: Optional[str] = Field(None, description="what LOADING is doing now (\"compiling the decoder layers\")")
+    path: Optional[str] = Field(None, description="the worker's forward path and why (compiled, eager)")
 
 
 class Totals(BaseModel):
@@ -161,6 +164,7 @@ class ShardView:
     alive: bool | None = None
     pid: int | None = None
     max_restarts: int = 0
+    gpus: tuple[int, ...] = ()
 
 
 # --- the one computation ------------------------------------------------------------------------
@@ -209,7 +213,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
         a = r.attempt
         due = v.verdict.due_t
         rows.append(ShardStatus(
-            id=v.id, host=v.host, gpu=v.gpu, state=state,
+            id=v.id, host=v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), state=state,
             reason=f"host unreachable: {host.error}" if state == State.UNKNOWN else v.verdict.reason,
             faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
             progress=_finite((r.done + r.skipped) / r.total, 4) if r.total else None,
@@ -224,7 +228,8 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             last_event=r.last_event,
             last_event_age_s=_finite(hn - r.last_event_t, 1) if r.last_event_t else None,
             backoff_s=_finite(max(due - hn, 0.0), 1) if due is not None and state != State.UNKNOWN else None,
-            writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning))
+            writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
+            detail=a.detail if a and state == State.LOADING else None, path=r.path))
     sps = sum(x.samples_per_s for _, x in measured)
     tps = sum(x.tokens_per_s for _, x in measured)
     total = sum(v.record.total for v in views)

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from . import __version__, protocol
-from .batching import make_batches, padded_length
+from .batching import make_batches, padded_length, row_bucket
 from .data import BadRow, DataError, Sample, open_dataset, row_to_sample, shard_range
 from .events import EventLog
 from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, Layout,
@@ -37,7 +37,8 @@ from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, L
 from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
                        work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers
-from .model import Capture, ModelError, find_decoder, load_model, missing_fast_kernels, text_config
+from .model import (Capture, ModelError, compile_layers, find_decoder, is_hybrid, load_model,
+                    missing_fast_kernels, model_devices, text_config, uncompile_layers)
 from .writer import (BackgroundWriter, DiskFullError, Manifest, Stats, load_finished, manifest_path,
                      write_json_atomic)
 
@@ -89,6 +90,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--too-long", choices=("truncate", "skip"), default="skip",
                    help="what to do with a sample over --max-length (default skip, reported)")
     p.add_argument("--device", default=None, help="cuda:0 | cpu (default: cuda:0 when available)")
+    p.add_argument("--gpus-per-shard", type=int, default=1,
+                   help="spread the decoder layers over this many GPUs (cuda:0..k-1), for a model "
+                        "that does not fit one")
+    p.add_argument("--devices", default=None,
+                   help="the devices to spread the layers over, as a comma list (overrides "
+                        "--device and --gpus-per-shard; e.g. cpu,cpu tests the split without GPUs)"),
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="model dtype (default bf16; fp32 allowed on the CPU). Files are always bf16")
     p.add_argument("--writer-queue", type=int, default=3,
@@ -97,13 +104,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sort-window", type=int, default=20000,
                    help="samples read and length-sorted at a time (bounds host memory)")
     p.add_argument("--pad-multiple", type=int, default=None,
-                   help="pad each batch's width to a multiple of this (default 8 on a GPU, 1 on the "
-                        "CPU); coarser widths mean fewer distinct shapes for shape-tuned kernels")
+                   help="pad each batch's width to a multiple of this (default 8 on a GPU, 64 for a hybrid "
+                        "model there, 1 on the CPU); coarser widths mean fewer distinct shapes for "
+                        "shape-tuned kernels")
     p.add_argument("--progress-interval", type=float, default=2.0, help="seconds between progress events")
     p.add_argument("--plan", default=None,
                    help="the run's plan.json (fleet passes it): refuse work whose identity differs")
     p.add_argument("--max-skip-fraction", type=float, default=0.01,
                    help="fail the shard when more than this fraction of its rows are skipped (default 0.01)")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile the decoder layers: auto = on a GPU for dense models (hybrid "
+                        "Gated DeltaNet models run fla's own Triton kernels eagerly), off on the CPU")
+    p.add_argument("--cache-dir", default=None,
+                   help="compile and Triton autotuning caches, shared by the shards of a host (fleet "
+                        "passes <root>/<run>/cache): a restart pays no compile it has paid before")
     p.add_argument("--random-weights", action="store_true",
                    help="initialise from config.json with random weights (benchmarks, dry runs)")
     args = p.parse_args(argv)
@@ -126,13 +140,16 @@ class Options:
     loss_mask: str = "assistant"
     format: str = "speculators"
     max_positions: int | None = None     # the model's longest sequence; longer rows are skipped
+    bucket_rows: bool = False            # batch row counts from a few buckets (batching.row_bucket)
 
 
-def gpu_memory(device: torch.device) -> dict:
-    if device.type != "cuda":
+def gpu_memory(devices: torch.device | list[torch.device]) -> dict:
+    """Allocated and peak bytes, summed over the shard's GPUs."""
+    devices = [d for d in (devices if isinstance(devices, list) else [devices]) if d.type == "cuda"]
+    if not devices:
         return {}
-    return {"gpu_mem_bytes": torch.cuda.memory_allocated(device),
-            "gpu_peak_bytes": torch.cuda.max_memory_allocated(device)}
+    return {"gpu_mem_bytes": sum(torch.cuda.memory_allocated(d) for d in devices),
+            "gpu_peak_bytes": sum(torch.cuda.max_memory_allocated(d) for d in devices)}
 
 
 def host_peak_bytes() -> int:
@@ -145,12 +162,22 @@ class Extractor:
     the reason: one bad sample never costs the others."""
 
     def __init__(self, model: torch.nn.Module, plan: LayerPlan, device: torch.device,
-                 writer: BackgroundWriter, pad_multiple: int):
+                 writer: BackgroundWriter, pad_multiple: int, micro_batches: int = 1):
         self.model = model
         self.capture = Capture(find_decoder(model), plan)
-        self.device = device
+        devices = model_devices(model, device)
+        self.device, self.out_device = devices[0], devices[-1]   # ids go in here, states come out there
         self.writer = writer
         self.pad_multiple = pad_multiple
+        self.micro_batches = micro_batches
+
+    def run_batch(self, batch: list[Sample]) -> None:
+        """A model spread over several GPUs takes each batch as `micro_batches` row groups issued
+        back to back: nothing waits on the host, so stage i starts on group j+1 while stage i+1
+        works on group j."""
+        step = -(-len(batch) // self.micro_batches)
+        for i in range(0, len(batch), step):
+            self.run(batch[i:i + step])
 
     def run(self, batch: list[Sample]) -> None:
         problem = self._try(batch)
@@ -193,8 +220,9 @@ class Extractor:
         ids = ids.to(self.device, non_blocking=True)
         with torch.inference_mode():
             self.model(input_ids=ids, use_cache=False)
-            hidden = self.capture.take()                         # [B, S, n, H] bf16
-            valid = torch.arange(width, device=self.device)[None, :] < lengths.to(self.device)[:, None]
+            hidden = self.capture.take(self.out_device)          # [B, S, n, H] bf16
+            out = self.out_device
+            valid = torch.arange(width, device=out)[None, :] < lengths.to(out)[:, None]
             bad = ~torch.isfinite(hidden).flatten(2).all(-1)     # [B, S]
             finite = ~(bad & valid).any(1)
         return hidden, finite
@@ -241,17 +269,18 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
     skipped. Shared by the CLI and the benchmark."""
     os.makedirs(out_dir, exist_ok=True)
     layout = Layout(options.format, plan)
+    devices = model_devices(model, device)
     writer = BackgroundWriter(
         out_dir, Manifest(manifest_path(out_dir, shard)), layout.header(), stats,
-        depth=options.writer_queue, file_threads=options.writer_threads, device=device,
+        depth=options.writer_queue, file_threads=options.writer_threads, device=devices[-1],
         on_skip=lambda index, reason: log.emit(protocol.SampleSkipped(index=index, reason=reason)),
         reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0, layout=layout)
-    extractor = Extractor(model, plan, device, writer, options.pad_multiple)
+    extractor = Extractor(model, plan, device, writer, options.pad_multiple, len(devices))
     stop_ticker = threading.Event()
 
     def tick() -> None:
         while not stop_ticker.wait(progress_interval):
-            log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(device)))
+            log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices)))
 
     ticker = threading.Thread(target=tick, name="progress", daemon=True)
     ticker.start()
@@ -260,13 +289,14 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
             if isinstance(item, BadRow):
                 writer.skip(item.index, item.reason)
                 continue
-            for batch in make_batches(item, options.max_tokens_per_batch, options.pad_multiple):
-                extractor.run(batch)
+            for batch in make_batches(item, options.max_tokens_per_batch, options.pad_multiple,
+                                      options.bucket_rows):
+                extractor.run_batch(batch)
         writer.close()
     finally:
         stop_ticker.set()
         extractor.capture.remove()
-    log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(device)))
+    log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices)))
     return stats
 
 
@@ -302,7 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         raise Terminated(f"terminated by signal {signum}")
     signal.signal(signal.SIGTERM, on_term)
 
+    use_cache_dir(args.cache_dir)
     device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    devices = args.devices.split(",") if args.devices else \
+        [f"cuda:{i}" for i in range(args.gpus_per_shard)] if device.type == "cuda" and args.gpus_per_shard > 1 \
+        else [str(device)]
+    device = torch.device(devices[0])
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -325,11 +360,19 @@ def main(argv: list[str] | None = None) -> int:
         finished = load_finished(args.out)
         log.emit(protocol.Loading(model=args.model))
         t0 = time.perf_counter()
-        model = load_model(args.model, str(device), dtype, args.random_weights)
+        if device.type == "cuda" and len(devices) > torch.cuda.device_count():
+            raise ModelError(f"--gpus-per-shard {len(devices)}: only {torch.cuda.device_count()} GPU(s) "
+                             f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')})")
+        model = load_model(args.model, devices, dtype, args.random_weights)
         vocab_size = model.get_input_embeddings().num_embeddings
         config = text_config(model)
+        # Hybrid models on a GPU: coarser widths and row buckets keep fla's kernel shapes few.
+        few_shapes = is_hybrid(model) and device.type == "cuda"
+        pad = args.pad_multiple or (1 if device.type != "cuda" else 64 if few_shapes else 8)
+        path = choose_path(model, device, args, log, max(8, pad))
         log.emit(protocol.Loaded(seconds=round(time.perf_counter() - t0, 2), **gpu_memory(device),
-                                 layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm))
+                                 layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm,
+                                 path=path))
         if warning := missing_fast_kernels(model):
             log.emit(protocol.WarningEvent(message=warning))
         os.makedirs(args.out, exist_ok=True)
@@ -362,9 +405,8 @@ def main(argv: list[str] | None = None) -> int:
 
         options = Options(args.max_tokens_per_batch, args.max_length, args.too_long,
                           args.writer_queue, args.writer_threads, args.sort_window,
-                          pad_multiple=args.pad_multiple or (8 if device.type == "cuda" else 1),
-                          loss_mask=args.loss_mask, format=args.format,
-                          max_positions=shape.max_positions)
+                          pad_multiple=pad, loss_mask=args.loss_mask, format=args.format,
+                          max_positions=shape.max_positions, bucket_rows=few_shapes)
         items = iter_shard(dataset, start, stop, set(finished), vocab_size, tokenizer, options)
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                stats, args.progress_interval, stop - start)
@@ -386,6 +428,80 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         return fail(log, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                     EXIT_FAILED, traceback.format_exc())
+
+
+def use_cache_dir(cache_dir: str | None) -> None:
+    """Point Inductor's and Triton's caches (and Triton's autotuning results) at the run's shared
+    folder; set before anything compiles. The flag wins over an inherited environment (torch
+    itself exports its default cache folder to its children)."""
+    if not cache_dir:
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    for var, value in (("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor")),
+                       ("TRITON_CACHE_DIR", os.path.join(cache_dir, "triton")),
+                       ("TORCHINDUCTOR_FX_GRAPH_CACHE", "1"), ("TORCHINDUCTOR_AUTOGRAD_CACHE", "1"),
+                       ("TRITON_CACHE_AUTOTUNING", "1")):
+        os.environ[var] = value
+
+
+def choose_path(model: torch.nn.Module, device: torch.device, args: argparse.Namespace,
+                log: EventLog, pad: int) -> str:
+    """Compile the decoder layers where it pays and can run, warming them up at load (so the
+    compile shows as LOADING "compiling", never as a stall); fall back to eager, saying why."""
+    if args.compile == "off":
+        return "eager (--compile off)"
+    if args.compile == "auto" and device.type != "cuda":
+        return "eager (no GPU: compiling would cost more than it saves)"
+    if args.compile == "auto" and is_hybrid(model):
+        return warm_hybrid(model, device, args, log, pad)
+    if not hasattr(torch, "compile"):
+        return f"eager (torch {torch.__version__} has no torch.compile)"
+    log.emit(protocol.Loading(model=args.model, detail="compiling the decoder layers"))
+    t0 = time.perf_counter()
+    compile_layers(model)
+    try:
+        with torch.inference_mode():
+            for rows, width in ((2, 2 * pad), (1, pad)):      # a batch, and the one-row case
+                model(input_ids=torch.zeros((rows, width), dtype=torch.long, device=device), use_cache=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:                                      # no compiler, an unsupported op...
+        uncompile_layers(model)
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        log.emit(protocol.WarningEvent(message=f"torch.compile failed, running eager: {type(e).__name__}: {why}"))
+        return f"eager (torch.compile failed: {type(e).__name__})"
+    seconds = time.perf_counter() - t0
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return f"compiled ({seconds:.0f} s to compile{f', cache {cache}' if cache else ''})"
+
+
+def warm_hybrid(model: torch.nn.Module, device: torch.device, args: argparse.Namespace,
+                log: EventLog, pad: int) -> str:
+    """flash-linear-attention tunes some kernels per batch row count: run one small batch of every
+    row bucket the shard can use at load (shown as LOADING), so the first minutes of the shard run
+    at full speed; the tuning results land in the run's Triton cache for the next process."""
+    if device.type != "cuda" or missing_fast_kernels(model):
+        return "eager (hybrid model" + (": fast kernels missing)" if missing_fast_kernels(model) else ")")
+    buckets = row_buckets(args.max_tokens_per_batch, pad)
+    log.emit(protocol.Loading(model=args.model, detail=f"tuning fla's kernels for {len(buckets)} batch shapes"))
+    seconds = warm_rows(model, device, buckets, pad)
+    return f"eager with fla's kernels ({len(buckets)} batch shapes tuned in {seconds:.0f} s)"
+
+
+def row_buckets(budget: int, pad: int) -> list[int]:
+    """Every row count a batch can have under `budget` with bucketed rows."""
+    return sorted({row_bucket(r) for r in range(1, max(1, budget // pad) + 1)})
+
+
+def warm_rows(model: torch.nn.Module, device: torch.device, buckets: list[int], width: int) -> float:
+    """One small forward per row bucket (kernels tune on first sight of a row count); seconds."""
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for rows in buckets:
+            model(input_ids=torch.zeros((rows, width), dtype=torch.long, device=device), use_cache=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def check_identity(args: argparse.Namespace, plan: LayerPlan) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 
@@ -93,6 +94,34 @@ def row_problem(line: bytes) -> str | None:
     return "row has none of input_ids, conversations, messages"
 
 
+ACTIVATION_BYTES_PER_TOKEN_PER_H = 48   # a batch's live activations, per token, in units of H bytes:
+                                        # measured 2.66 GiB for 16K tokens at H=4096 (bf16), ~42
+
+
+def fit_problem(model: str, shape, gpus: list[dict], k: int, budget: int, layers: int) -> str | None:
+    """Do the weights and one batch fit the k GPUs a shard gets? Weights from the weight files
+    (none: random weights, not checked); GPU memory from telemetry (none: not checked)."""
+    weights = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)
+                  if f.endswith((".safetensors", ".bin")))
+    totals = [g["mem_total"] for g in gpus if g.get("mem_total")]
+    if not weights or len(totals) < k:
+        return None
+    activations = budget * shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_H
+    captured = budget * layers * shape.hidden_size * 2 * 2           # the stacked states, and their copy
+    need = weights / k + activations + captured
+    have = 0.92 * min(totals)                                        # CUDA context, fragmentation
+    if need <= have:
+        return None
+    fits = math.ceil(weights / max(have - activations - captured, 1))
+    return (f"{_size(weights)} of weights over {k} GPU(s) plus one {budget}-token batch "
+            f"(~{_size(activations + captured)}) need ~{_size(need)} per GPU, which has "
+            f"{_size(min(totals))}: set gpus_per_shard = {max(fits, k + 1)} or lower max_tokens_per_batch")
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
 def run(args: argparse.Namespace) -> dict:
     checks: list[dict] = []
 
@@ -135,6 +164,10 @@ def run(args: argparse.Namespace) -> dict:
                       f"GPU index {bad[0]} out of range: host has {count} GPU(s)"
                       + ("" if args.device == "cuda" else "; shards will run on the CPU"))
     report["gpus"] = resolved
+    k = args.gpus_per_shard
+    if k > 1 and len(resolved) % k:
+        check("error", f"{len(resolved)} GPU(s) {resolved} for gpus_per_shard = {k}: "
+                       f"{len(resolved) % k} would sit idle; list a multiple of {k}")
     for label, path in (("model", args.model), ("data", args.data)):
         if path and not os.path.exists(path):
             check("error", f"{label} path {path} does not exist")
@@ -174,6 +207,10 @@ def run(args: argparse.Namespace) -> dict:
         if diffs:
             check("error", f"output {args.output} holds another run's work (its meta.json): "
                            + "; ".join(diffs) + " — use another output folder")
+    if args.builtin and shape and args.device != "cpu":
+        if problem := fit_problem(args.model, shape, [g for g in gpus if g.get("index") in resolved[:k]],
+                                  k, args.max_tokens_per_batch, len(layers.ids) if layers else 4):
+            check("error", problem)
     if args.output:
         space = disk_space(args.output)
         free = report["free_bytes"] = space.free
@@ -204,6 +241,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--target-last-hidden-states", action="store_true")
     ap.add_argument("--loss-mask", default="assistant", help="accepted as the worker takes it")
     ap.add_argument("--run-dir", default=None, help="the run's folder: its plan.json is reported")
+    ap.add_argument("--gpus-per-shard", type=int, default=1)
+    ap.add_argument("--max-tokens-per-batch", type=int, default=16384)
     ap.add_argument("--builtin", action="store_true", help="the built-in extraction worker runs here")
     ap.add_argument("--demo", action="store_true", help="model and data are made on first use")
     return ap.parse_args(argv)

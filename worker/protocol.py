@@ -134,6 +134,7 @@ class Loading(Record):
     t: float = field(default_factory=now)
     launch: Optional[int] = None
     model: Optional[str] = None
+    detail: Optional[str] = None       # what loading is doing now ("compiling the decoder layers")
 
 
 @event
@@ -147,6 +148,7 @@ class Loaded(Record):
     gpu_peak_bytes: Optional[int] = None
     layer_ids: Optional[list] = None
     last_layer_norm: Optional[str] = None
+    path: Optional[str] = None         # which forward path runs and why ("compiled …", "eager: …")
 
 
 @event
