@@ -196,6 +196,8 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/fleet-gpu")
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--scale-samples", type=int, default=600)
+    p.add_argument("--split-only", action="store_true",
+                   help="only the shard spanning every GPU (and its exactness against one GPU's run)")
     args = p.parse_args()
     import torch
     ngpu = torch.cuda.device_count()
@@ -221,7 +223,7 @@ def main() -> None:
     scale_data = f"{work}/scale.jsonl"
     result["scale_tokens"] = make_data(scale_data, args.scale_samples, 1)
     result["scaling"] = {}
-    for n in sorted({1, ngpu}):
+    for n in ([] if args.split_only else sorted({1, ngpu})):
         name = f"scale{n}"
         cfg = write_config(f"{work}/{name}.toml", work, scale_data, f"{work}/out-{name}", list(range(n)), name)
         t0 = time.time()
@@ -243,11 +245,17 @@ def main() -> None:
         per = steady_rate(shard_events(work, name, 0))
         rate = per["launches"][-1]["tokens_per_s"]
         result["split"] = {"rc": rc, "per_shard": per, "tokens_per_s": rate,
-                           "vs_one_shard_per_gpu": round(rate / result["scaling"][ngpu]["aggregate_tokens_per_s"], 3),
-                           "max_rel_err_vs_one_gpu": compare_outputs(f"{work}/out-{name}", f"{work}/out-scale{ngpu}")}
+                           "mfu_of_all_gpus": round(2 * params * rate / peak / ngpu, 3)}
+        if not args.split_only:
+            result["split"]["vs_one_shard_per_gpu"] = round(rate / result["scaling"][ngpu]["aggregate_tokens_per_s"], 3)
+            result["split"]["max_rel_err_vs_one_gpu"] = compare_outputs(f"{work}/out-{name}", f"{work}/out-scale{ngpu}")
         print(json.dumps({"split": result["split"]}), flush=True)
         for d in (f"{work}/out-{name}", f"{work}/out-scale{ngpu}"):
             shutil.rmtree(d, ignore_errors=True)
+    if args.split_only:
+        json.dump(result, open(f"{args.out}/result.json", "w"), indent=2)
+        print(json.dumps(result, indent=1))
+        return
     # 2. the main run with a SIGKILL
     data = f"{work}/data.jsonl"
     result["tokens"] = make_data(data, args.samples, 2)

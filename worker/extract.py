@@ -211,18 +211,41 @@ class Extractor:
             torch.cuda.empty_cache()
         return problem
 
-    def _forward(self, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = padded_length(max(s.length for s in batch), self.pad_multiple)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        lengths = torch.tensor([s.length for s in batch])
+    def _inputs(self, batch: list[Sample], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [B, width] and lengths [B] on the device. On a GPU they go through one of two pinned
+        staging buffers, asynchronously: the host never waits for the GPU here, so it queues the
+        next batch while the GPUs work (with several GPUs, that is what keeps them all busy)."""
+        B = len(batch)
+        if self.device.type != "cuda":
+            staged = torch.zeros(B * width + B, dtype=torch.long)
+        else:
+            slot = self._turn = (getattr(self, "_turn", 0) + 1) % 2
+            buffers, events = self.__dict__.setdefault("_staging", [None, None]), \
+                self.__dict__.setdefault("_staged", [None, None])
+            if events[slot] is not None:
+                events[slot].synchronize()                        # its copy (two batches ago) is done
+            if buffers[slot] is None or buffers[slot].numel() < B * width + B:
+                buffers[slot] = torch.empty(max(B * width + B, 1 << 16), dtype=torch.long, pin_memory=True)
+            staged = buffers[slot][: B * width + B]
+            staged.zero_()
+        ids, lengths = staged[: B * width].view(B, width), staged[B * width:]
         for row, s in enumerate(batch):
             ids[row, : s.length] = torch.from_numpy(s.input_ids)
-        ids = ids.to(self.device, non_blocking=True)
+            lengths[row] = s.length
+        on_device = staged.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self._staged[self._turn] = torch.cuda.Event()
+            self._staged[self._turn].record(torch.cuda.current_stream(self.device))
+        return on_device[: B * width].view(B, width), on_device[B * width:]
+
+    def _forward(self, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = padded_length(max(s.length for s in batch), self.pad_multiple)
+        ids, lengths = self._inputs(batch, width)
         with torch.inference_mode():
             self.model(input_ids=ids, use_cache=False)
             hidden = self.capture.take(self.out_device)          # [B, S, n, H] bf16
             out = self.out_device
-            valid = torch.arange(width, device=out)[None, :] < lengths.to(out)[:, None]
+            valid = torch.arange(width, device=out)[None, :] < lengths.to(out, non_blocking=True)[:, None]
             bad = ~torch.isfinite(hidden).flatten(2).all(-1)     # [B, S]
             finite = ~(bad & valid).any(1)
         return hidden, finite

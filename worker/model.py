@@ -156,13 +156,21 @@ def _load(path: str, device: str, dtype: torch.dtype, random_weights: bool) -> t
     return model.eval()
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def _to(value: Any, device: torch.device, memo: dict) -> Any:
+    """Tensors in `value` moved to `device`, each at most once per forward: a copy between GPUs
+    makes the two streams wait for each other, so moving the rotary tables again for every layer
+    would serialize the GPUs; `memo` holds what this forward already moved."""
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
+        if value.device == device:
+            return value
+        key = (id(value), device)
+        if key not in memo:
+            memo[key] = (value, value.to(device, non_blocking=True))    # keep the source alive
+        return memo[key][1]
     if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
+        return type(value)(_to(v, device, memo) for v in value)
     if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
+        return {k: _to(v, device, memo) for k, v in value.items()}
     return value
 
 
@@ -175,10 +183,15 @@ def spread(model: torch.nn.Module, devices: list[str]) -> None:
     targets = [torch.device(d) for d in devices]
     n, k = len(decoder.layers), len(targets)
 
-    def mover(device):
+    memo: dict = {}
+
+    def mover(device, first: bool = False):
         def hook(module, args, kwargs):
-            return _to(args, device), _to(kwargs, device)
+            if first:
+                memo.clear()                       # a new forward: last one's tensors are stale
+            return _to(args, device, memo), _to(kwargs, device, memo)
         return hook
+    decoder.layers[0].register_forward_pre_hook(mover(targets[0], first=True), with_kwargs=True)
     for i, layer in enumerate(decoder.layers):
         layer.to(targets[i * k // n])
         layer.register_forward_pre_hook(mover(targets[i * k // n]), with_kwargs=True)
