@@ -8,6 +8,7 @@ The GPU waits for the disk only when every buffer is in use, and that wait is me
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -37,62 +38,39 @@ def write_sample_file(layout: Layout, out_dir: str, index: int, tensors: dict[st
     `out_dir` (no reader lists it), fsync, rename into place. Returns its size in bytes."""
     final = layout.path(out_dir, index)
     tmp = os.path.join(out_dir, f"{protocol.TEMP_PREFIX}{index}-{os.getpid()}-{threading.get_ident()}")
-    try:
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        layout.save(tensors, tmp, metadata)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(f"disk full writing sample {index} to {out_dir}") from None
-        if "No space left" in str(e):     # safetensors and torch.save report I/O errors their own way
-            raise DiskFullError(f"disk full writing sample {index} to {out_dir}") from None
-        raise
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    with disk_full_says(f"sample {index} to {out_dir}"):
+        protocol.replace_atomically(final, lambda path: layout.save(tensors, path, metadata), tmp)
     return os.path.getsize(final)
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Temp file, fsync, rename; on any failure the temp file goes and a full disk says so."""
-    tmp = os.path.join(os.path.dirname(path), f"{protocol.TEMP_PREFIX}{os.path.basename(path)}-{os.getpid()}")
+@contextlib.contextmanager
+def disk_full_says(what: str):
+    """A full disk (however the library that wrote reports it) becomes DiskFullError naming `what`."""
     try:
+        yield
+    except Exception as e:
+        full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left" in str(e)
+        if full:
+            raise DiskFullError(f"disk full writing {what}") from None
+        raise
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    def write(tmp: str) -> None:
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(f"disk full writing {path}") from None
-        raise
+    with disk_full_says(path):
+        protocol.replace_atomically(path, write)
 
 
 def write_lines_atomic(path: str, lines: list[str]) -> None:
-    """Replace a JSON-lines file whole (temp file, fsync, rename): a reader sees old or new."""
-    tmp = os.path.join(os.path.dirname(path), f"{protocol.TEMP_PREFIX}{os.path.basename(path)}-{os.getpid()}")
-    try:
+    """Replace a JSON-lines file whole: a reader sees the old one or the new one."""
+    def write(tmp: str) -> None:
         with open(tmp, "w") as f:
             f.write("".join(line + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with disk_full_says(path):
+        protocol.replace_atomically(path, write)
 
 
 def manifest_path(out_dir: str, shard: int) -> str:
@@ -129,16 +107,13 @@ class Manifest:
         if not records:
             return
         data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFullError(f"disk full appending to {self.path}") from None
-            raise
-        finally:
-            os.close(fd)
+        with disk_full_says(self.path):
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 class HostBuffers:
