@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from .formats import FormatError, check_plan
+from .formats import FormatError, check_dtype, check_plan, payload_bytes
 from .gpu import GpuReader
 from .identity import (IdentityError, model_shape, output_identity, output_mismatch,
                        work_identity)
@@ -150,11 +150,12 @@ def run(args: argparse.Namespace) -> dict:
             layers = resolve_layers(args.layers or args.format, shape.num_layers, None,
                                     args.target_last_hidden_states)
             check_plan(args.format, layers)
+            check_dtype(args.format, args.dtype)
         except (LayerError, FormatError) as e:
             check("error", str(e))
             layers = None
     try:
-        output = output_identity(layers, args.format, args.loss_mask) if layers else {}
+        output = output_identity(layers, args.format, args.loss_mask, args.dtype) if layers else {}
         model = args.model if args.builtin and args.model and os.path.isdir(args.model) else None
         data = args.data if args.data and os.path.exists(args.data) else None
         report["identity"] = identity = work_identity(model, data, output)
@@ -181,7 +182,8 @@ def run(args: argparse.Namespace) -> dict:
             check("error", f"output {args.output}: {space.probe} is not writable")
         tokens = estimate_tokens(args.data) if args.data else None
         if shape and tokens is not None and layers:
-            need = tokens * len(layers.ids) * shape.hidden_size * 2 - existing_output_bytes(args.output)
+            need = payload_bytes(tokens, len(layers.ids), shape.hidden_size, args.dtype) \
+                - existing_output_bytes(args.output)
             report["estimated_bytes"] = max(need, 0)
             if need > free:
                 check("error", f"output {args.output}: needs about {need / 1e9:.1f} GB, "
@@ -201,6 +203,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--layers", default=None, help="as the worker's --layers (default: --format)")
     ap.add_argument("--format", default="speculators")
+    ap.add_argument("--dtype", default="bf16", help="hidden states as stored: bf16 | fp8")
     ap.add_argument("--target-last-hidden-states", action="store_true")
     ap.add_argument("--loss-mask", default="assistant", help="accepted as the worker takes it")
     ap.add_argument("--run-dir", default=None, help="the run's folder: its plan.json is reported")
