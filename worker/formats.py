@@ -252,6 +252,15 @@ class Layout:
                 "dequantize": f"hidden_states.to(bfloat16) * {SCALES_KEY}.to(bfloat16)"}
         return out
 
+    def bytes_per_token(self, hidden_size: int) -> int:
+        """Bytes a token costs in this layout's files: hidden states (+ scales) and ids + mask."""
+        ids_mask = 8 + (1 if self.format == "speculators" else 8)      # int64 ids; uint8 / int64 mask
+        return payload_bytes(1, len(self.plan.ids), hidden_size, self.dtype) + ids_mask
+
+    def bytes_per_file(self) -> int:
+        """A file's fixed cost beyond its tokens: safetensors' header, torch.save's zip records."""
+        return FILE_OVERHEAD[self.format] + (FP8_FILE_OVERHEAD if self.dtype == "fp8" else 0)
+
     # --- files --------------------------------------------------------------------------------
     def save(self, tensors: dict, path: str, metadata: dict[str, str]) -> None:
         if self.format == "speculators":
@@ -327,6 +336,13 @@ def payload_bytes(tokens: int, layers: int, hidden_size: int, dtype: str) -> int
     if dtype == "fp8":
         return tokens * layers * (hidden_size + 4)
     return tokens * layers * hidden_size * 2
+
+
+# A file's fixed bytes beyond its tensors, measured on the files the worker writes (safetensors'
+# JSON header with our metadata, + the scales' entry for fp8; torch.save's zip records, each
+# tensor's data aligned to 64 bytes). preflight's projection adds it per sample.
+FILE_OVERHEAD = {"speculators": 360, "specforge-eagle3": 2300, "specforge-dflash": 2300, "eagle": 2050}
+FP8_FILE_OVERHEAD = 120
 
 
 def load_sample(path: str) -> dict:
