@@ -374,7 +374,8 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
         fraction = f" ({result.skip_fraction:.2%})" if result.skip_fraction is not None else ""
         click.echo(f"{result.written} written, {len(result.skipped)} skipped{fraction}, "
                    f"{result.num_samples if result.num_samples is not None else '?'} in the dataset"
-                   + (f" (format {result.format})" if result.format else ""))
+                   + (f" (format {result.format}" + (", fp8" if result.dtype == "fp8" else "") + ")"
+                      if result.format else ""))
         for i, why in list(result.skipped.items())[:20]:
             click.echo(f"  skipped {i}: {why}")
         if result.missing:

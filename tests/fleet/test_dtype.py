@@ -28,3 +28,12 @@ def test_dtype_in_fleet_toml_and_plans_made_before_it(tmp_path):
     assert plan_differences(old, new) == []
     fp8 = {**new, "spec": {**new["spec"], "dtype": "fp8"}, "identity": {**new["identity"], "dtype": "fp8"}}
     assert plan_differences(old, fp8) == ["dtype: bf16 -> fp8", "dtype: bf16 -> fp8"]
+
+
+def test_verify_merge_refuses_hosts_with_bf16_and_fp8():
+    from fleet.verify import merge_reports
+    a = {"num_samples": 4, "format": "speculators", "dtype": "fp8", "written": [[0, 2]], "skipped": {}, "problems": []}
+    b = {"num_samples": 4, "format": "speculators", "dtype": "bf16", "written": [[2, 4]], "skipped": {}, "problems": []}
+    result = merge_reports({"box1": a, "box2": b})
+    assert result.problems == ["box2: hidden states in bf16, another host's in fp8"] and not result.ok
+    assert merge_reports({"box1": a}).dtype == "fp8"

@@ -128,3 +128,5 @@ max_restarts = 0
     assert abs(fp8 - manifest_bytes(out)) < 0.01 * fp8
     report = verify(out)
     assert report["problems"] == [] and report["dtype"] == "fp8" and report["written"] == [[0, 120]]
+    v = fleet("verify", "-c", config("f", "fp8", out))
+    assert v.returncode == 0 and "(format speculators, fp8)" in v.stdout and "verify: OK" in v.stdout, v.stdout
