@@ -115,19 +115,22 @@ class Outliers:
         hook = last.mlp.register_forward_hook(lambda m, a, out: mlp_out.__setitem__("t", out))
         self.typical, _, _ = self.measure()
         hook.remove()
-        self.contribution = float(mlp_out["t"][..., self.channels].float().abs().mean())
+        out = torch.cat([mlp_out["t"][r, : s.length] for r, s in enumerate(samples)])
+        self.contribution = float(out[:, self.channels].float().abs().mean())
 
     def measure(self) -> tuple[float, float, float]:
-        """Median |hs[L]|, mean |outlier channels of hs[L]|, median |hs[2]| (the first layer taken)."""
+        """Median |hs[L]|, mean |outlier channels of hs[L]|, median |hs[2]| (the first layer
+        taken), over the samples' real tokens."""
         plan = resolve_layers(f"2,{self.L}", self.L, "pre")
         capture = Capture(self.decoder, plan)
         with torch.inference_mode():
             self.base(input_ids=batch_ids(self.samples, self.device), use_cache=False)
             hs = capture.take().float()                               # [B, S, 2, H]
         capture.remove()
-        last = hs[:, :, 1]
-        return float(last.abs().median()), float(last[..., self.channels].abs().mean()), \
-            float(hs[:, :, 0].abs().median())
+        hs = torch.cat([hs[r, : s.length] for r, s in enumerate(self.samples)])     # [T, 2, H]
+        last = hs[:, 1]
+        return float(last.abs().median()), float(last[:, self.channels].abs().mean()), \
+            float(hs[:, 0].abs().median())
 
     def set(self, ratio: float) -> dict:
         factor = ratio * self.typical / max(self.contribution, 1e-12)
