@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from worker.formats import FORMATS, LOSS_MASKS
+from worker.formats import FORMATS, LOSS_MASKS, FormatError, check_dtype
 from worker.layers import LayerError, check_spec
 
 if sys.version_info >= (3, 11):
@@ -57,6 +57,7 @@ class RunSpec(Strict):
     last_layer_norm: Literal["pre", "post"] | None = None
     target_last_hidden_states: bool = False         # specforge-dflash: add DSpark's final state
     loss_mask: Literal[LOSS_MASKS] = "assistant"
+    dtype: Literal["bf16", "fp8"] = "bf16"          # hidden states as stored (fp8: format speculators)
     max_tokens_per_batch: int = Field(16384, gt=0)
     max_length: int | None = Field(None, gt=0)
     too_long: Literal["truncate", "skip"] = "skip"
@@ -99,6 +100,15 @@ class RunSpec(Strict):
         if isinstance(v, list):
             if not v or any(i < 0 for i in v) or len(set(v)) != len(v):
                 raise ValueError("a non-empty list of distinct non-negative hs indices")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v, info):
+        try:                                 # format is validated first (declared before dtype)
+            check_dtype(info.data.get("format", "speculators"), v)
+        except FormatError as e:
+            raise ValueError(str(e).removeprefix(f"dtype {v}: ")) from None
         return v
 
     @property

@@ -88,9 +88,9 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
 
 
 def output_args(run) -> list[str]:
-    """What the worker writes: format, layers (default: the format's own preset), loss mask. The
-    worker's preflight takes the same flags, so both resolve layers alike."""
-    argv = ["--format", run.format, "--loss-mask", run.loss_mask]
+    """What the worker writes: format, layers (default: the format's own preset), loss mask, dtype.
+    The worker's preflight takes the same flags, so both resolve layers alike."""
+    argv = ["--format", run.format, "--loss-mask", run.loss_mask, "--dtype", run.dtype]
     if run.layers_arg is not None:
         argv += ["--layers", run.layers_arg]
     if run.target_last_hidden_states:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from worker.identity import differences
+from worker.identity import differences, upgraded
 from worker.plan import PLAN_VERSION
 
 from .config import Config
@@ -21,6 +21,8 @@ from .jobs import Placement, place_shards
 # may change between launches). Model and data are compared by identity, not by path.
 SPEC_KEYS = ("output", "layers", "last_layer_norm", "target_last_hidden_states", "max_length",
              "too_long", "format", "dtype", "loss_mask", "gpus_per_shard")
+# What a key added to [run] after a plan was made meant for that plan (all earlier runs were bf16).
+SPEC_DEFAULTS = {"dtype": "bf16", "gpus_per_shard": 1}
 
 
 class PlanError(Exception):
@@ -63,9 +65,11 @@ def plan_differences(old: dict, new: dict, compare_identity: bool = True) -> lis
     for host in sorted(set(a) | set(b)):
         if a.get(host) != b.get(host):
             out.append(f"gpus of {host}: {a.get(host, 'none')} -> {b.get(host, 'none')}")
-    out += differences(old.get("spec", {}), new.get("spec", {}))
+    spec = new.get("spec", {})
+    defaults = {key: value for key, value in SPEC_DEFAULTS.items() if key in spec}
+    out += differences({**defaults, **old.get("spec", {})}, spec)
     if compare_identity:
-        out += differences(old.get("identity", {}), new.get("identity", {}))
+        out += differences(upgraded(old.get("identity", {})), new.get("identity", {}))
     return out
 
 

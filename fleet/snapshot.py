@@ -192,6 +192,18 @@ def shown_state(view: ShardView, host: HostView) -> State:
     return State.UNKNOWN if host.reachable is False else view.verdict.state
 
 
+def disk_full_eta(records: list[ShardRecord], tokens_per_s: float, free: int) -> float | None:
+    """Seconds until a host's disk is full at its current tokens/s and the bytes per token its
+    shards actually wrote (fp8 or bf16, layers, file overhead: as measured); None when nothing is
+    measured yet or when the rows left, at the tokens per sample seen so far, fit in `free`."""
+    done, tokens = sum(r.done for r in records), sum(r.tokens for r in records)
+    if not done or not tokens or tokens_per_s <= 0:
+        return None
+    per_token = sum(r.bytes for r in records) / tokens
+    left = sum(max(r.total - r.done - r.skipped, 0) for r in records) * tokens / done
+    return None if left * per_token <= free else free / (tokens_per_s * per_token)
+
+
 def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView], now: float,
                    expected) -> FleetSnapshot:
     """`expected` is the config's ExpectedSpec; `now` the supervisor's clock."""
@@ -242,15 +254,17 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
     level = alert_level(_finite(ratio, 3), expected.alert_ratio)
     remaining = max(total - finished, 0)
     eta = remaining / sps if sps > 0 else (0.0 if total and remaining == 0 else None)
-    host_bps: dict[str, float] = {}
+    host_tps: dict[str, float] = {}
     for v, x in measured:
-        host_bps[v.host] = host_bps.get(v.host, 0.0) + x.bytes_per_s
+        host_tps[v.host] = host_tps.get(v.host, 0.0) + x.tokens_per_s
     disk_eta = None
     host_rows = []
     for h in hosts.values():
         free = (h.disk or {}).get("free")
-        if free is not None and host_bps.get(h.name, 0) > 0 and h.reachable:
-            disk_eta = min(disk_eta if disk_eta is not None else math.inf, free / host_bps[h.name])
+        fills = disk_full_eta([v.record for v in views if v.host == h.name], host_tps.get(h.name, 0.0),
+                              free) if free is not None and h.reachable else None
+        if fills is not None:
+            disk_eta = min(disk_eta if disk_eta is not None else math.inf, fills)
         host_rows.append(HostStatus(
             name=h.name, address=h.address, reachable=h.reachable, error=h.error,
             telemetry=h.telemetry if h.reachable else None,

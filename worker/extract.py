@@ -35,7 +35,7 @@ from .events import EventLog
 from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, Layout,
                       supervision_problem, trainer_setting)
 from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
-                       work_identity)
+                       upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers
 from .model import (Capture, ModelError, compile_layers, find_decoder, is_hybrid, load_model,
                     missing_fast_kernels, model_devices, text_config, uncompile_layers)
@@ -95,9 +95,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "that does not fit one")
     p.add_argument("--devices", default=None,
                    help="the devices to spread the layers over, as a comma list (overrides "
-                        "--device and --gpus-per-shard; e.g. cpu,cpu tests the split without GPUs)"),
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
-                   help="model dtype (default bf16; fp32 allowed on the CPU). Files are always bf16")
+                        "--device and --gpus-per-shard; e.g. cpu,cpu tests the split without GPUs)")
+    p.add_argument("--dtype", choices=("bf16", "fp8", "fp32"), default="bf16",
+                   help="hidden states as stored: bf16 (default) or fp8 (float8_e4m3fn + a float32 "
+                        "scale per token per layer, quantised on the GPU; format speculators). "
+                        "fp32 is the old meaning of this flag: use --model-dtype fp32")
+    p.add_argument("--model-dtype", choices=("bf16", "fp32"), default=None,
+                   help="the model's compute dtype (default bf16; fp32 allowed on the CPU)")
     p.add_argument("--writer-queue", type=int, default=3,
                    help="batches waiting for the disk before the GPU waits (bounds host memory)")
     p.add_argument("--writer-threads", type=int, default=4, help="files written in parallel")
@@ -125,6 +129,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--max-tokens-per-batch, --writer-queue, --writer-threads and --pad-multiple must be positive")
     if not 0 <= args.shard_index < args.num_shards:
         p.error(f"--shard-index {args.shard_index} out of range for --num-shards {args.num_shards}")
+    if args.dtype == "fp32":               # --dtype used to be the model's dtype
+        print("warning: --dtype fp32 means --model-dtype fp32 (--dtype is now the stored dtype, "
+              "bf16 or fp8)", file=sys.stderr)
+        args.dtype, args.model_dtype = "bf16", args.model_dtype or "fp32"
     return args
 
 
@@ -141,6 +149,7 @@ class Options:
     format: str = "speculators"
     max_positions: int | None = None     # the model's longest sequence; longer rows are skipped
     bucket_rows: bool = False            # batch row counts from a few buckets (batching.row_bucket)
+    dtype: str = "bf16"                  # hidden states as stored: bf16 | fp8
 
 
 def gpu_memory(devices: torch.device | list[torch.device]) -> dict:
@@ -291,7 +300,7 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
     """The GPU loop: sample chunks in, files out (in `options.format`); bad rows recorded as
     skipped. Shared by the CLI and the benchmark."""
     os.makedirs(out_dir, exist_ok=True)
-    layout = Layout(options.format, plan)
+    layout = Layout(options.format, plan, options.dtype)
     devices = model_devices(model, device)
     writer = BackgroundWriter(
         out_dir, Manifest(manifest_path(out_dir, shard)), layout.header(), stats,
@@ -326,7 +335,7 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
 def run_meta(layout: Layout, layers: str, loss_mask: str, out: str) -> dict:
     """What meta.json says about the files: format, where the trainer reads, layers, loss mask."""
     plan = layout.plan
-    return {"format": layout.format, "data_dir": os.path.abspath(layout.data_dir(out)),
+    return {**layout.stored(), "format": layout.format, "data_dir": os.path.abspath(layout.data_dir(out)),
             "layers": layers, "layer_ids": list(plan.ids), "last_layer_norm": plan.last_layer_norm,
             "num_layers": plan.num_layers, "target_last_hidden_states": plan.target_last,
             "trainer_setting": trainer_setting(layout.format, plan), "loss_mask": loss_mask,
@@ -364,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+        dtype = torch.float32 if args.model_dtype == "fp32" else torch.bfloat16
         dataset = open_dataset(args.data)
         if dataset.num_rows == 0:
             raise DataError(f"{args.data}: empty (0 rows)")
@@ -378,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    if os.path.isdir(args.model) else "model folder not found"))
         plan = resolve_layers(args.layers or args.format, shape.num_layers,
                               args.last_layer_norm, args.target_last_hidden_states)
-        layout = Layout(args.format, plan)
+        layout = Layout(args.format, plan, args.dtype)
         identity = check_identity(args, plan)        # before any file is touched
         finished = load_finished(args.out)
         log.emit(protocol.Loading(model=args.model))
@@ -401,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         write_meta(args.out, {
             "model": os.path.abspath(args.model), "model_type": config.model_type,
-            "dtype": "bfloat16", "model_dtype": str(dtype).removeprefix("torch."),
+            "model_dtype": str(dtype).removeprefix("torch."),
             **run_meta(layout, args.layers or args.format, args.loss_mask, args.out),
             "hidden_size": config.hidden_size,
             "num_samples": dataset.num_rows, "data": os.path.abspath(args.data),
@@ -429,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         options = Options(args.max_tokens_per_batch, args.max_length, args.too_long,
                           args.writer_queue, args.writer_threads, args.sort_window,
                           pad_multiple=pad, loss_mask=args.loss_mask, format=args.format,
-                          max_positions=shape.max_positions, bucket_rows=few_shapes)
+                          max_positions=shape.max_positions, bucket_rows=few_shapes, dtype=args.dtype)
         items = iter_shard(dataset, start, stop, set(finished), vocab_size, tokenizer, options)
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                stats, args.progress_interval, stop - start)
@@ -531,7 +540,8 @@ def check_identity(args: argparse.Namespace, plan: LayerPlan) -> dict:
     """This shard's work as worker.identity sees it; NotRetryable when it is not the run's plan's
     or not what the output folder already holds (another model, dataset, layers or format)."""
     try:
-        identity = work_identity(args.model, args.data, output_identity(plan, args.format, args.loss_mask))
+        identity = work_identity(args.model, args.data,
+                                 output_identity(plan, args.format, args.loss_mask, args.dtype))
     except IdentityError as e:
         raise ModelError(str(e)) from None
     if args.plan:
@@ -540,7 +550,7 @@ def check_identity(args: argparse.Namespace, plan: LayerPlan) -> dict:
                 planned = json.load(f).get("identity") or {}
         except (OSError, ValueError, AttributeError) as e:
             raise ModelError(f"{args.plan}: cannot read the run's plan: {e}") from None
-        if diffs := differences(planned, identity):
+        if diffs := differences(upgraded(planned), identity):
             raise NotRetryable(f"this shard's work differs from the run's plan ({args.plan}): "
                                + "; ".join(diffs) + " (fleet up --replan after fleet down, or restore it)")
     if diffs := output_mismatch(args.out, identity):

@@ -27,7 +27,7 @@ def test_compiled_layers_agree_with_eager_and_the_compile_is_cached(tmp_path, de
                         ("again", ("--compile", "on", "--cache-dir", cache))):
         out, state = str(tmp_path / name), str(tmp_path / f"state-{name}")
         r = run_worker("--model", dense_model, "--data", token_data, "--out", out, "--state", state,
-                       "--dtype", "fp32", *extra)
+                       "--model-dtype", "fp32", *extra)
         assert r.returncode == 0, r.stderr
         runs[name] = (out, loaded(state)["path"])
     assert runs["eager"][1] == "eager (--compile off)"
