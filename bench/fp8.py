@@ -55,7 +55,7 @@ from worker.events import EventLog
 from worker.extract import Options, run_extraction
 from worker.formats import load_sample, payload_bytes
 from worker.layers import resolve_layers
-from worker.model import Capture, find_decoder
+from worker.model import Capture, compile_layers, find_decoder, uncompile_layers
 from worker.writer import Stats
 
 OUTLIER_CHANNELS = 4
@@ -257,6 +257,8 @@ def main() -> None:
                    help="outlier ratios at which to compare the two scale layouts in memory")
     p.add_argument("--disk", default=os.environ.get("BENCH_DISK", tempfile.gettempdir()),
                    help="where the passes write (one bf16 pass at a time: ~19 GB at the defaults)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decoder layers for the throughput passes, as the worker does on a GPU")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -287,7 +289,9 @@ def main() -> None:
               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
               "model_init_s": round(init_s, 1), "layer_ids": list(plan.ids), "last_layer_norm": plan.last_layer_norm,
               "samples": n, "mean_tokens": round(sum(s.length for s in samples) / n, 1), "budget": budget,
-              "disk": args.disk, "outliers": outliers}
+              "disk": args.disk, "outliers": outliers, "compiled": args.compile}
+    if args.compile:
+        compile_layers(base)
     runs: dict[str, list[dict]] = {"bf16": [], "fp8": []}
     indices = [s.index for s in samples[: args.precision_samples]]
     root = tempfile.mkdtemp(dir=args.disk, prefix="fleet-fp8-bench-")
@@ -308,6 +312,7 @@ def main() -> None:
                 shutil.rmtree(out)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    uncompile_layers(base)          # the sweep changes the weights between forwards
     ratios = [float(x) for x in args.sweep.split(",") if x]
     result["sweep"] = sweep(base, plan, samples[: min(16, args.precision_samples)], outlier_model, ratios, device)
     for dtype, passes in runs.items():
