@@ -140,7 +140,7 @@ def up(config_path: str, headless: bool, replan: bool) -> None:
         await sup.start()
         await sup.launch_all()
         try:
-            while not (sup.replayed and sup.snapshot().totals.settled):
+            while not (sup.replayed and not sup.acting and sup.snapshot().totals.settled):
                 print_changes()
                 await asyncio.sleep(0.25)
             print_changes()

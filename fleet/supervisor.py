@@ -192,6 +192,11 @@ class Supervisor:
                               now, self.config.spec.expected)
 
     @property
+    def acting(self) -> bool:
+        """An action (a launch, a submission, a restart) is in flight: its record is not in yet."""
+        return any(s.busy_since is not None for s in self.shards.values())
+
+    @property
     def replayed(self) -> bool:
         """Every host's agent has replayed its record, or the host is known unreachable."""
         return all_replayed(l.host for l in self.links.values())
@@ -225,10 +230,10 @@ class Supervisor:
             self.use_plan(max(plans, key=lambda p: p.get("created", 0)))
         for link, lines in zip(self.links.values(), outputs):
             try:
+                if lines:                       # before the messages: one may say what went wrong
+                    link.host.reachable, link.host.error = True, None
                 for line in lines:
                     self._handle(link, line, discover=not plans)
-                if lines:
-                    link.host.reachable, link.host.error = True, None
             except HostError as e:
                 link.host.reachable, link.host.error = False, str(e).removeprefix(f"{link.spec.name}: ")
         return self.snapshot()
