@@ -30,7 +30,10 @@ class ShardCommand:
 
 
 def place_shards(config: Config, gpus_by_host: dict[str, list[int]]) -> list[Placement]:
-    """One shard per GPU, numbered in fleet.toml's host order, then GPU order."""
+    """One shard per GPU, numbered in fleet.toml's host order, then GPU order. With [slurm]: one
+    shard per array task, `shards` of them; GPU 0 is the first the task is given."""
+    if config.slurm is not None:
+        return [Placement(k, config.hosts[0].name, 0) for k in range(config.slurm.shards)]
     out = []
     for host in config.hosts:
         for gpu in gpus_by_host[host.name]:
@@ -50,7 +53,8 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
               "model": config.host_path(host, run.model) if run.model else "",
               "data": config.host_path(host, run.data) if run.data else "",
               "shard_dir": shard_dir(config, host, place.shard)}
-    env = {"CUDA_VISIBLE_DEVICES": str(place.gpu), "PYTHONUNBUFFERED": "1", **run.env}
+    gpus = {} if config.slurm is not None else {"CUDA_VISIBLE_DEVICES": str(place.gpu)}  # Slurm sets it
+    env = {**gpus, "PYTHONUNBUFFERED": "1", **run.env}
     job = config.spec.job
     if job is not None:
         argv = [token.format(**values) for token in shlex.split(job.command)]
