@@ -229,6 +229,9 @@ async def find_shard(sup: Supervisor, ref: str) -> int:
     try:
         k = sup.resolve_shard(ref)
     except KeyError as e:
+        down = [link.host for link in sup.links.values() if link.host.reachable is False]
+        if down:                                 # its shard may be on a host not read: say why
+            fail("; ".join(h.error or f"{h.name}: unreachable" for h in down), EXIT_UNREACHABLE)
         fail(str(e.args[0]), EXIT_FAULT)
     host = sup.links[sup.shards[k].placement.host].host
     if host.reachable is False:

@@ -94,9 +94,10 @@ def slurm_reason(end: protocol.SlurmEnded) -> str:
 def awaiting_slurm(a: Attempt) -> bool:
     """A Slurm task that ended by a signal with no stop of fleet's, and Slurm's final state not yet
     recorded: Slurm ended it, and why (time limit, preemption, node failure, someone's scancel) is
-    Slurm's to say (the agent records it once the task's state is final)."""
+    Slurm's to say (the agent records it once the task's state is final). A launch sbatch refused
+    never reached Slurm (no job): it has nothing to say."""
     end = a.end
-    return a.slurm and a.stop is None and a.slurm_end is None and end is not None and \
+    return a.slurm and a.job is not None and a.stop is None and a.slurm_end is None and end is not None and \
         not end.vanished and (end.stopped or end.code is None or end.code < 0)
 
 

@@ -551,7 +551,7 @@ class Supervisor:
         states = result.get("shards", {})
         for s in slots:
             state = states.get(str(s.id))
-            if state != "submitted":
+            if state not in ("submitted", "refused"):   # else busy until its launch reaches the record
                 s.busy_since = None
             if state is None:                    # nothing reached its record (squeue did not answer)
                 s.launch_failures.append(LaunchFailure(link.host.host_now(time.time()), by,

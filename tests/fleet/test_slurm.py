@@ -97,6 +97,13 @@ def status(config: str) -> dict:
     return {**json.loads(r.stdout), "rc": r.returncode}
 
 
+def out_has(text: str, *parts: str) -> bool:
+    """Some line of `text` holds every part, in order."""
+    return any(all(p in line for p in parts) and
+               [line.index(p) for p in parts] == sorted(line.index(p) for p in parts)
+               for line in text.splitlines())
+
+
 def manifest(tmp_path) -> list[int]:
     return [json.loads(l)["index"] for p in glob.glob(str(tmp_path / "shared" / "out" / "manifest" / "*"))
             for l in open(p) if l.strip()]
@@ -371,3 +378,58 @@ async def test_a_slow_slurm_controller_never_silences_the_login_node(tmp_path, s
         await sup.close()
     assert not [m for m in logs if "unreachable" in m], logs
     assert False not in seen
+
+
+def test_what_sbatch_refuses_is_one_line_quoting_slurm_and_the_policy_gives_up(tmp_path, slurm):
+    """A submission Slurm refuses (more memory than the node has): each shard's attempt failed with
+    sbatch's own error line, restarted under the policy, then FATAL quoting it."""
+    script = {k: [[["print", "ALL DONE"], ["exit", 0]]] for k in ("0", "1")}
+    config = slurm_toml(tmp_path, script=script)
+    text = open(config).read().replace('gpus_per_task = 0\n', 'gpus_per_task = 0\nsbatch_args = ["--mem=999999"]\n')
+    open(config, "w").write(text.replace('backoff_max = "2s"', 'backoff_max = "2s"\nmax_restarts = 1'))
+    r = fleet("up", "--headless", "-c", config)
+    assert r.returncode == 1, r.stdout + r.stderr
+    refusal = "sbatch refused: sbatch: error: Batch job submission failed: Requested node configuration is not available"
+    assert f"shards 0,1: submitted (manual): {refusal}" in r.stderr, r.stderr
+    for k in (0, 1):
+        assert f"shard {k} slurm:0 PENDING -> BACKOFF 0/0 ({refusal}; restart in 0.5s)" in r.stdout, r.stdout
+        assert out_has(r.stdout, f"shard {k} slurm:0", f"-> FATAL 0/0 (gave up after 1 restart(s); last: {refusal})")
+        evs = events(tmp_path, k)
+        assert [e.by for e in of(protocol.Launch, evs)] == ["manual", "auto"]      # one restart, no more
+        assert [e.reason for e in of(protocol.Failed, evs)] == [refusal] * 2 and not of(protocol.Submitted, evs)
+    assert slurm.live_jobs() == []
+
+
+def test_a_partition_slurm_does_not_know_is_refused_by_preflight(tmp_path, slurm):
+    config = slurm_toml(tmp_path, script={"0": [], "1": []})
+    text = open(config).read().replace('partition = "debug"', 'partition = "gpu-nosuch"')
+    open(config, "w").write(text)
+    r = fleet("up", "--headless", "-c", config)
+    assert r.returncode != 0
+    assert "partition gpu-nosuch unknown to Slurm" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert not os.path.exists(tmp_path / "shared" / "fleet" / "t" / "shards" / "0" / "events.jsonl")
+    assert slurm.live_jobs() == []
+
+
+def test_an_unreachable_login_node_is_one_line_naming_it(tmp_path):
+    """No Slurm needed: nothing listens where the login node should be."""
+    import subprocess
+    from tests.sshd_server import free_port
+
+    class Nowhere:
+        port = free_port()
+        client_key = str(tmp_path / "id")
+        known_hosts = str(tmp_path / "known_hosts")
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", Nowhere.client_key], check=True)
+    (tmp_path / "known_hosts").write_text("")
+    config = slurm_toml(tmp_path, script={"0": [], "1": []}, login="alice@127.0.0.1", ssh=Nowhere)
+    where = f"slurm (alice@127.0.0.1:{Nowhere.port}): "
+    for argv in (("up", "--headless"), ("status",), ("down", "--yes"), ("logs", "0"), ("restart", "1")):
+        r = fleet(*argv, "-c", config)
+        assert r.returncode == 3, (argv, r.stdout, r.stderr)
+        said = [l for l in (r.stdout + r.stderr).splitlines() if where in l]
+        assert said and f"{where}connection refused (is sshd listening on port {Nowhere.port}?)" in said[-1], \
+            (argv, r.stdout, r.stderr)
+    st = json.loads(fleet("status", "--json", "-c", config).stdout)
+    assert (st["hosts"][0]["reachable"], st["hosts"][0]["role"]) == (False, "login")
+    assert st["hosts"][0]["error"].startswith(where)
