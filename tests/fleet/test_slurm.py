@@ -143,8 +143,8 @@ def test_the_tiny_model_runs_as_a_two_task_array_to_done_through_ssh_to_the_logi
         schema = json.loads(fleet("status", "--json-schema").stdout)
         jsonschema.validate({k: v for k, v in st.items() if k != "rc"}, schema)
         assert st["rc"] == 0
-        assert [(s["id"], s["host"], s["state"], s["slurm"]["job"]) for s in st["shards"]] == \
-            [(0, "localhost", "DONE", jobs[0]), (1, "localhost", "DONE", jobs[1])]
+        assert [(s["id"], s["host"], s["state"], s["slurm"]["job"], s["slurm"]["node"]) for s in st["shards"]] == \
+            [(0, "localhost", "DONE", jobs[0], "localhost"), (1, "localhost", "DONE", jobs[1], "localhost")]
         assert [(h["name"], h["role"]) for h in st["hosts"]] == [("slurm", "login"), ("localhost", "node")]
         assert st["hosts"][0]["address"] == "root@127.0.0.1" and st["totals"]["done"] == 60
         logs = fleet("logs", "1", "-c", config)
