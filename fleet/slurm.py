@@ -10,8 +10,9 @@ from .deploy import code_dir
 from .jobs import Placement, sentinel_spec, shard_command
 
 
-def sbatch_options(spec: SlurmSpec) -> list[str]:
-    """[slurm]'s keys as sbatch options; the user's `sbatch_args` last (they may refine them)."""
+def sbatch_options(spec: SlurmSpec, gpus_per_shard: int = 1) -> list[str]:
+    """[slurm]'s keys as sbatch options; the user's `sbatch_args` last (they may refine them). A
+    task asks for its shard's GPUs (`gpus_per_task`, by default [run] gpus_per_shard)."""
     out = []
     if spec.partition:
         out.append(f"--partition={spec.partition}")
@@ -19,8 +20,9 @@ def sbatch_options(spec: SlurmSpec) -> list[str]:
         out.append(f"--account={spec.account}")
     if spec.time:
         out.append(f"--time={spec.time}")
-    if spec.gpus_per_task:
-        out.append(f"--gres=gpu:{spec.gpus_per_task}")
+    gpus = gpus_per_shard if spec.gpus_per_task is None else spec.gpus_per_task
+    if gpus:
+        out.append(f"--gres=gpu:{gpus}")
     return out + list(spec.sbatch_args)
 
 
@@ -33,6 +35,6 @@ def submission(config: Config, host: HostSpec, places: list[Placement], num_shar
         cmd = shard_command(config, host, place, num_shards)
         tasks[str(place.shard)] = {"argv": cmd.argv, "env": cmd.env, "cwd": cmd.cwd,
                                    "sentinels": sentinel_spec(config, host)}
-    return {"job_name": config.job_name, "by": by, "sbatch": sbatch_options(spec),
+    return {"job_name": config.job_name, "by": by, "sbatch": sbatch_options(spec, config.run.gpus_per_shard),
             "max_parallel": spec.max_parallel, "python": config.python(host),
             "pythonpath": code_dir(config, host), "tasks": tasks}

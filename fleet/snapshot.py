@@ -71,6 +71,7 @@ class ShardStatus(BaseModel):
     host: str = Field(description="where it runs or ran; with [slurm] its node once started, "
                                   "\"slurm\" before")
     gpu: int
+    gpus: list[int] = Field(default_factory=list, description="every GPU of the shard (gpus_per_shard)")
     slurm: Optional[SlurmTaskStatus] = Field(None, description="with [slurm]: its newest launch's task")
     state: State
     reason: Optional[str] = Field(None, description="why it is in this state (failures, stops)")
@@ -98,6 +99,8 @@ class ShardStatus(BaseModel):
     writer_wait_s: float = 0.0
     gpu_mem_bytes: Optional[int] = None
     warning: Optional[str] = None
+    detail: Optional[str] = Field(None, description="what LOADING is doing now (\"compiling the decoder layers\")")
+    path: Optional[str] = Field(None, description="the worker's forward path and why (compiled, eager)")
 
 
 class Totals(BaseModel):
@@ -178,6 +181,7 @@ class ShardView:
     max_restarts: int = 0
     node: str | None = None                # with [slurm]: the node its newest launch runs/ran on
     slurm: SlurmTaskStatus | None = None
+    gpus: tuple[int, ...] = ()
 
 
 def slurm_task(record: ShardRecord, live) -> SlurmTaskStatus | None:
@@ -238,6 +242,18 @@ def shown_state(view: ShardView, host: HostView) -> State:
     return State.UNKNOWN if host.reachable is False else view.verdict.state
 
 
+def disk_full_eta(records: list[ShardRecord], tokens_per_s: float, free: int) -> float | None:
+    """Seconds until a host's disk is full at its current tokens/s and the bytes per token its
+    shards actually wrote (fp8 or bf16, layers, file overhead: as measured); None when nothing is
+    measured yet or when the rows left, at the tokens per sample seen so far, fit in `free`."""
+    done, tokens = sum(r.done for r in records), sum(r.tokens for r in records)
+    if not done or not tokens or tokens_per_s <= 0:
+        return None
+    per_token = sum(r.bytes for r in records) / tokens
+    left = sum(max(r.total - r.done - r.skipped, 0) for r in records) * tokens / done
+    return None if left * per_token <= free else free / (tokens_per_s * per_token)
+
+
 def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView], now: float,
                    expected) -> FleetSnapshot:
     """`expected` is the config's ExpectedSpec; `now` the supervisor's clock."""
@@ -259,7 +275,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
         a = r.attempt
         due = v.verdict.due_t
         rows.append(ShardStatus(
-            id=v.id, host=v.node or v.host, gpu=v.gpu, slurm=v.slurm, state=state,
+            id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), slurm=v.slurm, state=state,
             reason=f"host unreachable: {host.error}" if state == State.UNKNOWN else v.verdict.reason,
             faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
             progress=_finite((r.done + r.skipped) / r.total, 4) if r.total else None,
@@ -274,7 +290,8 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             last_event=r.last_event,
             last_event_age_s=_finite(hn - r.last_event_t, 1) if r.last_event_t else None,
             backoff_s=_finite(max(due - hn, 0.0), 1) if due is not None and state != State.UNKNOWN else None,
-            writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning))
+            writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
+            detail=a.detail if a and state == State.LOADING else None, path=r.path))
     sps = sum(x.samples_per_s for _, x in measured)
     tps = sum(x.tokens_per_s for _, x in measured)
     total = sum(v.record.total for v in views)
@@ -287,15 +304,17 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
     level = alert_level(_finite(ratio, 3), expected.alert_ratio)
     remaining = max(total - finished, 0)
     eta = remaining / sps if sps > 0 else (0.0 if total and remaining == 0 else None)
-    host_bps: dict[str, float] = {}
+    host_tps: dict[str, float] = {}
     for v, x in measured:
-        host_bps[v.host] = host_bps.get(v.host, 0.0) + x.bytes_per_s
+        host_tps[v.host] = host_tps.get(v.host, 0.0) + x.tokens_per_s
     disk_eta = None
     host_rows = []
     for h in hosts.values():
         free = (h.disk or {}).get("free")
-        if free is not None and host_bps.get(h.name, 0) > 0 and h.reachable:
-            disk_eta = min(disk_eta if disk_eta is not None else math.inf, free / host_bps[h.name])
+        fills = disk_full_eta([v.record for v in views if v.host == h.name], host_tps.get(h.name, 0.0),
+                              free) if free is not None and h.reachable else None
+        if fills is not None:
+            disk_eta = min(disk_eta if disk_eta is not None else math.inf, fills)
         host_rows.append(HostStatus(
             name=h.name, address=h.address, role=h.role, reachable=h.reachable, error=h.error,
             telemetry=h.telemetry if h.reachable else None,

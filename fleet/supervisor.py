@@ -198,7 +198,7 @@ class Supervisor:
     def snapshot(self, now: float | None = None) -> FleetSnapshot:
         now = time.time() if now is None else now
         views = [ShardView(s.id, s.placement.host, s.placement.gpu, s.record, self.verdict(s, now),
-                           s.alive, s.pid, self.sup.max_restarts)
+                           s.alive, s.pid, self.sup.max_restarts, gpus=s.placement.all_gpus)
                  for s in sorted(self.shards.values(), key=lambda s: s.id)]
         hosts = {n: l.host for n, l in self.links.items()}
         if self.slurm is not None:
@@ -216,6 +216,7 @@ class Supervisor:
             if not node:
                 continue
             v.node, v.gpu = node, (a.gpus[0] if a.gpus else v.gpu)
+            v.gpus = tuple(a.gpus) if a.gpus else v.gpus
             live = slot.alive and not a.ended and slot.gpus is not None and slot.gpus.launch == a.n
             tasks.append((node, slot.gpus if live else None))
         return slurm_nodes(self.links[self.config.hosts[0].name].host, tasks)

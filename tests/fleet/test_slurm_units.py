@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleet.config import ExpectedSpec, load_config
+from fleet.jobs import place_shards
 from fleet.judge import SLURM_WORD_WAIT_S, Action, Policy, judge
 from fleet.plan import make_plan, plan_differences
 from fleet.record import fold
@@ -115,7 +116,26 @@ def test_make_plan_for_slurm(tmp_path):
     c = load_config(write(tmp_path, RUN + SLURM))
     plan = make_plan(c, {"slurm": []}, {})
     assert plan["num_shards"] == 128 and plan["launcher"] == "slurm" and plan["shards"][127] == \
-        {"id": 127, "host": "slurm", "gpu": 0}
+        {"id": 127, "host": "slurm", "gpu": 0, "gpus": [0]}
+
+
+def test_a_shard_of_several_gpus_is_a_task_asking_for_them(tmp_path):
+    """[run] gpus_per_shard = 2: each task asks Slurm for 2 GPUs (gpus_per_task follows it) and its
+    worker spans the 2 Slurm gives it (Slurm sets CUDA_VISIBLE_DEVICES)."""
+    two = RUN.replace('output = "/shared/hs"', 'output = "/shared/hs"\ngpus_per_shard = 2')
+    c = load_config(write(tmp_path, two + SLURM.replace("gpus_per_task = 1\n", "")))
+    assert "--gres=gpu:2" in sbatch_options(c.slurm, 2)
+    [place] = place_shards(c, {})[5:6]
+    assert (place.shard, place.gpu, place.all_gpus) == (5, 0, (0, 1))
+    sub = submission(c, c.hosts[0], [place], 128, "manual")
+    assert "--gres=gpu:2" in sub["sbatch"]
+    argv = sub["tasks"]["5"]["argv"]
+    assert argv[argv.index("--gpus-per-shard") + 1] == "2" and "CUDA_VISIBLE_DEVICES" not in sub["tasks"]["5"]["env"]
+    assert make_plan(c, {"slurm": []}, {})["shards"][5] == {"id": 5, "host": "slurm", "gpu": 0, "gpus": [0, 1]}
+    path = write(tmp_path, two + SLURM)
+    assert error_of(tmp_path, two + SLURM) == (
+        f"{path}:13: slurm.gpus_per_task = 1, but [run] gpus_per_shard = 2: each array task runs one shard "
+        f"on its own GPUs; leave gpus_per_task out (it follows gpus_per_shard) or make them equal")
 
 
 # --- what Slurm prints ----------------------------------------------------------------------------
