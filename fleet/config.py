@@ -43,6 +43,13 @@ def parse_duration(value: Any) -> float:
     return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
 
 
+def positive_duration(value: Any) -> float:
+    d = parse_duration(value)
+    if d <= 0:
+        raise ValueError("must be positive")
+    return d
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -147,10 +154,7 @@ class SuperviseSpec(Strict):
                      "connect_timeout", "keepalive_interval", "reconnect_max", mode="before")
     @classmethod
     def _duration(cls, v):
-        d = parse_duration(v)
-        if d <= 0:
-            raise ValueError("must be positive")
-        return d
+        return positive_duration(v)
 
 
 class JobSpec(Strict):
@@ -293,10 +297,7 @@ class SlurmSpec(Strict):
     @field_validator("poll_interval", mode="before")
     @classmethod
     def _duration(cls, v):
-        d = parse_duration(v)
-        if d <= 0:
-            raise ValueError("must be positive")
-        return d
+        return positive_duration(v)
 
     def login_host(self) -> "HostSpec":
         """The login node as a host: where fleet deploys, submits, and runs the agent."""

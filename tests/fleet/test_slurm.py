@@ -16,10 +16,9 @@ import time
 import jsonschema
 import pytest
 
-from fleet.config import load_config
-from fleet.supervisor import Supervisor
 from tests.conftest import wait_for
 from tests.fleet.conftest import fleet, fleet_popen
+from tests.fleet.test_records import deployed
 from tests.fleet.test_ssh_e2e import Output
 from tests.sshd_server import start_sshd
 from worker import protocol
@@ -188,7 +187,7 @@ def test_scancel_of_a_task_is_a_failure_with_slurms_reason_and_the_shard_resumes
     assert st["shards"][1]["restarts"] == 0
     # The task's log on the shared filesystem holds Slurm's own line about the cancellation.
     logs = fleet("logs", "0", "-n", "100000", "-c", config)
-    assert f"CANCELLED AT" in logs.stdout and "[shard 0] done done=1500" in logs.stdout
+    assert "CANCELLED AT" in logs.stdout and "[shard 0] done done=1500" in logs.stdout
 
 
 def test_a_task_queued_behind_a_full_node_is_queued_with_slurms_reason_and_fleet_down_cancels_it(tmp_path, slurm):
@@ -287,27 +286,14 @@ async def test_the_tuis_keys_k_cancels_a_task_for_good_r_resubmits_its_index_and
         tmp_path, slurm):
     """The live TUI on a Slurm run, keys pressed as a user presses them: its panes show the node,
     the log of the task on the shared filesystem; `k`, `r`, `D` mean what they mean on SSH hosts."""
-    from fleet.tui.app import QUIT_MESSAGE, FleetApp
+    from fleet.tui.app import QUIT_MESSAGE
     from fleet.tui.panes.gpus import GpuTable
     from fleet.tui.panes.log import ShardLog
     from fleet.tui.panes.shards import ShardTable
-    from fleet.tui.source import SupervisorSource
-    from tests.fleet.test_tui import cell_text, until
+    from tests.fleet.test_tui import cell_text, supervised_app, until
 
     script = {"0": [[["progress", 1, 3], ["hang"]], [["progress", 2, 3], ["hang"]]], "1": [[["progress", 1, 3], ["hang"]]]}
-    config = load_config(slurm_toml(tmp_path, script=script))
-    sup = Supervisor(config)
-    results, failures = await sup.deploy()
-    assert not failures and not results[0].errors, (failures, results[0].errors)
-    await sup.settle_plan(results)
-
-    async def open_source():
-        await sup.start()
-        source = SupervisorSource(sup)
-        source.launch_task = asyncio.create_task(sup.launch_all())
-        return source
-
-    app = FleetApp(open_source=open_source, interval=0.2)
+    app = supervised_app(await deployed(slurm_toml(tmp_path, script=script)))
     async with app.run_test(size=(170, 48)) as pilot:
         shards = app.query_one(ShardTable)
         await until(pilot, lambda: app.snap and [s.done for s in app.snap.shards] == [1, 1], what="both running")
@@ -355,12 +341,8 @@ async def test_a_slow_slurm_controller_never_silences_the_login_node(tmp_path, s
     monkeypatch.setenv("PATH", f"{slow}:{os.environ['PATH']}")
     script = {k: [[["progress", 1, 2], ["sleep", 1], ["progress", 2, 2], ["print", "ALL DONE"], ["exit", 0]]]
               for k in ("0", "1")}
-    config = load_config(slurm_toml(tmp_path, script=script))
     logs: list[str] = []
-    sup = Supervisor(config, on_log=logs.append)
-    results, failures = await sup.deploy()
-    assert not failures and not results[0].errors, (failures, results[0].errors)
-    await sup.settle_plan(results)
+    sup = await deployed(slurm_toml(tmp_path, script=script), logs)
     seen = []
     sup.on_change = lambda: seen.append(sup.links["slurm"].host.reachable)
     await sup.start()

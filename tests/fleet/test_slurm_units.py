@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +18,7 @@ from fleet.slurm import sbatch_options, submission
 from fleet.snapshot import HostView, ShardView, build_snapshot, slurm_nodes, slurm_task
 from fleet.state import SETTLED, State
 from tests.fleet.test_config import error_of, write
-from tests.fleet.test_judge import World
+from tests.fleet.test_judge import World, assert_within_restart_budget
 from worker import protocol as p
 from worker import slurm
 
@@ -339,11 +338,7 @@ def test_judge_invariants_hold_over_random_slurm_histories(steps, max_restarts):
     for kind, arg in steps:
         w.step(kind, arg)
         w.supervise()
-    run = 0
-    for ev in w.events:
-        if isinstance(ev, p.Launch):
-            run = run + 1 if ev.by == "auto" else 0
-            assert run <= max_restarts
+    assert_within_restart_budget(w.events, max_restarts)
     for length, t, alive in w.checkpoints:
         prefix = w.events[:length]
         assert judge(fold(prefix), alive, t, policy) == judge(fold(prefix), alive, t, policy)
