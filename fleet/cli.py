@@ -176,7 +176,7 @@ def up(config_path: str, headless: bool, replan: bool, allow_partial: bool) -> N
         await sup.start()
         await sup.launch_all()
         try:
-            while not (sup.replayed and sup.snapshot().totals.settled):
+            while not (sup.replayed and not sup.acting and sup.snapshot().totals.settled):
                 print_changes()
                 await asyncio.sleep(0.25)
             print_changes()
@@ -265,6 +265,9 @@ async def find_shard(sup: Supervisor, ref: str) -> int:
     try:
         k = sup.resolve_shard(ref)
     except KeyError as e:
+        down = [link.host for link in sup.links.values() if link.host.reachable is False]
+        if down:                                 # its shard may be on a host not read: say why
+            fail("; ".join(h.error or f"{h.name}: unreachable" for h in down), EXIT_UNREACHABLE)
         fail(str(e.args[0]), EXIT_FAULT)
     host = sup.links[sup.shards[k].placement.host].host
     if host.reachable is False:

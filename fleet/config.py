@@ -43,6 +43,13 @@ def parse_duration(value: Any) -> float:
     return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
 
 
+def positive_duration(value: Any) -> float:
+    d = parse_duration(value)
+    if d <= 0:
+        raise ValueError("must be positive")
+    return d
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -147,10 +154,7 @@ class SuperviseSpec(Strict):
                      "connect_timeout", "keepalive_interval", "reconnect_max", mode="before")
     @classmethod
     def _duration(cls, v):
-        d = parse_duration(v)
-        if d <= 0:
-            raise ValueError("must be positive")
-        return d
+        return positive_duration(v)
 
 
 class JobSpec(Strict):
@@ -229,15 +233,92 @@ class HostSpec(Strict):
         return self.address == "local"
 
 
+SLURM_TIME_RE = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|"
+                           r"\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE")
+# sbatch options fleet sets itself: one task per shard, its log in the shard's folder, no requeue
+# behind fleet's back (a restart is fleet's, under the restart policy).
+SBATCH_OWN = ("-a", "--array", "-o", "--output", "-e", "--error", "-J", "--job-name", "--open-mode",
+              "--requeue", "--no-requeue", "--parsable", "--wrap", "-n", "--ntasks", "-N", "--nodes")
+SLURM_HOST = "slurm"                     # the launcher's name where a host's would be (shards, status)
+
+
+class SlurmSpec(Strict):
+    """Slurm as the launcher: one array task per shard, submitted and watched from the login node."""
+    login: str = "local"                 # "[user@]host" reached over SSH, or "local" (fleet runs there)
+    port: int = Field(22, ge=1, le=65535)
+    identity_file: str | None = None
+    known_hosts: str = "~/.ssh/known_hosts"
+    accept_new: bool = False
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None              # the task's time limit, as sbatch --time takes it
+    gpus_per_task: int | None = Field(None, ge=0)  # --gres=gpu:N (0: CPU-only; None: [run] gpus_per_shard)
+    max_parallel: int | None = Field(None, gt=0)   # the array's %N throttle
+    sbatch_args: list[str] = []
+    root: str = "fleet"                  # on a filesystem every node sees (records, code, logs)
+    python: str | None = None            # as the nodes see it (a shared venv)
+    shards: int = Field(gt=0)
+    job_name: str | None = None          # default "fleet-<run name>"
+    poll_interval: float = 5.0           # how often squeue is asked
+
+    @field_validator("login")
+    @classmethod
+    def _login(cls, v: str) -> str:
+        if not v or v.startswith("-") or any(c.isspace() for c in v) or v.count("@") > 1 or v.endswith("@"):
+            raise ValueError('"local" or [user@]host (no spaces, not starting with "-")')
+        return v
+
+    @field_validator("partition", "account", "job_name")
+    @classmethod
+    def _word(cls, v):
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._,:-]*", v):
+            raise ValueError("letters, digits and . _ , : - only")
+        return v
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v):
+        if v is not None and not SLURM_TIME_RE.fullmatch(v):
+            raise ValueError(f"not a Slurm time limit: {v!r} (e.g. \"12:00:00\", \"2-00:00:00\", \"90\")")
+        return v
+
+    @field_validator("sbatch_args")
+    @classmethod
+    def _sbatch_args(cls, v: list[str]) -> list[str]:
+        for arg in v:
+            if not arg.startswith("-"):
+                raise ValueError(f"{arg!r}: give each option as one item, e.g. \"--qos=normal\"")
+            name = arg.split("=", 1)[0]
+            if name in SBATCH_OWN or (len(name) > 2 and not name.startswith("--") and name[:2] in SBATCH_OWN):
+                raise ValueError(f"{arg!r}: fleet sets {name} itself (one task per shard, its log "
+                                 f"in the shard's folder, restarts under the restart policy)")
+        return v
+
+    @field_validator("poll_interval", mode="before")
+    @classmethod
+    def _duration(cls, v):
+        return positive_duration(v)
+
+    def login_host(self) -> "HostSpec":
+        """The login node as a host: where fleet deploys, submits, and runs the agent."""
+        user, _, address = self.login.rpartition("@")
+        return HostSpec(name=SLURM_HOST, address=address, port=self.port, user=user or None,
+                        identity_file=self.identity_file, known_hosts=self.known_hosts,
+                        accept_new=self.accept_new, python=self.python, gpus=[0], root=self.root)
+
+
 class FleetSpec(Strict):
     run: RunSpec
     expected: ExpectedSpec = ExpectedSpec()
     supervise: SuperviseSpec = SuperviseSpec()
     job: JobSpec | None = None
-    hosts: list[HostSpec] = Field(min_length=1)
+    hosts: list[HostSpec] = []
+    slurm: SlurmSpec | None = None
 
     @model_validator(mode="after")
     def _checks(self):
+        if not self.hosts and self.slurm is None:
+            raise ValueError("hosts: required key missing: give [[hosts]] (SSH boxes) or a [slurm] section")
         names = [h.name for h in self.hosts]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -261,7 +342,18 @@ class Config:
 
     @property
     def hosts(self) -> list[HostSpec]:
+        """The hosts fleet talks to: the [[hosts]], or with [slurm] its login node (named "slurm")."""
+        if self.spec.slurm is not None:
+            return [self.spec.slurm.login_host()]
         return self.spec.hosts
+
+    @property
+    def slurm(self) -> SlurmSpec | None:
+        return self.spec.slurm
+
+    @property
+    def job_name(self) -> str:
+        return (self.spec.slurm and self.spec.slurm.job_name) or f"fleet-{self.run.name}"
 
     def host_path(self, host: HostSpec, path: str) -> str:
         """A [run]/root path as the host sees it: local relative paths from fleet.toml's folder."""
@@ -317,7 +409,7 @@ def _section_name(loc: tuple) -> str:
 
 
 _MODELS = {"run": RunSpec, "expected": ExpectedSpec, "supervise": SuperviseSpec, "job": JobSpec,
-           "hosts": HostSpec, "": FleetSpec}
+           "hosts": HostSpec, "slurm": SlurmSpec, "": FleetSpec}
 
 
 def _format_error(err: dict, lines: dict[tuple, int], path: str) -> str:
@@ -365,9 +457,21 @@ def load_config(path: str) -> Config:
         msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(e))
         where = f"{path}:{m.group(1)}" if m else path
         raise ConfigError(f"{where}: invalid TOML: {msg}") from None
+    if isinstance(data.get("slurm"), dict) and "hosts" in data:
+        lines = _key_lines(text)
+        line = lines.get(("slurm",)) or lines.get(("hosts",))
+        raise ConfigError(f"{path}:{line}: [slurm] and [[hosts]] are alternatives: Slurm launches "
+                          f"the shards on its nodes, [[hosts]] are SSH boxes fleet launches on; "
+                          f"keep one of them")
     try:
         spec = FleetSpec.model_validate(data)
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
         raise ConfigError(_format_error(first, _key_lines(text), path)) from None
+    n, k = (spec.slurm.gpus_per_task if spec.slurm else None), spec.run.gpus_per_shard
+    if n and n != k:                     # a task runs one shard: it gets exactly the shard's GPUs
+        line = _key_lines(text).get(("slurm", "gpus_per_task"))
+        raise ConfigError(f"{path}:{line}: slurm.gpus_per_task = {n}, but [run] gpus_per_shard = {k}: "
+                          f"each array task runs one shard on its own GPUs; leave gpus_per_task out "
+                          f"(it follows gpus_per_shard) or make them equal")
     return Config(spec, path)

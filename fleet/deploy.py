@@ -55,9 +55,9 @@ def _python_missing(config: Config, host: HostSpec, stderr: str) -> str | None:
 
 
 async def run_worker_module(t: Transport, config: Config, host: HostSpec, module: str, *args: str,
-                            timeout: float | None = 300) -> dict:
+                            timeout: float | None = 300, input: bytes | None = None) -> dict:
     """Run a worker module that prints one JSON object; its errors become a HostError."""
-    r = await t.run(python_argv(config, host, module, *args), timeout=timeout)
+    r = await t.run(python_argv(config, host, module, *args), timeout=timeout, input=input)
     if r.rc != 0:
         why = _python_missing(config, host, r.stderr) or \
             f"{host.name}: worker.{module} failed (exit {r.rc}): {last_line(r.stderr)}"
@@ -144,9 +144,11 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec) -> Preflight
     data = config.host_path(host, run.data) if run.data else ""
     if run.demo:
         await run_demo_assets(t, config, host, model, data)
-    args = ["--gpus", "all" if host.gpus == "all" else ",".join(map(str, host.gpus)),
-            "--device", run.device, "--output", config.host_path(host, run.output),
-            "--run-dir", config.run_dir(host), "--gpus-per-shard", str(run.gpus_per_shard),
+    gpus, device, k = "all" if host.gpus == "all" else ",".join(map(str, host.gpus)), run.device, run.gpus_per_shard
+    if config.slurm is not None:          # the login node's GPUs are not the run's: Slurm allocates them
+        gpus, device = ",".join(map(str, range(k))), "cpu"
+    args = ["--gpus", gpus, "--device", device, "--output", config.host_path(host, run.output),
+            "--run-dir", config.run_dir(host), "--gpus-per-shard", str(k),
             "--max-tokens-per-batch", str(run.max_tokens_per_batch)]
     args += output_args(run)
     if run.max_length:                     # rows the worker will skip or cut: the footprint knows
@@ -160,6 +162,14 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec) -> Preflight
     report = await run_worker_module(t, config, host, "preflight", *args, timeout=300)
     result.report = report
     result.gpus = report.get("gpus", [])
+    if config.slurm is not None:
+        result.gpus = []
+        sl = config.slurm
+        more = await run_worker_module(t, config, host, "slurm", "check", "--shards", str(sl.shards),
+                                       *(["--partition", sl.partition] if sl.partition else []),
+                                       *(["--account", sl.account] if sl.account else []), timeout=120)
+        report["checks"] = report.get("checks", []) + more.get("checks", [])
+        report["slurm"] = {k: v for k, v in more.items() if k != "checks"}
     for c in report.get("checks", []):
         (result.errors if c["level"] == "error" else result.warnings).append(c["message"])
     return result

@@ -36,8 +36,12 @@ class ShardCommand:
 
 def place_shards(config: Config, gpus_by_host: dict[str, list[int]]) -> list[Placement]:
     """One shard per `gpus_per_shard` GPUs of a host (in its GPU order), numbered in fleet.toml's
-    host order; GPUs left over (fewer than gpus_per_shard) run nothing."""
+    host order; GPUs left over (fewer than gpus_per_shard) run nothing. With [slurm]: one shard per
+    array task, `shards` of them; its GPUs are the task's own (0..k-1 of what Slurm gives it)."""
     k = config.run.gpus_per_shard
+    if config.slurm is not None:
+        return [Placement(n, config.hosts[0].name, 0, tuple(range(k)) if k > 1 else ())
+                for n in range(config.slurm.shards)]
     out = []
     for host in config.hosts:
         gpus = gpus_by_host[host.name]
@@ -60,7 +64,8 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
               "model": config.host_path(host, run.model) if run.model else "",
               "data": config.host_path(host, run.data) if run.data else "",
               "shard_dir": shard_dir(config, host, place.shard)}
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.all_gpus)), "PYTHONUNBUFFERED": "1", **run.env}
+    gpus = {} if config.slurm is not None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.all_gpus))}
+    env = {**gpus, "PYTHONUNBUFFERED": "1", **run.env}      # under Slurm, Slurm sets CUDA_VISIBLE_DEVICES
     job = config.spec.job
     if job is not None:
         argv = [token.format(**values) for token in shlex.split(job.command)]

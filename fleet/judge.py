@@ -11,6 +11,12 @@ Invariants (tested with hypothesis in tests/fleet/test_judge.py):
 - a restart is never due before `backoff_delay(attempts)` has passed since the failure;
 - the verdict depends only on the record, liveness and time: replaying a record gives the verdict
   the live stream gave at that point.
+
+Under Slurm, "liveness" is what Slurm says now of the newest launch's task (queued with its reason,
+running on a node: `protocol.SlurmTask`), and how a task ended is in the record (`slurm_end`). A
+task Slurm ended by a signal is FAILED (no action) until Slurm's final word is recorded (time
+limit, preemption, node failure, someone's scancel), or SLURM_WORD_WAIT_S after its end at the
+latest; then it backs off and restarts as any failure does.
 """
 
 from __future__ import annotations
@@ -19,10 +25,14 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from enum import Enum
 
-from .record import Outcome, Phase, ShardRecord, outcome
+from worker import protocol
+from worker.slurm import WAITING
+
+from .record import Outcome, Phase, ShardRecord, awaiting_slurm, outcome
 from .state import MEASURED, State
 
 RATE_WINDOW_S = 30.0
+SLURM_WORD_WAIT_S = 30.0      # a restart waits this long (at most) for Slurm's account of an end
 
 
 class Action(str, Enum):
@@ -66,8 +76,12 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
 
 
 def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Policy,
-          launch_failures: tuple[LaunchFailure, ...] = ()) -> Verdict:
+          launch_failures: tuple[LaunchFailure, ...] = (),
+          slurm: protocol.SlurmTask | None = None) -> Verdict:
+    """`slurm`: what Slurm says now of the newest launch's task (ignored if it is another's)."""
     a = record.attempt
+    if slurm is not None and (a is None or slurm.launch != a.n):
+        slurm = None
     failures = [f for f in launch_failures if a is None or f.t >= a.t]
     attempts = record.auto_attempts
     for f in failures:
@@ -84,7 +98,14 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
             return Verdict(State.DONE)
         if kind == Outcome.STOPPED:
             return Verdict(State.STOPPED, why, attempts=attempts)
+        if awaiting_slurm(a) and host_now < a.end.t + SLURM_WORD_WAIT_S:
+            return Verdict(State.FAILED, why, attempts=attempts)    # the agent records it in a moment
         return _failed(why, a.end.t, attempts, host_now, policy, a.failure_fatal)
+    if a.slurm and a.pid is None and alive is not False and (slurm is None or slurm.state in WAITING):
+        if a.stop is not None:
+            return Verdict(State.QUEUED, "cancelling", attempts=attempts)
+        why = slurm.reason if slurm is not None else (None if a.job else "submitting to Slurm")
+        return Verdict(State.QUEUED, why, attempts=attempts)
     if alive is False:                     # dead, its end not yet in the record (the agent adds it)
         return Verdict(State.FAILED, "process vanished without an exit status", attempts=attempts)
     phase = a.phase
@@ -92,6 +113,10 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
         phase = Phase.RUNNING
     if a.stop is not None:
         return Verdict(State(phase.value), "stopping", attempts=attempts)
+    if a.failure is not None and a.slurm and not a.failure_line:
+        # A Slurm task's `failed` is its last words before it exits (Slurm signals every process of
+        # a task it ends): its end, and Slurm's account of it, say why.
+        return Verdict(State(phase.value), f"ending: {a.failure}", attempts=attempts)
     if a.failure is not None:              # a fail line or `failed` while the process still runs
         return _failed(a.failure, a.failure_t or a.t, attempts, host_now, policy, a.failure_fatal)
     idle = host_now - a.last_progress_t

@@ -39,11 +39,14 @@ def spec_of(config: Config) -> dict:
 
 def make_plan(config: Config, gpus_by_host: dict[str, list[int]], identity: dict) -> dict:
     places = place_shards(config, gpus_by_host)
-    return {"version": PLAN_VERSION, "run": config.run.name, "created": round(time.time(), 3),
+    plan = {"version": PLAN_VERSION, "run": config.run.name, "created": round(time.time(), 3),
             "num_shards": len(places),
             "shards": [{"id": p.shard, "host": p.host, "gpu": p.gpu, "gpus": list(p.all_gpus)}
                        for p in places],
             "spec": spec_of(config), "identity": identity}
+    if config.slurm is not None:
+        plan["launcher"] = "slurm"           # one array task per shard; "gpu" is the task's first
+    return plan
 
 
 def placements(plan: dict) -> list[Placement]:
@@ -62,6 +65,13 @@ def plan_differences(old: dict, new: dict, compare_identity: bool = True) -> lis
     """How `new` (from fleet.toml now) differs from `old` (the run's plan), one line each."""
     out = []
     a, b = layout(old), layout(new)
+    if old.get("launcher") != new.get("launcher"):
+        out.append(f"launcher: {old.get('launcher') or 'ssh hosts'} -> {new.get('launcher') or 'ssh hosts'}")
+        a = b = {}
+    elif new.get("launcher") == "slurm":
+        if old["num_shards"] != new["num_shards"]:
+            out.append(f"shards: {old['num_shards']} -> {new['num_shards']}")
+        a = b = {}
     for host in sorted(set(a) | set(b)):
         if a.get(host) != b.get(host):
             out.append(f"gpus of {host}: {a.get(host, 'none')} -> {b.get(host, 'none')}")

@@ -45,13 +45,23 @@ class Attempt:
     failure: str | None = None            # a `failed` event or a fail line, while it ran
     failure_t: float | None = None
     failure_fatal: bool = False           # the process said a restart would fail the same way
+    failure_line: bool = False            # the failure is a [job]'s fail line (it may carry on)
     stop: protocol.StopRequested | None = None
     end: protocol.Exited | None = None
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
+    launcher: str | None = None           # "slurm": an array task (None: hostctl on a host)
+    job: str | None = None                # its Slurm task, "<array job id>_<index>"
+    node: str | None = None               # the node it ran on (its `started`)
+    gpus: list | None = None              # the node's GPU indices Slurm gave it
+    slurm_end: protocol.SlurmEnded | None = None   # Slurm's final state of its task
 
     @property
     def ended(self) -> bool:
         return self.end is not None
+
+    @property
+    def slurm(self) -> bool:
+        return self.launcher == "slurm"
 
 
 def describe_exit(code: int | None) -> str:
@@ -60,6 +70,36 @@ def describe_exit(code: int | None) -> str:
     if code < 0:
         return f"killed by signal {-code}"
     return f"exited with code {code}"
+
+
+# Slurm states in which Slurm, not the shard, ended the task: the reason the shard failed.
+SLURM_ENDS = {
+    "CANCELLED": "cancelled in Slurm, not by fleet (scancel or an admin)",
+    "TIMEOUT": "the task reached its time limit",
+    "PREEMPTED": "preempted by a job of higher priority",
+    "NODE_FAIL": "its node failed",
+    "BOOT_FAIL": "its node failed to boot",
+    "DEADLINE": "the job reached its deadline",
+    "OUT_OF_MEMORY": "out of memory (Slurm's limit)",
+    "REVOKED": "revoked by Slurm",
+}
+
+
+def slurm_reason(end: protocol.SlurmEnded) -> str:
+    """'Slurm NODE_FAIL on node07: its node failed (NodeDown)'."""
+    where = f" on {end.node}" if end.node else ""
+    what = SLURM_ENDS.get(end.state, "")
+    return f"Slurm {end.state}{where}" + (f": {what}" if what else "") + (f" ({end.reason})" if end.reason else "")
+
+
+def awaiting_slurm(a: Attempt) -> bool:
+    """A Slurm task that ended by a signal with no stop of fleet's, and Slurm's final state not yet
+    recorded: Slurm ended it, and why (time limit, preemption, node failure, someone's scancel) is
+    Slurm's to say (the agent records it once the task's state is final). A launch sbatch refused
+    never reached Slurm (no job): it has nothing to say."""
+    end = a.end
+    return a.slurm and a.job is not None and a.stop is None and a.slurm_end is None and end is not None and \
+        not end.vanished and (end.stopped or end.code is None or end.code < 0)
 
 
 def outcome(a: Attempt, needs_done_sentinel: bool) -> tuple[Outcome, str | None]:
@@ -71,8 +111,16 @@ def outcome(a: Attempt, needs_done_sentinel: bool) -> tuple[Outcome, str | None]
     if finished:
         return Outcome.DONE, None
     user_stop = a.stop is not None and a.stop.why == "user"
-    if user_stop or (end.stopped and a.stop is None):
+    if user_stop or (end.stopped and a.stop is None and not a.slurm):
         return Outcome.STOPPED, "stopped"
+    if a.slurm and a.stop is None and a.slurm_end is not None:
+        if a.slurm_end.state in SLURM_ENDS:
+            return Outcome.FAILED, slurm_reason(a.slurm_end)
+        if end.vanished:
+            return Outcome.FAILED, f"the task ended without recording how; {slurm_reason(a.slurm_end)}"
+    elif awaiting_slurm(a):
+        sig = f" (signal {-end.code})" if end.code is not None and end.code < 0 else ""
+        return Outcome.FAILED, f"ended by Slurm{sig}; waiting for Slurm's final state"
     if a.failure:
         return Outcome.FAILED, a.failure
     if a.stop is not None:
@@ -119,12 +167,16 @@ class ShardRecord:
         if a is None or (ev.launch is not None and ev.launch != a.n):
             return                            # before any launch, or another launch's leftover
         self.last_event, self.last_event_t = ev.KIND, ev.t
+        if isinstance(ev, (protocol.Submitted, protocol.SlurmEnded)):
+            self._slurm(a, ev)                # Slurm's word may come after the task's own end
+            return
         if a.ended:
             return                            # nothing changes an attempt after its end
         if isinstance(ev, protocol.Started):
             a.pid = ev.pid if ev.pid is not None else a.pid
             if ev.total is not None:
                 self.total = ev.total
+            a.node, a.job, a.gpus = ev.node or a.node, a.job or ev.job, ev.gpus or a.gpus
         elif isinstance(ev, protocol.Loading):
             a.phase, a.detail = Phase.LOADING, ev.detail
         elif isinstance(ev, protocol.Loaded):
@@ -149,7 +201,7 @@ class ShardRecord:
             if ev.match == "done":
                 a.done_sentinel = True
             elif a.failure is None:
-                a.failure, a.failure_t = f"fail sentinel: {ev.line.strip()}", ev.t
+                a.failure, a.failure_t, a.failure_line = f"fail sentinel: {ev.line.strip()}", ev.t, True
         elif isinstance(ev, protocol.StopRequested):
             a.stop = a.stop or ev
         elif isinstance(ev, protocol.Exited):
@@ -159,12 +211,28 @@ class ShardRecord:
                 self.failures += 1
                 self.last_failure, self.last_failure_t = why, ev.t
 
+    def _slurm(self, a: Attempt, ev) -> None:
+        """`submitted` names the task; `slurm_end` is Slurm's final state of it (the first one
+        counts). After the attempt's end it can only refine why it failed."""
+        if isinstance(ev, protocol.Submitted):
+            a.job = a.job or ev.job
+            return
+        if a.slurm_end is not None:
+            return
+        a.slurm_end = ev
+        a.node = a.node or ev.node
+        if a.ended:
+            kind, why = outcome(a, self.needs_done_sentinel)
+            if kind == Outcome.FAILED:
+                self.last_failure = why
+
     def _launch(self, ev: protocol.Launch) -> None:
         self.launches += 1
         self.auto_attempts = self.auto_attempts + 1 if ev.by == "auto" else 0
         if self.first_launch_t is None:
             self.first_launch_t = ev.t
-        self.attempt = Attempt(n=ev.launch, t=ev.t, by=ev.by, gpu=ev.gpu, last_progress_t=ev.t)
+        self.attempt = Attempt(n=ev.launch, t=ev.t, by=ev.by, gpu=ev.gpu, last_progress_t=ev.t,
+                               launcher=ev.launcher)
         self.reopened = None
         self.last_event, self.last_event_t = ev.KIND, ev.t
 

@@ -44,6 +44,10 @@ class Disk(BaseModel):
 class HostStatus(BaseModel):
     name: str
     address: str
+    role: Optional[Literal["login", "node"]] = Field(None, description="with [slurm]: the login node "
+                                                     "fleet submits from (named \"slurm\"), or a compute "
+                                                     "node its tasks run on (GPUs as they report them); "
+                                                     "null for [[hosts]]")
     reachable: Optional[bool] = Field(None, description="false: unreachable (then gpus and disk are "
                                                         "null, not zero); null: not tried yet")
     error: Optional[str] = Field(None, description="why it is unreachable, or the agent's last error")
@@ -54,11 +58,21 @@ class HostStatus(BaseModel):
     last_seen_age_s: Optional[float] = None
 
 
+class SlurmTaskStatus(BaseModel):
+    job: Optional[str] = Field(None, description="the array task, \"<array job id>_<index>\"")
+    state: Optional[str] = Field(None, description="Slurm's state now (PENDING, RUNNING, COMPLETING), "
+                                                   "or its final one as recorded (CANCELLED, TIMEOUT, ...)")
+    reason: Optional[str] = Field(None, description="Slurm's reason (Priority, Resources, ...)")
+    node: Optional[str] = None
+
+
 class ShardStatus(BaseModel):
     id: int
-    host: str
+    host: str = Field(description="where it runs or ran; with [slurm] its node once started, "
+                                  "\"slurm\" before")
     gpu: int
     gpus: list[int] = Field(default_factory=list, description="every GPU of the shard (gpus_per_shard)")
+    slurm: Optional[SlurmTaskStatus] = Field(None, description="with [slurm]: its newest launch's task")
     state: State
     reason: Optional[str] = Field(None, description="why it is in this state (failures, stops)")
     faulty: bool = Field(False, description="STALLED, FAILED, BACKOFF, FATAL or UNKNOWN")
@@ -98,7 +112,7 @@ class Totals(BaseModel):
     tokens_per_s: Optional[float] = None
     expected_unit: Optional[Literal["samples", "tokens"]] = None
     expected_per_s: Optional[float] = Field(None, description="per-GPU figure x shards expected to "
-                                                              "work (not DONE, STOPPED or UNKNOWN)")
+                                                              "work (not DONE, STOPPED, UNKNOWN or QUEUED)")
     ratio: Optional[float] = None
     alert: bool = False
     alert_level: Optional[AlertLevel] = Field(None, description="ok; low: under alert_ratio; "
@@ -148,6 +162,7 @@ class HostView:
     clock_offset: float = 0.0              # host clock - supervisor clock
     last_seen: float | None = None         # supervisor clock
     replayed: bool = False
+    role: str | None = None                # with [slurm]: "login" or "node"
 
     def host_now(self, now: float) -> float:
         return now + self.clock_offset
@@ -164,7 +179,42 @@ class ShardView:
     alive: bool | None = None
     pid: int | None = None
     max_restarts: int = 0
+    node: str | None = None                # with [slurm]: the node its newest launch runs/ran on
+    slurm: SlurmTaskStatus | None = None
     gpus: tuple[int, ...] = ()
+
+
+def slurm_task(record: ShardRecord, live) -> SlurmTaskStatus | None:
+    """A Slurm shard's task: Slurm's live word (`protocol.SlurmTask`, for this launch) or what its
+    record says (the job, the final state)."""
+    a = record.attempt
+    if a is None or not a.slurm:
+        return None
+    if live is not None and live.launch == a.n:
+        return SlurmTaskStatus(job=live.job, state=live.state, reason=live.reason, node=live.node or a.node)
+    end = a.slurm_end
+    return SlurmTaskStatus(job=a.job, state=end.state if end else None, reason=end.reason if end else None,
+                           node=a.node)
+
+
+def slurm_nodes(login: HostView, tasks: list[tuple[str, object | None]]) -> dict[str, HostView]:
+    """With [slurm], one host per compute node the shards run or ran on: GPUs are the live tasks'
+    own readings there (`protocol.TaskGpus`), merged by index; reachable as the login node is."""
+    nodes: dict[str, HostView] = {}
+    for node, reading in tasks:
+        h = nodes.get(node)
+        if h is None:
+            h = nodes[node] = HostView(node, node, reachable=login.reachable, clock_offset=login.clock_offset,
+                                       last_seen=login.last_seen, replayed=login.replayed, role="node")
+        if reading is None:
+            continue
+        if h.telemetry in (None, "none"):
+            h.telemetry = reading.source
+        known = {g.get("index") for g in h.gpus}
+        h.gpus = sorted(h.gpus + [g for g in reading.gpus if g.get("index") not in known],
+                        key=lambda g: g.get("index", 0))
+        h.gpu_t = reading.t if h.gpu_t is None else min(h.gpu_t, reading.t)
+    return nodes
 
 
 # --- the one computation ------------------------------------------------------------------------
@@ -220,12 +270,12 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
         rate = rates(r, state, hn) if host.reachable else None
         if rate is not None:
             measured.append((v, rate))
-        if state not in (State.DONE, State.STOPPED, State.UNKNOWN):
+        if state not in (State.DONE, State.STOPPED, State.UNKNOWN, State.QUEUED):
             working += 1
         a = r.attempt
         due = v.verdict.due_t
         rows.append(ShardStatus(
-            id=v.id, host=v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), state=state,
+            id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), slurm=v.slurm, state=state,
             reason=f"host unreachable: {host.error}" if state == State.UNKNOWN else v.verdict.reason,
             faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
             progress=_finite((r.done + r.skipped) / r.total, 4) if r.total else None,
@@ -266,7 +316,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
         if fills is not None:
             disk_eta = min(disk_eta if disk_eta is not None else math.inf, fills)
         host_rows.append(HostStatus(
-            name=h.name, address=h.address, reachable=h.reachable, error=h.error,
+            name=h.name, address=h.address, role=h.role, reachable=h.reachable, error=h.error,
             telemetry=h.telemetry if h.reachable else None,
             gpus=[Gpu(**g) for g in h.gpus] if h.reachable else None,
             gpu_age_s=_finite(h.host_now(now) - h.gpu_t, 1) if h.gpu_t and h.reachable else None,

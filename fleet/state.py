@@ -1,10 +1,12 @@
 """Shard states and the sets of them that mean something; every other module reads these.
 
-`PENDING → STARTING → LOADING → RUNNING → DONE`; off the happy path STALLED (alive, no progress
-for stall_timeout), FAILED (ended badly, or a failure seen while it still runs), BACKOFF (waiting
-to be restarted), FATAL (gave up after max_restarts), STOPPED (stopped on purpose: never restarted
-automatically), UNKNOWN (its host is unreachable: not measured, never shown as zero). DEPLOYING
-is the state of every shard while `fleet up` deploys, before any record exists.
+`PENDING → STARTING → LOADING → RUNNING → DONE`, with QUEUED between PENDING and STARTING when
+Slurm launches (submitted, waiting in Slurm's queue; the reason is Slurm's: Priority, Resources,
+...); off the happy path STALLED (alive, no progress for stall_timeout), FAILED (ended badly, or a
+failure seen while it still runs), BACKOFF (waiting to be restarted), FATAL (gave up after
+max_restarts), STOPPED (stopped on purpose: never restarted automatically), UNKNOWN (its host is
+unreachable: not measured, never shown as zero). DEPLOYING is the state of every shard while
+`fleet up` deploys, before any record exists.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from enum import Enum
 
 class State(str, Enum):
     PENDING = "PENDING"
+    QUEUED = "QUEUED"
     DEPLOYING = "DEPLOYING"
     STARTING = "STARTING"
     LOADING = "LOADING"

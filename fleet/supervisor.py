@@ -8,6 +8,11 @@ picture after a reconnect or a supervisor restart is the host's own record, neve
 supervisor decides nothing itself: every 0.25 s it asks `fleet.judge` for each shard's verdict and
 carries out its action (launch, restart). What it keeps beyond the records is operational only:
 which actions are in flight, and launches that failed before reaching a host's record.
+
+With [slurm] there is one "host", the login node: the same agent runs there (reading every shard's
+record on the shared filesystem, asking squeue), and the actions become submissions of array
+indices (one `sbatch --array` for all the shards due at once), scancel of a task, scancel of the
+run; the judge and the snapshot are the same.
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ from worker import protocol
 from worker.identity import differences
 
 from . import deploy
+from . import slurm as slurm_launch
 from .config import Config, HostSpec
 from .jobs import Placement, sentinel_spec, shard_command, shard_dir
 from .judge import Action, LaunchFailure, Policy, Verdict, judge
 from .plan import PlanError, check_hosts, make_plan, placements, plan_differences, refusal
 from .record import ShardRecord
-from .snapshot import FleetSnapshot, HostView, ShardView, all_replayed, build_snapshot
+from .snapshot import (FleetSnapshot, HostView, ShardView, all_replayed, build_snapshot, slurm_nodes,
+                       slurm_task)
 from .state import LIVE, State
 from .transport import HostError, Stream, Transport, make_transport
 
@@ -47,6 +54,8 @@ class ShardSlot:
     busy_since: float | None = None      # an action is in flight (supervisor clock)
     busy_launches: int = 0               # record.launches when it began
     last_state: State | None = None
+    slurm: protocol.SlurmTask | None = None      # what Slurm says now of its newest launch's task
+    gpus: protocol.TaskGpus | None = None        # the GPUs that task reported
 
     @property
     def id(self) -> int:
@@ -84,8 +93,11 @@ class Supervisor:
         self.on_change = on_change or (lambda: None)
         self.on_log = on_log or (lambda msg: None)
         slots = asyncio.Semaphore(self.sup.max_concurrent_connects)
+        self.slurm = config.slurm
         self.links: dict[str, HostLink] = {
-            h.name: HostLink(h, make_transport(h, self.sup, slots), HostView(h.name, h.address))
+            h.name: HostLink(h, make_transport(h, self.sup, slots),
+                             HostView(h.name, h.address if self.slurm is None else self.slurm.login,
+                                      role=None if self.slurm is None else "login"))
             for h in config.hosts}
         self.shards: dict[int, ShardSlot] = {}
         self.placements: list[Placement] = []
@@ -181,15 +193,38 @@ class Supervisor:
         host = self.links[slot.placement.host].host
         now = time.time() if now is None else now
         return judge(slot.record, slot.alive, host.host_now(now), self.policy,
-                     tuple(slot.launch_failures))
+                     tuple(slot.launch_failures), slot.slurm)
 
     def snapshot(self, now: float | None = None) -> FleetSnapshot:
         now = time.time() if now is None else now
         views = [ShardView(s.id, s.placement.host, s.placement.gpu, s.record, self.verdict(s, now),
-                           s.alive, s.pid, self.sup.max_restarts, s.placement.all_gpus)
+                           s.alive, s.pid, self.sup.max_restarts, gpus=s.placement.all_gpus)
                  for s in sorted(self.shards.values(), key=lambda s: s.id)]
-        return build_snapshot(self.config.run.name, views, {n: l.host for n, l in self.links.items()},
-                              now, self.config.spec.expected)
+        hosts = {n: l.host for n, l in self.links.items()}
+        if self.slurm is not None:
+            hosts.update(self._slurm_views(views))
+        return build_snapshot(self.config.run.name, views, hosts, now, self.config.spec.expected)
+
+    def _slurm_views(self, views: list[ShardView]) -> dict[str, HostView]:
+        """A Slurm shard shows its node (and the first GPU Slurm gave it) once its launch started;
+        the nodes become hosts carrying the GPUs their live tasks report."""
+        tasks = []
+        for v in views:
+            slot, a = self.shards[v.id], v.record.attempt
+            v.slurm = slurm_task(v.record, slot.slurm)
+            node = (a.node or (v.slurm.node if v.slurm else None)) if a is not None else None
+            if not node:
+                continue
+            v.node, v.gpu = node, (a.gpus[0] if a.gpus else v.gpu)
+            v.gpus = tuple(a.gpus) if a.gpus else v.gpus
+            live = slot.alive and not a.ended and slot.gpus is not None and slot.gpus.launch == a.n
+            tasks.append((node, slot.gpus if live else None))
+        return slurm_nodes(self.links[self.config.hosts[0].name].host, tasks)
+
+    @property
+    def acting(self) -> bool:
+        """An action (a launch, a submission, a restart) is in flight: its record is not in yet."""
+        return any(s.busy_since is not None for s in self.shards.values())
 
     @property
     def replayed(self) -> bool:
@@ -225,10 +260,10 @@ class Supervisor:
             self.use_plan(max(plans, key=lambda p: p.get("created", 0)))
         for link, lines in zip(self.links.values(), outputs):
             try:
+                if lines:                       # before the messages: one may say what went wrong
+                    link.host.reachable, link.host.error = True, None
                 for line in lines:
                     self._handle(link, line, discover=not plans)
-                if lines:
-                    link.host.reachable, link.host.error = True, None
             except HostError as e:
                 link.host.reachable, link.host.error = False, str(e).removeprefix(f"{link.spec.name}: ")
         return self.snapshot()
@@ -258,22 +293,29 @@ class Supervisor:
 
     async def launch_all(self) -> None:
         """Launch every shard that is neither live nor done (what `fleet up` does on (re)attach):
-        a manual launch, so failed, FATAL and stopped shards start over with a fresh budget."""
+        a manual launch, so failed, FATAL and stopped shards start over with a fresh budget.
+        With [slurm]: one array of all of them."""
         await self.wait_replayed()
-        jobs = []
+        due = []
         for s in self.shards.values():
             link = self.links[s.placement.host]
             if link.host.reachable and s.busy_since is None and not s.alive and \
-                    self.verdict(s).state not in LIVE | {State.DONE}:
+                    self.verdict(s).state not in LIVE | {State.DONE, State.QUEUED}:
                 self._busy(s)
-                jobs.append(self.launch(s.id, by="manual"))
-        await asyncio.gather(*jobs)
+                due.append(s.id)
+        if self.slurm is not None:
+            if due:
+                await self.submit(due, by="manual")
+            return
+        await asyncio.gather(*(self.launch(k, by="manual") for k in due))
 
     def _agent_argv(self, link: HostLink, once: bool = False) -> list[str]:
         shards = "auto" if once else ",".join(str(p.shard) for p in link.placements) or "auto"
         args = ["--run-dir", self.config.run_dir(link.spec), "--shards", shards,
                 "--output", self.config.host_path(link.spec, self.config.run.output),
                 "--interval", str(self.sup.telemetry_interval)]
+        if self.slurm is not None:
+            args += ["--slurm", "--slurm-interval", str(self.slurm.poll_interval)]
         if once:
             args.append("--once")
         return deploy.python_argv(self.config, link.spec, "agent", *args)
@@ -388,6 +430,16 @@ class Supervisor:
             slot = self.shards.get(msg.shard)
             if slot is not None:
                 slot.alive, slot.pid = msg.alive, msg.pid
+        elif isinstance(msg, protocol.SlurmTask):
+            slot = self.shards.get(msg.shard)
+            if slot is not None:
+                slot.slurm = msg
+        elif isinstance(msg, protocol.TaskGpus):
+            slot = self.shards.get(msg.shard)
+            if slot is not None:
+                slot.gpus = msg
+        elif isinstance(msg, protocol.SlurmPoll):
+            host.error = f"Slurm: {msg.error}" if msg.error else None
         elif isinstance(msg, protocol.GpuReading):
             host.telemetry, host.gpus, host.gpu_t = msg.source, msg.gpus or [], msg.t
         elif isinstance(msg, protocol.DiskReading):
@@ -411,6 +463,7 @@ class Supervisor:
     def decide(self, now: float) -> None:
         """One pass: judge every shard of a reachable, replayed host and carry out what is due."""
         changed = False
+        submit: dict[str, list[int]] = {}
         for s in list(self.shards.values()):
             link = self.links[s.placement.host]
             if s.busy_since is not None and now - s.busy_since > ACTION_TIMEOUT_S:
@@ -422,10 +475,14 @@ class Supervisor:
                 continue
             if v.action in (Action.LAUNCH, Action.RESTART):
                 self._busy(s)                   # now, not when the task first runs: one action at a time
-            if v.action == Action.LAUNCH:
+            if self.slurm is not None and v.action != Action.NONE and not s.alive:
+                submit.setdefault("manual" if v.action == Action.LAUNCH else "auto", []).append(s.id)
+            elif v.action == Action.LAUNCH:
                 self._spawn(self.launch(s.id, by="manual"))
             elif v.action == Action.RESTART:
                 self._spawn(self.relaunch(s.id, by="auto", reason=v.reason))
+        for by, ids in submit.items():          # Slurm: one array for everything due now
+            self._spawn(self.submit(ids, by=by))
         if changed:
             self.on_change()
 
@@ -439,6 +496,9 @@ class Supervisor:
 
     # --- actions -------------------------------------------------------------------------------
     async def launch(self, shard_id: int, by: str = "manual") -> dict:
+        if self.slurm is not None:
+            result = await self.submit([shard_id], by=by)
+            return {**result, "status": result.get("shards", {}).get(str(shard_id), result.get("status"))}
         s = self.shards[shard_id]
         link = self.links[s.placement.host]
         place = s.placement
@@ -467,10 +527,54 @@ class Supervisor:
         self.on_log(f"shard {shard_id} ({place.host}:{place.gpu}): launch ({by}): {result.get('status')}")
         return result
 
+    async def submit(self, shard_ids: list[int], by: str = "manual") -> dict:
+        """[slurm]: submit these shards as one array (their launches are recorded on the login node
+        first). A submission Slurm refuses is recorded as a failed attempt in each shard's record;
+        one that never ran (the login node unreachable) is a LaunchFailure, as with hostctl."""
+        link = self.links[self.config.hosts[0].name]
+        slots = [self.shards[k] for k in shard_ids]
+        for s in slots:
+            self._busy(s)
+        spec = slurm_launch.submission(self.config, link.spec, [s.placement for s in slots],
+                                       self.num_shards, by)
+        try:
+            result = await deploy.run_worker_module(
+                link.transport, self.config, link.spec, "slurm", "submit", "--run-dir",
+                self.config.run_dir(link.spec), input=json.dumps(spec).encode(), timeout=180)
+        except HostError as e:
+            why = str(e).removeprefix(f"{link.spec.name}: ")
+            for s in slots:
+                s.launch_failures.append(LaunchFailure(link.host.host_now(time.time()), by, why))
+                s.busy_since = None
+            self.on_log(f"shards {_ids(shard_ids)}: submission failed: {why}")
+            self.on_change()
+            return {"status": "error", "error": str(e)}
+        states = result.get("shards", {})
+        for s in slots:
+            state = states.get(str(s.id))
+            if state not in ("submitted", "refused"):   # else busy until its launch reaches the record
+                s.busy_since = None
+            if state is None:                    # nothing reached its record (squeue did not answer)
+                s.launch_failures.append(LaunchFailure(link.host.host_now(time.time()), by,
+                                                       result.get("error") or "submission failed"))
+        job = f" as job {result['job']}" if result.get("job") else ""
+        self.on_log(f"shards {_ids(shard_ids)}: submitted ({by}){job}: "
+                    f"{result.get('error') or result.get('status')}")
+        return result
+
     async def stop(self, shard_id: int, timeout: float = 10, why: str = "user",
                    reason: str | None = None) -> dict:
         s = self.shards[shard_id]
         link = self.links[s.placement.host]
+        if self.slurm is not None:               # scancel; Slurm gives the task KillWait to end
+            args = ["cancel", "--run-dir", self.config.run_dir(link.spec), "--shard", str(shard_id),
+                    "--why", why, "--timeout", str(max(timeout, 60))]
+            try:
+                return await deploy.run_worker_module(link.transport, self.config, link.spec, "slurm",
+                                                      *args, *(["--reason", reason] if reason else []),
+                                                      timeout=max(timeout, 60) + 60)
+            except HostError as e:
+                return {"status": "error", "error": str(e)}
         args = ["stop", "--shard-dir", shard_dir(self.config, link.spec, shard_id),
                 "--timeout", str(timeout), "--why", why]
         if reason:
@@ -494,6 +598,11 @@ class Supervisor:
         async def one(link: HostLink) -> tuple[str, dict]:
             try:
                 await link.transport.connect()
+                if self.slurm is not None:      # every live task of the run, and the array itself
+                    return link.spec.name, await deploy.run_worker_module(
+                        link.transport, self.config, link.spec, "slurm", "cancel-all", "--run-dir",
+                        self.config.run_dir(link.spec), "--job-name", self.config.job_name,
+                        "--timeout", str(max(timeout, 60)), timeout=max(timeout, 60) + 60)
                 return link.spec.name, await deploy.run_worker_module(
                     link.transport, self.config, link.spec, "hostctl", "stop-all", "--run-dir",
                     self.config.run_dir(link.spec), "--timeout", str(timeout), timeout=timeout + 60)
@@ -525,3 +634,7 @@ class Supervisor:
         await asyncio.gather(*tasks, return_exceptions=True)
         for link in self.links.values():
             await self._drop_stream(link, drop_connection=True)
+
+
+def _ids(ids: list[int]) -> str:
+    return ",".join(map(str, ids)) if len(ids) <= 8 else f"{ids[0]}..{ids[-1]} ({len(ids)})"

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: installs what it needs (OpenSSH server, tmux, iproute2 from the
-# distribution, the package with its worker and test extras from PyPI), then runs pytest.
-# Extra arguments go to pytest. Needs root (or sudo) for apt-get and for the sshd the tests start.
+# The whole test suite on a fresh machine: installs what it needs (OpenSSH server, tmux, iproute2, Slurm
+# and munge from the distribution, the package with its worker and test extras from PyPI), then runs pytest.
+# Extra arguments go to pytest. Needs root (or sudo) for apt-get and for the sshd and Slurm the tests start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
-# sshd for the SSH tests, tmux for the terminal smoke test, iproute2 for the network-namespace hosts.
+# sshd for the SSH tests, tmux for the terminal smoke test, iproute2 for the network-namespace hosts,
+# slurm-wlm (slurmctld, slurmd, sbatch/squeue/scancel) and munge (Slurm's authentication) for the tests
+# of Slurm as the launcher. Nothing is configured here: tests/slurm_cluster.py writes its own slurm.conf
+# and munge key into a temp folder and starts and stops munged, slurmctld and slurmd itself.
 if ! [ -x /usr/sbin/sshd ] || ! command -v tmux >/dev/null || ! command -v ssh-keygen >/dev/null \
-    || ! command -v ip >/dev/null; then
+    || ! command -v ip >/dev/null || ! [ -x /usr/sbin/slurmctld ] || ! [ -x /usr/sbin/slurmd ] \
+    || ! [ -x /usr/sbin/munged ] || ! command -v sbatch >/dev/null; then
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server tmux iproute2 >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server tmux iproute2 slurm-wlm munge >/dev/null
 fi
 
 PY="${PYTHON:-python3}"

@@ -34,6 +34,35 @@ def sshd(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real one-node Slurm (munged, slurmctld, slurmd; tests/slurm_cluster.py) for the whole
+    session; SLURM_CONF points every Slurm command (and fleet's) at it."""
+    from tests.slurm_cluster import SlurmError, start_slurm
+    try:
+        cluster = start_slurm(str(tmp_path_factory.mktemp("slurm")))
+    except SlurmError as e:
+        pytest.fail(str(e))
+    before = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = cluster.conf
+    yield cluster
+    if before is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = before
+    cluster.stop()
+
+
+@pytest.fixture
+def slurm(slurm_cluster):
+    """The cluster with no job and its node idle, before and after the test."""
+    slurm_cluster.run("scontrol", "update", "NodeName=localhost", "State=RESUME", check=False)
+    slurm_cluster.idle()
+    yield slurm_cluster
+    slurm_cluster.run("scontrol", "update", "NodeName=localhost", "State=RESUME", check=False)
+    slurm_cluster.idle()
+
+
+@pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """{'qwen3': dir, 'qwen3_5_text': dir}: 8 layers, hidden 64, with tokenizer + chat template."""
     from worker.demo import make_model

@@ -44,10 +44,11 @@ class SshdError(Exception):
 
 
 def start_sshd(d: str, address: str = "127.0.0.1", prefix: tuple[str, ...] = (),
-               sftp: bool = True) -> tuple[Sshd, subprocess.Popen]:
+               sftp: bool = True, extra: str = "") -> tuple[Sshd, subprocess.Popen]:
     """Start sshd -D in folder `d` (keys, config, known_hosts all made there), listening on
     `address`; `prefix` runs it through another command (e.g. `ip netns exec NS`); `sftp=False`
-    leaves out the SFTP subsystem, as some locked-down hosts do."""
+    leaves out the SFTP subsystem, as some locked-down hosts do; `extra`: more sshd_config lines
+    (e.g. `SetEnv SLURM_CONF=...` for a Slurm login node)."""
     os.makedirs(d, exist_ok=True)
     if not os.path.exists(SSHD):
         raise SshdError("sshd not installed: scripts/test.sh installs openssh-server")
@@ -73,6 +74,7 @@ MaxStartups 100
 MaxSessions 100
 {'Subsystem sftp internal-sftp' if sftp else ''}
 LogLevel ERROR
+{extra}
 """)
     os.makedirs("/run/sshd", exist_ok=True)
     proc = subprocess.Popen([*prefix, SSHD, "-D", "-e", "-f", config], stdout=subprocess.DEVNULL,

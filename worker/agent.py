@@ -8,6 +8,14 @@ runner died without recording it (`exited`, `vanished`), under the shard's lock 
 race it. It exits when its stdin closes or its stdout breaks, that is, with the SSH channel; the
 workers do not. An error it cannot go on from is sent as an `error` message before it exits.
 
+Under Slurm (`--slurm`, on the login node) liveness is Slurm's: a shard is alive while Slurm holds
+its newest launch's task (queued or running), asked with `squeue` every `--slurm-interval` (every
+second while a task is completing or its final state is still to be read). Each live task's state
+is sent as it changes (`slurm`: PENDING and the reason, RUNNING and the node); a task's final state
+is recorded in its shard's record once (`slurm_end`, with `exited` when the task never recorded its
+end), so a replay judges it the same after Slurm has forgotten the job. GPUs are the tasks' own
+readings from their folders (`task_gpus`), not this node's.
+
 Standard library only (pynvml when present). It reads only the run's own folders.
 """
 
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import os
 import socket
 import sys
@@ -22,7 +31,7 @@ import threading
 import time
 import traceback
 
-from . import protocol
+from . import protocol, slurm
 from .gpu import GpuReader
 from .hostctl import is_running, read_pid
 from .plan import read_plan
@@ -30,6 +39,8 @@ from .probe import disk_space
 
 REPLAY_RECENT_S = 120.0           # progress events kept in full on replay (rates need 30 s)
 REPLAY_BUCKET_S = 60.0            # older progress: one per minute (the throughput chart)
+SLURM_URGENT_S = 1.0              # squeue interval while a task is completing or its end is unread
+SLURM_END_WINDOW_S = 600.0        # a launch that ended this recently still gets Slurm's final word
 
 
 class ShardFollower:
@@ -42,15 +53,27 @@ class ShardFollower:
         self.launch = 0
         self.ended = True
         self.alive: bool | None = None
+        self.state = slurm.LaunchState()      # the newest launch as Slurm matters to it
+        self.end_t: float | None = None       # host time the newest launch ended
+        self.job_seen = 0.0                   # monotonic time its Slurm job was first read
+        self.final_checked = False            # Slurm's final word on an ended launch was looked for
+        self.sent_view: tuple | None = None
+        self.gpus_mtime: float | None = None
 
     def read(self) -> list[dict]:
         records, self.offset = protocol.read_jsonl_from(self.events_path, self.offset)
         for raw in records:
             ev = protocol.parse_event(raw)
+            if ev is None:
+                continue
+            job = self.state.job
+            self.state.apply(ev)
+            if self.state.job != job:
+                self.job_seen = time.monotonic()
             if isinstance(ev, protocol.Launch):
-                self.launch, self.ended = ev.launch, False
+                self.launch, self.ended, self.end_t, self.final_checked = ev.launch, False, None, False
             elif isinstance(ev, protocol.Exited) and ev.launch in (None, self.launch):
-                self.ended = True
+                self.ended, self.end_t = True, self.end_t or ev.t
         return records
 
     def end_vanished(self) -> list[dict]:
@@ -76,13 +99,66 @@ class ShardFollower:
             os.close(fd)
 
 
+class SlurmWatch:
+    """The agent's view of the run's Slurm tasks: one `squeue` for all of them when due, in a
+    thread of its own, so a slow controller never silences the agent (the supervisor takes five
+    silent seconds for a dead link)."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.views: dict[str, slurm.View] = {}
+        self.began = -1e18                 # monotonic time the last answered query began
+        self.last_try = -1e18
+        self.error: str | None = None
+        self.sent_error: tuple | None = None
+        self.urgent = False
+        self._thread: threading.Thread | None = None
+        self._answer: tuple | None = None
+
+    def _ask(self, jobs: list[str], began: float) -> None:
+        try:
+            self._answer = (began, slurm.views_of(jobs) if jobs else {}, None)
+        except slurm.SlurmError as e:
+            self._answer = (began, None, str(e))
+        except Exception as e:                 # never lose the thread's answer to a surprise
+            self._answer = (began, None, f"{type(e).__name__}: {e}")
+
+    def poll(self, jobs: list[str], force: bool, beat=None) -> bool:
+        """Start a query if one is due (`force`: now, and wait for it, calling `beat` each second);
+        True when an answer came in (views are then fresh for what was read before `began`)."""
+        now = time.monotonic()
+        due = self.interval if not self.urgent else min(self.interval, SLURM_URGENT_S)
+        if self._thread is None and (force or now - self.last_try >= due):
+            self.last_try = now
+            self._answer = None
+            self._thread = threading.Thread(target=self._ask, args=(jobs, now), daemon=True)
+            self._thread.start()
+        if self._thread is None:
+            return False
+        while force and self._thread.is_alive():
+            self._thread.join(1.0)
+            if beat is not None and self._thread.is_alive():
+                beat()
+        if self._thread.is_alive():
+            return False
+        self._thread = None
+        began, views, error = self._answer
+        self.error = error
+        if views is None:
+            return False
+        self.views, self.began = views, began
+        return True
+
+
 class Agent:
-    def __init__(self, run_dir: str, shards: list[int], output: str | None, out=sys.stdout):
+    def __init__(self, run_dir: str, shards: list[int], output: str | None, out=sys.stdout,
+                 slurm_interval: float | None = None):
         self.run_dir = run_dir
         self.output = output
         self.out = out
         self.shards = {k: ShardFollower(protocol.shard_dir(run_dir, k)) for k in shards}
-        self.gpus = GpuReader()
+        self.slurm = SlurmWatch(slurm_interval) if slurm_interval else None
+        self.gpus = GpuReader() if self.slurm is None else None
 
     def send(self, message: protocol.Message) -> None:
         self.out.write(message.to_json() + "\n")
@@ -93,6 +169,9 @@ class Agent:
     def poll_shards(self, replay: bool = False, force_liveness: bool = False) -> None:
         """Liveness first, then the record: the runner writes `exited` before the lock goes, so a
         shard seen dead here has its end in what is read next (or the agent records it)."""
+        if self.slurm is not None:
+            self.poll_slurm_shards(replay, force_liveness)
+            return
         for k, f in self.shards.items():
             alive = is_running(f.dir)
             events = f.read()
@@ -106,7 +185,94 @@ class Agent:
                 f.alive = alive
                 self.send(protocol.Liveness(shard=k, alive=alive, pid=read_pid(f.dir) if alive else None))
 
+    def poll_slurm_shards(self, replay: bool, force_liveness: bool) -> None:
+        """The record first, then Slurm: a task's end is only concluded from a query that began
+        after its job was read, and its record is read again before anything is written."""
+        watch = self.slurm
+        events = {k: f.read() for k, f in self.shards.items()}
+        now_host = protocol.now()
+        for f in self.shards.values():           # an ended launch whose final word is still unread
+            if f.ended and (not f.state.slurm or f.state.slurm_ended or f.state.job is None
+                            or f.end_t is None or now_host - f.end_t > SLURM_END_WINDOW_S):
+                f.final_checked = True
+        wanted = [f for f in self.shards.values() if f.state.job and (not f.ended or not f.final_checked)]
+        answered = watch.poll([f.state.job for f in wanted], force=replay, beat=self._beat)
+        if replay or (watch.error,) != watch.sent_error:
+            watch.sent_error = (watch.error,)
+            self.send(protocol.SlurmPoll(error=watch.error))
+        for k, f in self.shards.items():
+            state, view = f.state, watch.views.get(f.state.job) if f.state.job else None
+            fresh = answered and f.job_seen < watch.began
+            if state.slurm and not f.ended and state.job is None and answered:
+                events[k] += self._settle_submission(f)
+            elif view is not None and view.terminal and fresh and (not f.ended or not f.final_checked):
+                if f.ended and view.state in ("COMPLETED", "UNKNOWN"):
+                    f.final_checked = True            # nothing to add to the task's own end
+                elif self._under_run_lock(lambda: slurm.record_end(f.dir, view)):
+                    events[k] += f.read()
+                    f.final_checked = True
+            if replay:
+                events[k] = thin_progress(events[k])
+            for raw in events[k]:
+                self.send(protocol.EventMessage(shard=k, event=raw))
+            alive = bool(state.n) and not f.ended and (view is None or view.live)
+            if force_liveness or alive != f.alive:
+                f.alive = alive
+                self.send(protocol.Liveness(shard=k, alive=alive, pid=read_pid(f.dir) if alive else None))
+            key = (state.n, view) if alive and view is not None else None
+            if key is not None and (replay or key != f.sent_view):
+                self.send(protocol.SlurmTask(shard=k, launch=state.n, job=view.job, state=view.state,
+                                             reason=view.reason, node=view.node))
+            f.sent_view = key
+            if alive and view is not None and view.state == "RUNNING":
+                self._task_gpus(k, f, replay)
+        watch.urgent = any(v.state in ("COMPLETING", "CONFIGURING") for v in watch.views.values()) or \
+            any(f.state.job and not f.final_checked for f in self.shards.values() if f.ended)
+
+    def _beat(self) -> None:
+        self.send(protocol.Beat())
+        self.flush()
+
+    def _under_run_lock(self, write) -> bool:
+        """Write into a record only while no submission or cancellation of the run is under way
+        (they record the same ends themselves); False when one is: try again next time."""
+        lock = slurm.RunLock(self.run_dir)
+        if not lock.acquire(wait=0):
+            return False
+        try:
+            write()
+            return True
+        finally:
+            lock.release()
+
+    def _settle_submission(self, f: ShardFollower) -> list[dict]:
+        """A launch that has no Slurm job while no submission holds the run's lock: its submitter
+        died before sbatch answered. Recorded as a failed launch (under the lock, after re-reading)."""
+        def settle():
+            state = slurm.LaunchState.read(f.events_path)
+            if not state.ended and state.job is None:
+                slurm.settle_unended(f.dir, state, {})
+        return f.read() if self._under_run_lock(settle) else []
+
+    def _task_gpus(self, k: int, f: ShardFollower, replay: bool) -> None:
+        path = os.path.join(f.dir, protocol.GPUS_FILE)
+        try:
+            mtime = os.stat(path).st_mtime
+            if mtime == f.gpus_mtime and not replay:
+                return
+            with open(path) as fh:
+                r = json.load(fh)
+        except (OSError, ValueError):
+            return
+        f.gpus_mtime = mtime
+        if isinstance(r, dict) and r.get("launch") == f.state.n:
+            self.send(protocol.TaskGpus(shard=k, launch=f.state.n, node=r.get("node"), t=r.get("t", 0.0),
+                                        source=r.get("source", "none"), gpus=r.get("gpus") or [],
+                                        error=r.get("error")))
+
     def poll_gpu(self) -> None:
+        if self.gpus is None:                   # Slurm: the tasks report their own GPUs
+            return
         self.send(protocol.GpuReading(source=self.gpus.source, gpus=self.gpus.read(), error=self.gpus.error))
 
     def poll_disk(self) -> None:
@@ -188,12 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=0.25)
     ap.add_argument("--gpu-interval", type=float, default=1.0)
     ap.add_argument("--once", action="store_true")
+    ap.add_argument("--slurm", action="store_true",
+                    help="the shards are Slurm array tasks: liveness and final states from squeue")
+    ap.add_argument("--slurm-interval", type=float, default=5.0, help="seconds between squeue calls")
     args = ap.parse_args(argv)
     agent = None
     try:
         shards = discover_shards(args.run_dir) if args.shards == "auto" else \
             [int(x) for x in args.shards.split(",") if x]
-        agent = Agent(args.run_dir, shards, args.output)
+        agent = Agent(args.run_dir, shards, args.output,
+                      slurm_interval=args.slurm_interval if args.slurm else None)
         if args.once:
             agent.once()
             return 0

@@ -4,6 +4,7 @@
                                     [--sentinels JSON] -- ARGV...
     python -m worker.hostctl stop --shard-dir D [--timeout 10] [--why user|restart]
     python -m worker.hostctl stop-all --run-dir R [--timeout 10]
+    python -m worker.hostctl task --submission FILE      (inside a Slurm array task)
 
 `launch` takes an exclusive flock on D/lock, appends the `launch` event (numbered: 1, 2, ...) and
 hands the lock to a detached runner (new session, all streams redirected), which hands it on to the
@@ -14,6 +15,10 @@ ends, before the lock goes. `stop` appends `stop` first and then signals only th
 so the runner survives to record the exit; even if it does not, the record says the stop was
 asked for. Everything arrives as an argv: no shell ever sees a value from fleet.toml. Standard
 library only.
+
+`task` is the same runner inside a Slurm array task (worker/slurm.py submitted it): it takes the
+shard's lock, finds its launch in the submission file, adds the node, job and GPUs to `started`,
+reports its own GPUs into the shard's folder, and runs the shard exactly as `run` does.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 from . import protocol
@@ -119,9 +126,9 @@ def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None
 
 
 def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n: int,
-        log_offset: int, sentinels: dict | None) -> int:
+        log_offset: int, sentinels: dict | None, started: dict | None = None) -> int:
     """The detached runner: start the process, record its pid, follow its log for sentinels,
-    record how it ended."""
+    record how it ended. `started`: more fields for the `started` event (a Slurm task's node)."""
     p = _paths(shard_dir)
     stopping: list[int] = []
     child: subprocess.Popen | None = None
@@ -151,7 +158,7 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
     finally:
         os.close(log)
     _write_int(p["pid"], child.pid)
-    append(protocol.Started(launch=launch_n, pid=child.pid))
+    append(protocol.Started(launch=launch_n, pid=child.pid, **(started or {})))
     watcher = LogWatcher(SentinelSpec.from_dict(sentinels), p["log"], log_offset, launch_n,
                          _shard_number(shard_dir)) if sentinels else None
     code = None
@@ -172,6 +179,73 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
         except OSError:
             pass
     return 0
+
+
+GPU_REPORT_S = 2.0             # how often a Slurm task rewrites its GPU reading
+
+
+def _report_gpus(path: str, launch_n: int, node: str, stop: threading.Event) -> None:
+    """A Slurm task's own GPUs (NVML inside its allocation), rewritten into the shard's folder for
+    the agent on the login node; never raises (telemetry must not take a shard down)."""
+    from . import slurm
+    from .gpu import GpuReader
+    try:
+        reader = GpuReader()
+    except Exception:
+        return
+    allocated, visible = slurm.allocated_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES")
+    while True:
+        try:
+            gpus = slurm.own_gpus(reader.read(), allocated, visible)
+            slurm.write_atomic(path, json.dumps({"t": protocol.now(), "launch": launch_n, "node": node,
+                                                   "source": reader.source, "gpus": gpus,
+                                                   "error": reader.error}), 0o644)
+        except Exception:
+            pass
+        if reader.source == "none" or stop.wait(GPU_REPORT_S):
+            return
+
+
+def task(submission_path: str) -> int:
+    """Inside a Slurm array task: run shard SLURM_ARRAY_TASK_ID of the submission as `run` does.
+    Its launch was written at submission; a task whose launch is no longer the shard's newest (it
+    was resubmitted meanwhile) or already ended (cancelled) runs nothing."""
+    from . import slurm
+    index = os.environ.get("SLURM_ARRAY_TASK_ID", "")
+    with open(submission_path) as f:
+        submission = json.load(f)
+    spec = submission["tasks"].get(index)
+    if spec is None:
+        print(f"fleet: array index {index!r} is not in {submission_path}", file=sys.stderr)
+        return 2
+    shard_dir = protocol.shard_dir(submission["run_dir"], int(index))
+    p = _paths(shard_dir)
+    n = int(spec["launch"])
+    fd = os.open(p["lock"], os.O_RDWR | os.O_CREAT, 0o644)
+    if not try_lock(fd, fcntl.LOCK_EX, tries=600):         # 30 s: an earlier task may still be ending
+        protocol.append_jsonl(p["events"], protocol.Failed(
+            launch=n, reason="the shard's lock is held by another process (an earlier task still running?)"))
+        protocol.append_jsonl(p["events"], protocol.Exited(launch=n))
+        return 1
+    state = slurm.LaunchState.read(p["events"])
+    if state.n != n or state.ended:
+        print(f"fleet: launch {n} of shard {index} is not live (newest {state.n}, ended {state.ended}): "
+              f"nothing to run", file=sys.stderr)
+        return 0
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', os.environ.get('SLURM_JOB_ID', '?'))}_{index}"
+    os.environ.update(spec.get("env") or {})
+    os.environ[protocol.LAUNCH_ENV] = str(n)
+    _write_int(p["runner"], os.getpid())
+    stop = threading.Event()
+    reporter = threading.Thread(target=_report_gpus, daemon=True,
+                                args=(os.path.join(shard_dir, protocol.GPUS_FILE), n, node, stop))
+    reporter.start()
+    try:
+        return run(shard_dir, fd, list(spec["argv"]), spec.get("cwd"), n, log_size(p["log"]),
+                   spec.get("sentinels"), started={"node": node, "job": job, "gpus": slurm.allocated_gpus()})
+    finally:
+        stop.set()
 
 
 def _shard_number(shard_dir: str) -> int:
@@ -264,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     sa = sub.add_parser("stop-all")
     sa.add_argument("--run-dir", required=True)
     sa.add_argument("--timeout", type=float, default=10.0)
+    ta = sub.add_parser("task", help="inside a Slurm array task (worker.slurm submits it)")
+    ta.add_argument("--submission", required=True)
     args = ap.parse_args(argv)
     os.umask(os.umask(0o022) | 0o022)          # state files never world- or group-writable
     command = list(getattr(args, "argv", []))
@@ -278,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "run":
         return run(args.shard_dir, args.lock_fd, command, args.cwd, args.launch, args.log_offset,
                    sentinels)
+    elif args.cmd == "task":
+        return task(args.submission)
     elif args.cmd == "stop-all":
         result = stop_all(args.run_dir, args.timeout)
     elif args.cmd == "reopen":

@@ -9,6 +9,8 @@ never rewritten. Each carries ``launch``, the number of the launch it belongs to
 Who writes what::
 
     hostctl launch   Launch         the lock is taken; the process is about to start
+    slurm submit     Launch (launcher=slurm) before sbatch, then Submitted (the job) or a failure
+    the task runner  Started (node, job, gpus) inside a Slurm array task, then as the runner below
     the worker       Started Loading Loaded Progress SampleSkipped WarningEvent Done Failed
     the runner       Sentinel, Progress   a [job]'s log lines / output files, as they appear
                      Exited         the process ended (code, or stopped on purpose)
@@ -16,9 +18,13 @@ Who writes what::
     hostctl reopen   Reopened       `fleet verify --repair` dropped some of its samples
     the agent        Exited(vanished=True)   the lock is free and the launch has no end record
                                     (the runner itself was killed); written under the lock
+                     SlurmEnded     Slurm's final state of a launch's task (once, when first seen),
+                                    then Exited(vanished=True) if the task never recorded its end
 
 **Agent messages** are the agent's stdout, one per line, tagged by ``type``: Hello (first, with
-PROTOCOL_VERSION), EventMessage, Liveness, GpuReading, DiskReading, Beat, Replayed, End, AgentError.
+PROTOCOL_VERSION), EventMessage, Liveness, GpuReading, DiskReading, Beat, Replayed, End, AgentError;
+under Slurm also SlurmTask (what Slurm says of a live task now), SlurmPoll (whether Slurm answered)
+and TaskGpus (the GPUs a task reported from inside its allocation).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ EVENTS_FILE = "events.jsonl"
 LOG_FILE = "log"
 PID_FILE = "pid"
 LOCK_FILE = "lock"
+GPUS_FILE = "gpus.json"      # a Slurm task's latest reading of its own GPUs (replaced, not appended)
 MANIFEST_DIR = "manifest"
 META_FILE = "meta.json"
 SAMPLE_PREFIX = "hs_"
@@ -109,6 +116,7 @@ class Launch(Record):
     gpu: Optional[int] = None
     argv: Optional[list] = None
     runner_pid: Optional[int] = None
+    launcher: Optional[str] = None     # "slurm": submitted as an array task (None: hostctl launch)
 
 
 @event
@@ -125,6 +133,34 @@ class Started(Record):
     start: Optional[int] = None
     stop: Optional[int] = None
     total: Optional[int] = None
+    node: Optional[str] = None         # Slurm: the node the task runs on (SLURMD_NODENAME)
+    job: Optional[str] = None          # Slurm: "<array job id>_<index>"
+    gpus: Optional[list] = None        # Slurm: the node's GPU indices allocated to the task
+
+
+@event
+@dataclass
+class Submitted(Record):
+    """Slurm accepted the launch: its array task is `job` ("<array job id>_<index>")."""
+    KIND: ClassVar[str] = "submitted"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    job: str = ""
+
+
+@event
+@dataclass
+class SlurmEnded(Record):
+    """Slurm's final state for the launch's task (COMPLETED, CANCELLED, TIMEOUT, PREEMPTED,
+    NODE_FAIL, OUT_OF_MEMORY, ...; UNKNOWN when Slurm no longer lists it), written once by whoever
+    first sees it (the agent, or a submit/cancel on the login node)."""
+    KIND: ClassVar[str] = "slurm_end"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    job: str = ""
+    state: str = "UNKNOWN"
+    reason: Optional[str] = None       # Slurm's reason field, when it says more than "None"
+    node: Optional[str] = None
 
 
 @event
@@ -346,6 +382,45 @@ class Replayed(Message):
     """Every shard's record so far has been sent: the picture is complete from here on."""
     KIND: ClassVar[str] = "replayed"
     t: float = field(default_factory=now)
+
+
+@message
+@dataclass
+class SlurmTask(Message):
+    """What Slurm says of a shard's newest launch while it lives: PENDING with its reason (Priority,
+    Resources, JobArrayTaskLimit, ...), RUNNING on a node, COMPLETING. Sent when it changes; the
+    end of a task is recorded as an event (SlurmEnded), not sent as this."""
+    KIND: ClassVar[str] = "slurm"
+    shard: int = 0
+    launch: Optional[int] = None
+    job: str = ""
+    state: str = ""
+    reason: Optional[str] = None
+    node: Optional[str] = None
+    t: float = field(default_factory=now)
+
+
+@message
+@dataclass
+class SlurmPoll(Message):
+    """Whether the last question to Slurm (squeue) was answered; `error` is its last line."""
+    KIND: ClassVar[str] = "slurm_poll"
+    t: float = field(default_factory=now)
+    error: Optional[str] = None
+
+
+@message
+@dataclass
+class TaskGpus(Message):
+    """The GPUs a Slurm task reported from inside its allocation (NVML there), with its node."""
+    KIND: ClassVar[str] = "task_gpus"
+    shard: int = 0
+    launch: Optional[int] = None
+    node: Optional[str] = None
+    t: float = field(default_factory=now)
+    source: str = "none"
+    gpus: list = field(default_factory=list)
+    error: Optional[str] = None
 
 
 @message

@@ -293,6 +293,15 @@ class World:
         self.checkpoints.append((len(self.events), self.t, self.running))
 
 
+def assert_within_restart_budget(events: list, max_restarts: int) -> None:
+    """Auto launches between two manual ones never exceed the budget."""
+    run = 0
+    for ev in events:
+        if isinstance(ev, p.Launch):
+            run = run + 1 if ev.by == "auto" else 0
+            assert run <= max_restarts
+
+
 @settings(max_examples=300, deadline=None)
 @given(steps=st.lists(STEP, max_size=60), max_restarts=st.integers(0, 4),
        needs_done=st.booleans(), restart_stalled=st.booleans())
@@ -303,12 +312,7 @@ def test_judge_invariants_over_random_histories(steps, max_restarts, needs_done,
     for kind, arg in steps:
         w.step(kind, arg)
         w.supervise()
-    # Auto launches between two manual ones never exceed the budget.
-    run = 0
-    for ev in w.events:
-        if isinstance(ev, p.Launch):
-            run = run + 1 if ev.by == "auto" else 0
-            assert run <= max_restarts
+    assert_within_restart_budget(w.events, max_restarts)
     # Every prefix replayed from scratch (and through the agent's replay thinning) is judged as the
     # live stream judged it at that point.
     for length, t, alive in w.checkpoints:

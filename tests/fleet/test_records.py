@@ -73,12 +73,18 @@ async def until(predicate, timeout: float = 60, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def started(config_path: str, logs: list | None = None) -> Supervisor:
+async def deployed(config_path: str, logs: list | None = None) -> Supervisor:
+    """A supervisor for fleet.toml at `config_path`, its worker deployed and its plan settled."""
     config = load_config(config_path)
     sup = Supervisor(config, on_log=(logs.append if logs is not None else None))
     results, failures = await sup.deploy()
     assert not failures and not results[0].errors, (failures, results[0].errors)
     await sup.settle_plan(results)
+    return sup
+
+
+async def started(config_path: str, logs: list | None = None) -> Supervisor:
+    sup = await deployed(config_path, logs)
     await sup.start()
     await sup.launch_all()
     return sup

@@ -79,20 +79,23 @@ async def until(pilot, predicate, timeout: float = 120, what: str = "condition")
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def supervised_app(sup: Supervisor) -> FleetApp:
+    """The TUI on a deployed supervisor, which it starts and launches (as `fleet up` does)."""
+    async def open_source():
+        await sup.start()
+        source = SupervisorSource(sup)
+        source.launch_task = asyncio.create_task(sup.launch_all())
+        return source
+    return FleetApp(open_source=open_source, interval=0.2)
+
+
 async def test_live_tui_kill_restart_filter_and_quit(tmp_path, dense_model, long_data):
     config = load_config(local_toml(tmp_path, dense_model, long_data))
     sup = Supervisor(config)
     results, failures = await sup.deploy()
     assert not failures and not results[0].errors
     await sup.settle_plan(results)
-
-    async def open_source():
-        await sup.start()
-        source = SupervisorSource(sup)
-        source.launch_task = asyncio.create_task(sup.launch_all())
-        return source
-
-    app = FleetApp(open_source=open_source, interval=0.2)
+    app = supervised_app(sup)
     try:
         async with app.run_test(size=(170, 48)) as pilot:
             shards = app.query_one(ShardTable)
