@@ -125,6 +125,7 @@ class Started(Record):
     start: Optional[int] = None
     stop: Optional[int] = None
     total: Optional[int] = None
+    total_tokens: Optional[int] = None  # the shard's tokens to extract, when already known
 
 
 @event
@@ -152,7 +153,10 @@ class Loaded(Record):
 @event
 @dataclass
 class Progress(Record):
-    """Cumulative counters of the shard (finished samples include those of earlier launches)."""
+    """Cumulative counters of the shard (finished samples include those of earlier launches).
+    `total_tokens`: the tokens of every row of the shard that will be extracted (whole shard, done
+    or not), sent once the worker has read the rows' lengths; ETAs and throughput compare in
+    tokens from then on, since samples are length-sorted and samples/s swings."""
     KIND: ClassVar[str] = "progress"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
@@ -160,6 +164,7 @@ class Progress(Record):
     skipped: int = 0
     total: Optional[int] = None
     tokens: Optional[int] = None
+    total_tokens: Optional[int] = None
     bytes: Optional[int] = None
     writer_wait_s: Optional[float] = None
     host_buffer_bytes: Optional[int] = None
