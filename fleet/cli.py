@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from typing import Awaitable, Callable
 
 import click
@@ -111,7 +112,8 @@ def up(config_path: str, headless: bool, replan: bool) -> None:
     config = load(config_path)
 
     async def deploy_phase() -> dict:
-        sup = Supervisor(config)
+        t0 = time.monotonic()
+        sup = Supervisor(config, on_log=lambda m: click.echo(f"  {time.monotonic() - t0:5.1f}s  {m}", err=True))
         try:
             return await deploy_and_plan(sup, replan)
         finally:

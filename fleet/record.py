@@ -94,6 +94,7 @@ class ShardRecord:
     skipped: int = 0
     total: int = 0
     tokens: int = 0
+    total_tokens: int | None = None       # the shard's tokens to extract, once the worker read them
     bytes: int = 0
     writer_wait_s: float = 0.0
     gpu_mem_bytes: int | None = None
@@ -123,6 +124,8 @@ class ShardRecord:
             a.pid = ev.pid if ev.pid is not None else a.pid
             if ev.total is not None:
                 self.total = ev.total
+            if ev.total_tokens is not None:
+                self.total_tokens = ev.total_tokens
         elif isinstance(ev, protocol.Loading):
             a.phase = Phase.LOADING
         elif isinstance(ev, protocol.Loaded):
@@ -167,7 +170,7 @@ class ShardRecord:
 
     def _count(self, ev) -> None:
         self.done, self.skipped = ev.done, ev.skipped
-        for key in ("total", "tokens", "bytes", "writer_wait_s", "gpu_mem_bytes"):
+        for key in ("total", "tokens", "total_tokens", "bytes", "writer_wait_s", "gpu_mem_bytes"):
             value = getattr(ev, key, None)
             if value is not None:
                 setattr(self, key, value)

@@ -26,6 +26,7 @@ from . import deploy
 from .config import Config, HostSpec
 from .jobs import Placement, sentinel_spec, shard_command, shard_dir
 from .judge import Action, LaunchFailure, Policy, Verdict, judge
+from .notify import Notifier
 from .plan import PlanError, check_hosts, make_plan, placements, plan_differences, refusal
 from .record import ShardRecord
 from .snapshot import FleetSnapshot, HostView, ShardView, all_replayed, build_snapshot
@@ -85,7 +86,8 @@ class Supervisor:
         self.on_log = on_log or (lambda msg: None)
         slots = asyncio.Semaphore(self.sup.max_concurrent_connects)
         self.links: dict[str, HostLink] = {
-            h.name: HostLink(h, make_transport(h, self.sup, slots), HostView(h.name, h.address))
+            h.name: HostLink(h, make_transport(h, self.sup, slots),
+                             HostView(h.name, h.address, usd_per_hour=h.usd_per_hour))
             for h in config.hosts}
         self.shards: dict[int, ShardSlot] = {}
         self.placements: list[Placement] = []
@@ -94,6 +96,8 @@ class Supervisor:
         self._closing = False
         self._decider: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.notifier = Notifier(config.spec.notify, config.base_dir, lambda m: self.on_log(m)) \
+            if config.spec.notify else None
 
     # --- setup ---------------------------------------------------------------------------------
     async def deploy(self) -> tuple[list[deploy.Preflight], dict[str, HostError]]:
@@ -102,7 +106,7 @@ class Supervisor:
         for link in self.links.values():
             link.host.reachable = None
         results = await asyncio.gather(
-            *(deploy.deploy_host(l.transport, self.config, l.spec) for l in self.links.values()),
+            *(deploy.deploy_host(l.transport, self.config, l.spec, self.on_log) for l in self.links.values()),
             return_exceptions=True)
         ok, failures = [], {}
         for link, r in zip(self.links.values(), results):
@@ -189,7 +193,7 @@ class Supervisor:
                            s.alive, s.pid, self.sup.max_restarts)
                  for s in sorted(self.shards.values(), key=lambda s: s.id)]
         return build_snapshot(self.config.run.name, views, {n: l.host for n, l in self.links.items()},
-                              now, self.config.spec.expected)
+                              now, self.config.spec.expected, planned=len(self.placements))
 
     @property
     def replayed(self) -> bool:
@@ -250,6 +254,8 @@ class Supervisor:
         for link in self.links.values():
             link.task = asyncio.create_task(self._host_loop(link), name=f"host-{link.spec.name}")
         self._decider = asyncio.create_task(self._decide_loop(), name="decide")
+        if self.notifier is not None:
+            self.notifier.start(self.snapshot, lambda: self.replayed)
 
     async def wait_replayed(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -382,6 +388,7 @@ class Supervisor:
             slot.record.apply(ev)
             if isinstance(ev, protocol.Launch):
                 slot.launch_failures.clear()
+                slot.alive = None            # liveness read before this launch says nothing of it
                 if slot.busy_since is not None and slot.record.launches > slot.busy_launches:
                     slot.busy_since = None
         elif isinstance(msg, protocol.Liveness):
@@ -515,7 +522,9 @@ class Supervisor:
         raise KeyError(f"no shard {ref!r}; shards: {known}")
 
     async def close(self) -> None:
-        """Stop following; the workers keep running."""
+        """Stop following (telling what just changed first); the workers keep running."""
+        if self.notifier is not None:
+            await self.notifier.close()
         self._closing = True
         tasks = [l.task for l in self.links.values() if l.task] + list(self._tasks)
         if self._decider:
