@@ -192,7 +192,10 @@ def main() -> None:
     p.add_argument("--hosts", type=int, default=64)
     p.add_argument("--gpus", type=int, default=8)
     args = p.parse_args()
-    fleet = SyntheticFleet(hosts=args.hosts, gpus=args.gpus, unreachable=(5,), failed=(17, 300))
+    n = args.hosts * args.gpus
+    fleet = SyntheticFleet(hosts=args.hosts, gpus=args.gpus, unreachable=(min(5, args.hosts - 1),),
+                           failed=tuple(k for k in (1, 17, 300) if k < n), backoff=(4,) if n > 4 else (),
+                           stalled=(6,) if n > 6 else (), stopped=(2,) if n > 2 else ())
 
     class Live(FleetApp):
         def on_refresh(self, message) -> None:

@@ -111,7 +111,7 @@ def notices(seen: Seen | None, snap: FleetSnapshot, alert_after: float = 0.0) ->
 class Notifier:
     """Runs `[notify] command` for the notices a user chose, following a supervisor's snapshots."""
 
-    def __init__(self, spec, cwd: str, on_log: Callable[[str], None], interval: float = 1.0):
+    def __init__(self, spec, cwd: str, on_log: Callable[[str], None], interval: float = 0.25):
         self.spec = spec
         self.cwd = cwd
         self.on_log = on_log
@@ -153,9 +153,10 @@ class Notifier:
 
     def start(self, snapshot: Callable[[], FleetSnapshot], replayed: Callable[[], bool]) -> None:
         async def loop() -> None:
+            while not replayed():            # the first look is the baseline: take it at once, so
+                await asyncio.sleep(0.05)    # a failure soon after attaching is told, not absorbed
             while True:
-                if replayed():
-                    self.check(snapshot())
+                self.check(snapshot())
                 await asyncio.sleep(self.interval)
         self._snapshot, self._replayed = snapshot, replayed
         self._task = asyncio.create_task(loop(), name="notify")
