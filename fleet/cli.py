@@ -277,23 +277,11 @@ def logs(config_path: str, shard: str, follow: bool, lines: int) -> None:
     config = load(config_path)
 
     async def go() -> int:
-        from .jobs import shard_dir
         sup = Supervisor(config)
         try:
             k = await find_shard(sup, shard)
-            link = sup.links[sup.shards[k].placement.host]
-            path = f"{shard_dir(config, link.spec, k)}/log"
-            argv = ["tail", "-n", str(lines)] + (["-F"] if follow else []) + [path]
-            if follow:
-                stream = await link.transport.stream(argv)
-                try:
-                    async for line in stream.lines():
-                        click.echo(line.rstrip("\n"))
-                finally:
-                    await stream.close()
-            else:
-                r = await link.transport.run(argv)
-                click.echo(r.stdout, nl=False)
+            async for line in sup.log_lines(k, lines, follow):
+                click.echo(line)
         except HostError as e:
             fail(str(e), EXIT_UNREACHABLE)
         finally:

@@ -508,6 +508,23 @@ class Supervisor:
                 return link.spec.name, {"error": str(e)}
         return dict(await asyncio.gather(*(one(l) for l in self.links.values())))
 
+    async def log_lines(self, shard_id: int, last: int = 200, follow: bool = True):
+        """A shard's log: its last `last` lines, then (`follow`) new ones until the stream ends.
+        Raises HostError when the host cannot be read."""
+        link = self.links[self.shards[shard_id].placement.host]
+        argv = ["tail", "-n", str(last)] + (["-F"] if follow else []) + \
+            [f"{shard_dir(self.config, link.spec, shard_id)}/log"]
+        if not follow:
+            for line in (await link.transport.run(argv)).stdout.splitlines():
+                yield line
+            return
+        stream = await link.transport.stream(argv)
+        try:
+            async for line in stream.lines():
+                yield line.rstrip("\n")
+        finally:
+            await stream.close()
+
     def resolve_shard(self, ref: str) -> int:
         """'3' or 'host:gpu' -> shard id (KeyError with a message otherwise)."""
         if ref.isdigit() and int(ref) in self.shards:

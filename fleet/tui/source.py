@@ -11,7 +11,6 @@ import time
 from collections import deque
 from typing import AsyncIterator, Protocol
 
-from ..jobs import shard_dir
 from ..judge import throughput_history
 from ..snapshot import FleetSnapshot
 from ..supervisor import Supervisor
@@ -72,14 +71,8 @@ class SupervisorSource:
                 for host, r in results.items()]
 
     async def follow_log(self, shard_id: int) -> AsyncIterator[str]:
-        """The shard's log tail, then new lines; raises HostError when the stream drops."""
-        host = self.sup.shards[shard_id].placement.host
-        link = self.sup.links[host]
-        path = f"{shard_dir(self.sup.config, link.spec, shard_id)}/log"
-        stream = await link.transport.stream(["tail", "-n", "200", "-F", path])
-        try:
-            async for line in stream.lines():
-                yield line.rstrip("\n")
-        finally:
-            await stream.close()
-        raise HostError(f"{host}: log stream ended")
+        """The shard's log tail, then new lines; raises HostError when the stream drops (the
+        view says so and follows again)."""
+        async for line in self.sup.log_lines(shard_id):
+            yield line
+        raise HostError(f"shard {shard_id}: log stream ended")
