@@ -195,3 +195,52 @@ def test_an_alert_is_told_only_once_it_has_held():
         told_at += [(snap.time, n.event, n.previous) for n in told]
     assert snaps[0].totals.alert_level == "critical"
     assert told_at == [(70, "alert", "ok")]        # 60 s after it was first seen low
+
+
+# --- invariants over many histories (hypothesis) ---------------------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from fleet.judge import RATE_WINDOW_S  # noqa: E402
+
+
+@st.composite
+def progress_histories(draw):
+    """One attempt's progress: times strictly rising, counters never falling."""
+    steps = draw(st.lists(st.tuples(st.floats(0.01, 90), st.integers(0, 50)), min_size=2, max_size=30))
+    evs, t, done = [launch(0), p.Loaded(t=0.5, launch=1)], 1.0, 0
+    for dt, n in steps:
+        t, done = t + dt, done + n
+        evs.append(p.Progress(t=t, launch=1, done=done, total=10**6, tokens=done * 7))
+    return evs, t
+
+
+@settings(max_examples=200, deadline=None)
+@given(progress_histories(), st.floats(0, 200), st.floats(0, 200))
+def test_a_rate_is_never_negative_and_only_falls_once_progress_stops(history, wait1, wait2):
+    evs, last = history
+    r = fold(evs)
+    first, later = sorted((wait1, wait2))
+    a, b = (rates(r, State.RUNNING, last + w) for w in (first, later))
+    assert a.samples_per_s >= 0 and a.tokens_per_s == pytest.approx(7 * a.samples_per_s)
+    assert b.samples_per_s <= a.samples_per_s + 1e-9                    # decays, never rises
+    if later >= RATE_WINDOW_S:
+        assert b.samples_per_s == 0.0                                   # a window with no progress
+    for state in (State.PENDING, State.STARTING, State.LOADING, State.DONE, State.FAILED, State.STOPPED):
+        assert rates(r, state, last + first) is None                    # counted only while RUNNING
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(20, 400))
+def test_id_and_state_always_fit_and_the_columns_fill_the_width_exactly(width):
+    from fleet.tui.panes.lines import fit_columns
+    from fleet.tui.panes.shards import COLUMNS
+    layout = fit_columns(COLUMNS, width)
+    keys = [c.key for c, _ in layout]
+    assert keys[0] == "id" and "state" in keys
+    assert sum(w for _, w in layout) + len(layout) - 1 == width
+    assert all(w >= c.width or c.flex for c, w in layout)               # only the reason is ever cut
+    if width >= 51:
+        assert {"progress", "tps", "reason"} <= set(keys)
+    ranks = sorted(c.priority for c, _ in layout)
+    assert ranks == list(range(len(ranks)))                             # none skipped for a lesser one

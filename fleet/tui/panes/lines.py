@@ -44,8 +44,8 @@ class Column:
 
 
 def fit_columns(columns: list[Column], width: int, flex_min: int = 8) -> list[tuple[Column, int]]:
-    """The columns that fit `width` (one space between columns), chosen by priority and shown in
-    their given order. The flex column (the reason) takes what is left: columns less important
+    """The columns that fit `width` (one space between columns), taken in priority order until one
+    does not fit, and shown in their given order. The flex column (the reason) takes what is left: columns less important
     than it are added only while it keeps its own width; more important ones may cut it down to
     `flex_min`."""
     flex = next((c for c in columns if c.flex), None)
@@ -54,9 +54,10 @@ def fit_columns(columns: list[Column], width: int, flex_min: int = 8) -> list[tu
     for col in sorted(columns, key=lambda c: c.priority):
         need = (flex_min if col.flex else col.width) + (1 if chosen else 0)
         keep = flex.width - flex_min if flex is not None and flex in chosen and col.priority > flex.priority else 0
-        if used + need + keep <= width:
-            chosen.append(col)
-            used += need
+        if used + need + keep > width:
+            break                              # strictly by priority: nothing less important after
+        chosen.append(col)
+        used += need
     spare = max(width - used, 0)
     out = []
     for c in columns:
