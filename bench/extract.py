@@ -7,7 +7,13 @@ tokens). In one process: a bf16 matmul peak, then for each shape
   naive : batch 1, output_hidden_states=True through the causal LM (logits computed), the chosen
           layers stacked, .cpu(), safetensors written synchronously;
   ours  : worker.extract.run_extraction (sorted batches under a token budget, hooks, side-stream
-          copies, background writer) writing to local disk, and again to tmpfs (/dev/shm).
+          copies, background writer) writing to local disk, and again to tmpfs (/dev/shm);
+          eager, and with the decoder layers compiled (worker.model.compile_layers, dynamic shapes:
+          the compile is timed on its own, as the worker does it at load);
+  disk  : the raw write bandwidth of each folder (files of one sample's size, fsync'd, by as many
+          threads as the writer uses), against the bytes per second the extraction needs.
+
+The first 60 s of each run are reported apart (hybrid models tune kernels per shape at first).
 
 Prints a table and writes JSON (``--json``). MFU = 2 x non-embedding parameters x tokens/s / peak.
 
@@ -23,7 +29,9 @@ import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -35,36 +43,47 @@ from worker.demo import sharegpt_lengths
 from worker.events import EventLog
 from worker.extract import Options, run_extraction
 from worker.layers import resolve_layers
-from worker.model import Capture, find_decoder
+from worker.model import Capture, compile_layers, find_decoder, uncompile_layers
 from worker.writer import SPECULATORS, Stats, write_sample_file
+
+
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def matmul_peak() -> float:
     n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(10):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         a @ b
         e.record()
-        torch.cuda.synchronize()
+        sync()
         times.append(s.elapsed_time(e) / 1e3)
     return 2 * n ** 3 / sorted(times)[len(times) // 2]
 
 
-def make_config(shape: str, vocab: int):
+def make_config(shape: str, vocab: int, tiny: bool = False):
     from transformers import AutoConfig
     common = dict(vocab_size=vocab, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                   num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                   max_position_embeddings=32768, tie_word_embeddings=False)
+    if tiny:                                       # --cpu-smoke: the same code paths, in seconds
+        common.update(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16)
     if shape == "dense":
         return AutoConfig.for_model("qwen3", **common)
-    types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(36)]
+    types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(common["num_hidden_layers"])]
     return AutoConfig.for_model("qwen3_5_text", layer_types=types, linear_num_key_heads=16,
                                 linear_num_value_heads=32, linear_key_head_dim=128,
                                 linear_value_head_dim=128, **common)
@@ -81,33 +100,66 @@ def make_samples(n: int, vocab: int, seed: int, max_len: int) -> list[Sample]:
 
 
 def naive(lm, samples, plan, out_dir) -> dict:
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     tokens = 0
     with torch.inference_mode():
         for s in samples:
-            ids = torch.from_numpy(s.input_ids)[None].cuda()
+            ids = torch.from_numpy(s.input_ids)[None].to(DEVICE)
             out = lm(input_ids=ids, output_hidden_states=True)
             hs = torch.stack([out.hidden_states[i][0] for i in plan.ids], dim=1).cpu()
             write_sample_file(SPECULATORS, out_dir, s.index,
                               {"hidden_states": hs, "token_ids": torch.from_numpy(s.input_ids)}, {})
             tokens += s.length
-    torch.cuda.synchronize()
+    sync()
     return {"seconds": time.perf_counter() - t0, "tokens": tokens, "samples": len(samples)}
 
 
-def ours(base, samples, plan, out_dir, budget, pad=8) -> dict:
+def ours(base, samples, plan, out_dir, budget, pad=8, first_s=60.0, bucket_rows=False) -> dict:
     stats = Stats()
     log = EventLog(None, 0)
-    torch.cuda.synchronize()
+    first: dict = {}
+    done = threading.Event()
+
+    def sample_first() -> None:                   # tokens written in the first `first_s` seconds
+        if not done.wait(first_s):
+            first["tokens"] = stats.snapshot()["tokens"]
+    sync()
     t0 = time.perf_counter()
-    run_extraction(base, [samples], plan, out_dir, 0, torch.device("cuda:0"),
-                   Options(max_tokens_per_batch=budget, writer_queue=3, writer_threads=8, pad_multiple=pad),
+    sampler = threading.Thread(target=sample_first, daemon=True)
+    sampler.start()
+    run_extraction(base, [samples], plan, out_dir, 0, torch.device(DEVICE),
+                   Options(max_tokens_per_batch=budget, writer_queue=3, writer_threads=8, pad_multiple=pad,
+                           bucket_rows=bucket_rows),
                    log, stats, progress_interval=1e9, total=len(samples))
-    torch.cuda.synchronize()
+    sync()
+    done.set()
     snap = stats.snapshot()
-    return {"seconds": time.perf_counter() - t0, "tokens": snap["tokens"], "samples": snap["done"],
-            "writer_wait_s": snap["writer_wait_s"], "bytes": snap["bytes"]}
+    out = {"seconds": time.perf_counter() - t0, "tokens": snap["tokens"], "samples": snap["done"],
+           "writer_wait_s": snap["writer_wait_s"], "bytes": snap["bytes"]}
+    if "tokens" in first:
+        out["first_s_tokens_per_s"] = round(first["tokens"] / first_s)
+    return out
+
+
+def disk_bandwidth(root: str, file_bytes: int, total_bytes: int, threads: int = 8) -> float:
+    """Bytes per second written to `root` as the writer writes: one file per sample, fsync'd."""
+    d = tempfile.mkdtemp(dir=root, prefix="fleet-disk-")
+    block = os.urandom(file_bytes)
+    n = max(total_bytes // file_bytes, threads)
+
+    def one(i: int) -> None:
+        path = os.path.join(d, f"f{i}")
+        with open(path, "wb") as f:
+            f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(n)))
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(d)
+    return n * file_bytes / seconds
 
 
 def reference_error(lm, base, samples, plan) -> float:
@@ -120,10 +172,10 @@ def reference_error(lm, base, samples, plan) -> float:
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         for r, s in enumerate(batch):
             ids[r, : s.length] = torch.from_numpy(s.input_ids)
-        base(input_ids=ids.cuda(), use_cache=False)
+        base(input_ids=ids.to(DEVICE), use_cache=False)
         got = capture.take().float()
         for r, s in enumerate(batch):
-            out = lm.model(input_ids=torch.from_numpy(s.input_ids)[None].cuda(), output_hidden_states=True)
+            out = lm.model(input_ids=torch.from_numpy(s.input_ids)[None].to(DEVICE), output_hidden_states=True)
             hs = list(out.hidden_states)
             ref = torch.stack([hs[i][0] for i in plan.ids], dim=1).float()
             if plan.last_layer_norm == "pre":     # hs[L] from transformers is post-norm; ours is pre
@@ -153,16 +205,29 @@ def main() -> None:
     p.add_argument("--skip-shm", action="store_true")
     p.add_argument("--skip-naive", action="store_true")
     p.add_argument("--pads", default="8", help="comma list of batch-width pad multiples to run ours with")
+    p.add_argument("--compile", choices=("off", "on", "both"), default="both",
+                   help="run ours eager, with compiled decoder layers, or both (compiled on disk and tmpfs)")
+    p.add_argument("--skip-disk-probe", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU: checks the script runs")
+    p.add_argument("--bucket-rows", action="store_true", help="batch row counts from buckets (the worker's "
+                                                              "default for hybrid models on a GPU)")
+    p.add_argument("--warm", action="store_true", help="before timing, one small batch per row bucket, as "
+                                                       "the worker's load does for hybrid models")
+    p.add_argument("--skip-warmup-pass", action="store_true",
+                   help="time the first pass itself (no untimed warm-up pass): a shard's first minutes")
     args = p.parse_args()
+    global DEVICE
+    if args.cpu_smoke:
+        DEVICE = "cpu"
 
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    peak = matmul_peak()
+    peak = matmul_peak() if DEVICE == "cuda" else 1e12
     vocab = 32000
-    config = make_config(args.shape, vocab)
+    config = make_config(args.shape, vocab, tiny=args.cpu_smoke)
     t0 = time.perf_counter()
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     init_s = time.perf_counter() - t0
     base = lm.model
@@ -171,7 +236,8 @@ def main() -> None:
     samples = make_samples(args.samples, vocab, 1, args.max_len)
     naive_samples = make_samples(args.naive_samples, vocab, 2, args.max_len)
     warm = make_samples(40, vocab, 3, args.max_len)
-    result = {"shape": args.shape, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    result = {"shape": args.shape, "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
+              "torch": torch.__version__,
               "transformers": __import__("transformers").__version__, "peak_tflops": round(peak / 1e12, 1),
               "nonembedding_params": params, "model_init_s": round(init_s, 1),
               "mean_tokens": round(sum(s.length for s in samples) / len(samples), 1)}
@@ -189,29 +255,65 @@ def main() -> None:
         result["naive"] = rate(naive(lm, naive_samples, plan, d), params, peak)
         shutil.rmtree(d)
     pads = [int(x) for x in args.pads.split(",")]
-    targets = [("ours_disk" + (f"_{i}_pad{pad}" if len(pads) > 1 else ""), args.disk, pad)
-               for i, pad in enumerate(pads)]
-    targets += [] if args.skip_shm else [("ours_tmpfs", "/dev/shm", pads[0])]
-    for name, root, pad in targets:
+    targets = []
+    if args.compile in ("off", "both"):
+        targets += [("ours_disk" + (f"_{i}_pad{pad}" if len(pads) > 1 else ""), args.disk, pad, False)
+                    for i, pad in enumerate(pads)]
+        targets += [] if args.skip_shm or args.compile == "both" else [("ours_tmpfs", "/dev/shm", pads[0], False)]
+    if args.compile in ("on", "both"):
+        targets += [("compiled_disk", args.disk, pads[0], True)]
+        targets += [] if args.skip_shm else [("compiled_tmpfs", "/dev/shm", pads[0], True)]
+    for name, root, pad, compiled in targets:
+        if compiled and "compile_s" not in result:
+            compile_layers(base)
+            sync()
+            t1 = time.perf_counter()
+            with torch.inference_mode():                  # what the worker's load does
+                for rows, width in ((2, 2 * pad), (1, pad)):
+                    base(input_ids=torch.zeros((rows, width), dtype=torch.long, device=DEVICE), use_cache=False)
+            sync()
+            result["compile_s"] = round(time.perf_counter() - t1, 1)
+        elif not compiled:
+            uncompile_layers(base)
         d = scratch(root)
-        ours(base, warm, plan, d, args.budget, pad)  # warm-up (allocator, cuBLAS, Triton)
-        torch.cuda.reset_peak_memory_stats()
-        r = ours(base, samples, plan, d, args.budget, pad)
-        r["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if args.warm and "warm_s" not in result:
+            from worker.extract import row_buckets, warm_rows
+            buckets = row_buckets(args.budget, pad)
+            result["warm_s"] = round(warm_rows(base, torch.device(DEVICE), buckets, max(pad, 8)), 1)
+            result["warm_buckets"] = len(buckets)
+        if not args.skip_warmup_pass:
+            ours(base, warm, plan, d, args.budget, pad, bucket_rows=args.bucket_rows)  # allocator, cuBLAS, Triton
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        r = ours(base, samples, plan, d, args.budget, pad, bucket_rows=args.bucket_rows)
+        if DEVICE == "cuda":
+            r["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         result[name] = rate(r, params, peak)
         shutil.rmtree(d)
     import resource
     result["host_peak_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
     result["weights_gib"] = round(sum(p.numel() * p.element_size() for p in lm.parameters()) / 2**30, 2)
+    if not args.skip_disk_probe:
+        sample_bytes = int(result["mean_tokens"] * len(plan.ids) * config.hidden_size * 2)
+        for name, root in (("disk", args.disk), ("tmpfs", "/dev/shm")):
+            result[f"{name}_write_mb_s"] = round(disk_bandwidth(root, sample_bytes, 4 << 30) / 1e6)
+        best = max(result[t[0]]["tokens_per_s"] for t in targets)
+        result["needed_mb_s_at_best"] = round(best * len(plan.ids) * config.hidden_size * 2 / 1e6)
     n = result["naive"]["tokens_per_s"] if "naive" in result else None
     print(json.dumps(result))
     print(f"\n{args.shape} on {result['gpu']} (peak {result['peak_tflops']} TFLOP/s, "
           f"{params / 1e9:.2f}B non-embedding params, fla={fla}, ref err {result['ref_rel_err']:.2e})")
-    print(f"{'approach':<16}{'tokens/s':>10}{'samples/s':>11}{'MFU':>7}{'x naive':>9}")
+    print(f"{'approach':<16}{'tokens/s':>10}{'samples/s':>11}{'MFU':>7}{'x naive':>9}{'first 60s':>11}")
     for name in (["naive"] if n else []) + [t[0] for t in targets]:
         r = result[name]
         print(f"{name:<16}{r['tokens_per_s']:>10}{r['samples_per_s']:>11}{r['mfu']:>7.1%}"
-              + (f"{r['tokens_per_s'] / n:>9.2f}" if n else ""))
+              + (f"{r['tokens_per_s'] / n:>9.2f}" if n else f"{'':>9}")
+              + f"{r.get('first_s_tokens_per_s', '-'):>11}")
+    if "compile_s" in result:
+        print(f"compile at load: {result['compile_s']} s")
+    if "disk_write_mb_s" in result:
+        print(f"raw write MB/s: disk {result['disk_write_mb_s']}, tmpfs {result['tmpfs_write_mb_s']}; "
+              f"needed at the best rate: {result['needed_mb_s_at_best']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

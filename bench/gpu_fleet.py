@@ -61,7 +61,8 @@ def make_data(path: str, n: int, seed: int) -> int:
     return tokens
 
 
-def write_config(path: str, work: str, data: str, output: str, gpus: list[int], name: str) -> str:
+def write_config(path: str, work: str, data: str, output: str, gpus: list[int], name: str,
+                 gpus_per_shard: int = 1) -> str:
     with open(path, "w") as f:
         f.write(f"""
 [run]
@@ -73,6 +74,7 @@ layers = "speculators"
 max_tokens_per_batch = 16384
 device = "cuda"
 extra_args = ["--random-weights"]
+gpus_per_shard = {gpus_per_shard}
 
 [expected]
 tokens_per_s_per_gpu = 6000
@@ -123,6 +125,23 @@ def steady_rate(events: list[dict]) -> dict:
                     "gpu_peak_gib": round(last.get("gpu_peak_bytes", 0) / 2**30, 1),
                     "writer_wait_s": last.get("writer_wait_s")})
     return {"launches": out}
+
+
+def compare_outputs(a: str, b: str, n: int = 16) -> float | None:
+    """Largest relative error between the same samples written by two runs (bf16 files)."""
+    import glob
+
+    from safetensors.torch import load_file
+    worst = None
+    for path in sorted(glob.glob(os.path.join(a, "hs_*.safetensors")))[:n]:
+        other = os.path.join(b, os.path.basename(path))
+        if not os.path.exists(other):
+            continue
+        x = load_file(path)["hidden_states"].float()
+        y = load_file(other)["hidden_states"].float()
+        err = float((x - y).norm() / y.norm())
+        worst = err if worst is None else max(worst, err)
+    return worst
 
 
 def run_headless(config: str, log_path: str, kill: dict | None = None, status_path: str | None = None):
@@ -177,6 +196,8 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/fleet-gpu")
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--scale-samples", type=int, default=600)
+    p.add_argument("--split-only", action="store_true",
+                   help="only the shard spanning every GPU (and its exactness against one GPU's run)")
     args = p.parse_args()
     import torch
     ngpu = torch.cuda.device_count()
@@ -202,7 +223,7 @@ def main() -> None:
     scale_data = f"{work}/scale.jsonl"
     result["scale_tokens"] = make_data(scale_data, args.scale_samples, 1)
     result["scaling"] = {}
-    for n in sorted({1, ngpu}):
+    for n in ([] if args.split_only else sorted({1, ngpu})):
         name = f"scale{n}"
         cfg = write_config(f"{work}/{name}.toml", work, scale_data, f"{work}/out-{name}", list(range(n)), name)
         t0 = time.time()
@@ -212,8 +233,29 @@ def main() -> None:
         result["scaling"][n] = {"rc": rc, "wall_s": round(time.time() - t0, 1), "per_gpu": per,
                                 "aggregate_tokens_per_s": sum(rates),
                                 "mfu_per_gpu": [round(2 * params * r / peak, 3) for r in rates]}
-        shutil.rmtree(f"{work}/out-{name}", ignore_errors=True)
+        if n == 1:
+            shutil.rmtree(f"{work}/out-{name}", ignore_errors=True)
         print(json.dumps({f"scale{n}": result["scaling"][n]}), flush=True)
+    # 1b. one shard spanning every GPU (gpus_per_shard), the same samples: against one shard per GPU
+    if ngpu > 1:
+        name = "split"
+        cfg = write_config(f"{work}/{name}.toml", work, scale_data, f"{work}/out-{name}", list(range(ngpu)),
+                           name, gpus_per_shard=ngpu)
+        rc, lines, _ = run_headless(cfg, f"{args.out}/split.log")
+        per = steady_rate(shard_events(work, name, 0))
+        rate = per["launches"][-1]["tokens_per_s"]
+        result["split"] = {"rc": rc, "per_shard": per, "tokens_per_s": rate,
+                           "mfu_of_all_gpus": round(2 * params * rate / peak / ngpu, 3)}
+        if not args.split_only:
+            result["split"]["vs_one_shard_per_gpu"] = round(rate / result["scaling"][ngpu]["aggregate_tokens_per_s"], 3)
+            result["split"]["max_rel_err_vs_one_gpu"] = compare_outputs(f"{work}/out-{name}", f"{work}/out-scale{ngpu}")
+        print(json.dumps({"split": result["split"]}), flush=True)
+        for d in (f"{work}/out-{name}", f"{work}/out-scale{ngpu}"):
+            shutil.rmtree(d, ignore_errors=True)
+    if args.split_only:
+        json.dump(result, open(f"{args.out}/result.json", "w"), indent=2)
+        print(json.dumps(result, indent=1))
+        return
     # 2. the main run with a SIGKILL
     data = f"{work}/data.jsonl"
     result["tokens"] = make_data(data, args.samples, 2)
@@ -225,7 +267,8 @@ def main() -> None:
     rc, lines, killed = run_headless(cfg, f"{args.out}/headless.log", kill, f"{args.out}/status.jsonl")
     result["main"] = {"rc": rc, "wall_s": round(time.time() - t0, 1), "killed": killed}
     if killed:
-        failed = next((ts for ts, l in lines if f"shard {victim} " in l and "-> FAILED" in l and ts >= killed["t"]), None)
+        failed = next((ts for ts, l in lines if f"shard {victim} " in l and ("-> BACKOFF" in l or "-> FAILED" in l)
+                       and ts >= killed["t"]), None)
         ev = shard_events(work, "main", victim)
         relaunch = [e for e in ev if e["event"] == "launch"][-1]
         after = [e for e in ev if e["t"] > relaunch["t"]]

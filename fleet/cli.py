@@ -72,25 +72,58 @@ def main() -> None:
 
 # --- up ----------------------------------------------------------------------------------------
 
-async def deploy_and_plan(sup: Supervisor, replan: bool = False) -> dict:
-    """Deploy and preflight every host, then settle the run's plan; exits on any refusal."""
+async def deploy_and_plan(sup: Supervisor, replan: bool = False, allow_partial: bool = False) -> dict:
+    """Deploy and preflight every host, check the output fits, then settle the run's plan; exits
+    on any refusal."""
     config = sup.config
     click.echo(f"deploying to {len(config.hosts)} host(s)…", err=True)
     results, failures = await sup.deploy()
     from .deploy import format_preflight
-    click.echo(format_preflight(results, failures), err=True)
+    groups = output_needs(config, results, replan)
+    click.echo(format_preflight(results, failures, {h: g.need for g in groups for h in g.hosts}), err=True)
+    refusals = output_verdicts(results, groups, allow_partial)
     unreachable = {h: e for h, e in failures.items() if not isinstance(e, HostUnusable)}
     if unreachable:
         fail(f"{len(unreachable)} host(s) unreachable: " + "; ".join(map(str, unreachable.values())),
              EXIT_UNREACHABLE)
     errors = [str(e) for e in failures.values()] + [f"{r.host}: {e}" for r in results for e in r.errors]
-    if errors:
-        fail("preflight refused: " + "; ".join(errors), EXIT_FAULT)
+    if errors or refusals:
+        fail("preflight refused: " + "; ".join(errors + refusals), EXIT_FAULT)
     try:
         return await sup.settle_plan(results, replan)
     except PlanError as e:
         fail(str(e), EXIT_FAULT)
         raise
+
+
+def output_needs(config: Config, results: list, replan: bool) -> list:
+    """What each output folder must hold for its hosts' shards, with the shard layout the run will
+    use: the plan the hosts hold (unless --replan), else the one fleet.toml makes now."""
+    from .footprint import needs
+    from .jobs import place_shards
+    from .plan import placements
+    held = [r.plan for r in results if r.plan]
+    if held and not replan:
+        places = placements(max(held, key=lambda p: p.get("created", 0)))
+    else:
+        places = place_shards(config, {h.name: [] for h in config.hosts} | {r.host: r.gpus for r in results})
+    by_host: dict[str, list[int]] = {}
+    for p in places:
+        by_host.setdefault(p.host, []).append(p.shard)
+    outputs = {h.name: config.host_path(h, config.run.output) for h in config.hosts}
+    return needs({r.host: r.report for r in results}, outputs, by_host, len(places))
+
+
+def output_verdicts(results: list, groups: list, allow_partial: bool) -> list[str]:
+    """Print the whole run's projection and the warnings; return the refusals."""
+    from .footprint import describe, verdicts
+    fp = next((r.report["footprint"] for r in results if r.report.get("footprint")), None)
+    if fp:
+        click.echo(describe(fp), err=True)
+    refusals, warnings = verdicts(groups, allow_partial)
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
+    return refusals
 
 
 @main.command()
@@ -100,14 +133,17 @@ async def deploy_and_plan(sup: Supervisor, replan: bool = False) -> dict:
 @click.option("--replan", is_flag=True, help="the run's plan (shard layout, model, data, layers) no "
                                              "longer matches fleet.toml: make a new one. Only when no "
                                              "shard is live; finished samples are kept")
-def up(config_path: str, headless: bool, replan: bool) -> None:
+@click.option("--allow-partial", is_flag=True, help="launch even where preflight projects more output "
+                                                    "than the disk holds: shards stop when it is full")
+def up(config_path: str, headless: bool, replan: bool, allow_partial: bool) -> None:
     """Deploy the worker, launch a shard on every GPU and supervise them.
 
     The first `fleet up` fixes the run's plan (which shard runs where, and the identity of the
     model, data and layers) on every host; later commands follow it, and a fleet.toml that
     disagrees is refused with the differences. Re-running `fleet up` on a live run re-attaches:
     live shards are never started twice, failed ones are restarted and resume where they
-    stopped. Quitting leaves the workers running.
+    stopped. Quitting leaves the workers running. A host whose free disk cannot hold what its
+    shards will write (preflight's projection) is refused unless --allow-partial.
     """
     config = load(config_path)
 
@@ -115,7 +151,7 @@ def up(config_path: str, headless: bool, replan: bool) -> None:
         t0 = time.monotonic()
         sup = Supervisor(config, on_log=lambda m: click.echo(f"  {time.monotonic() - t0:5.1f}s  {m}", err=True))
         try:
-            return await deploy_and_plan(sup, replan)
+            return await deploy_and_plan(sup, replan, allow_partial)
         finally:
             await sup.close()
 
@@ -138,7 +174,7 @@ def up(config_path: str, headless: bool, replan: bool) -> None:
                     click.echo(line)
 
         sup = Supervisor(config, on_change=print_changes, on_log=lambda m: click.echo(f"  {m}", err=True))
-        await deploy_and_plan(sup, replan)
+        await deploy_and_plan(sup, replan, allow_partial)
         await sup.start()
         await sup.launch_all()
         try:
@@ -328,7 +364,8 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
         fraction = f" ({result.skip_fraction:.2%})" if result.skip_fraction is not None else ""
         click.echo(f"{result.written} written, {len(result.skipped)} skipped{fraction}, "
                    f"{result.num_samples if result.num_samples is not None else '?'} in the dataset"
-                   + (f" (format {result.format})" if result.format else ""))
+                   + (f" (format {result.format}" + (", fp8" if result.dtype == "fp8" else "") + ")"
+                      if result.format else ""))
         for i, why in list(result.skipped.items())[:20]:
             click.echo(f"  skipped {i}: {why}")
         if result.missing:

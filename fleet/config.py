@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from worker.formats import FORMATS, LOSS_MASKS
+from worker.formats import FORMATS, LOSS_MASKS, FormatError, check_dtype
 from worker.layers import LayerError, check_spec
 
 if sys.version_info >= (3, 11):
@@ -26,7 +26,7 @@ else:                                     # pragma: no cover
     import tomli as tomllib
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-PLACEHOLDERS = {"python", "shard", "num_shards", "gpu", "host", "output", "run", "model", "data",
+PLACEHOLDERS = {"python", "shard", "num_shards", "gpu", "gpus", "host", "output", "run", "model", "data",
                 "shard_dir"}
 
 
@@ -57,10 +57,13 @@ class RunSpec(Strict):
     last_layer_norm: Literal["pre", "post"] | None = None
     target_last_hidden_states: bool = False         # specforge-dflash: add DSpark's final state
     loss_mask: Literal[LOSS_MASKS] = "assistant"
+    dtype: Literal["bf16", "fp8"] = "bf16"          # hidden states as stored (fp8: format speculators)
     max_tokens_per_batch: int = Field(16384, gt=0)
     max_length: int | None = Field(None, gt=0)
     too_long: Literal["truncate", "skip"] = "skip"
     max_skip_fraction: float = Field(0.01, ge=0, le=1)  # more rows skipped than this fails the shard
+    gpus_per_shard: int = Field(1, ge=1, le=64)         # one shard spans this many GPUs of a host
+    compile: Literal["auto", "on", "off"] = "auto"      # torch.compile the decoder layers (auto: GPU, dense)
     device: Literal["auto", "cuda", "cpu"] = "auto"
     extra_args: list[str] = []          # more flags for python -m worker.extract
     env: dict[str, str] = {}            # environment for every shard process
@@ -97,6 +100,15 @@ class RunSpec(Strict):
         if isinstance(v, list):
             if not v or any(i < 0 for i in v) or len(set(v)) != len(v):
                 raise ValueError("a non-empty list of distinct non-negative hs indices")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v, info):
+        try:                                 # format is validated first (declared before dtype)
+            check_dtype(info.data.get("format", "speculators"), v)
+        except FormatError as e:
+            raise ValueError(str(e).removeprefix(f"dtype {v}: ")) from None
         return v
 
     @property

@@ -154,8 +154,11 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec,
     step(f"{host.name}: preflight: python, GPUs, model, data, layers, free disk")
     args = ["--gpus", "all" if host.gpus == "all" else ",".join(map(str, host.gpus)),
             "--device", run.device, "--output", config.host_path(host, run.output),
-            "--run-dir", config.run_dir(host)]
+            "--run-dir", config.run_dir(host), "--gpus-per-shard", str(run.gpus_per_shard),
+            "--max-tokens-per-batch", str(run.max_tokens_per_batch)]
     args += output_args(run)
+    if run.max_length:                     # rows the worker will skip or cut: the footprint knows
+        args += ["--max-length", str(run.max_length), "--too-long", run.too_long]
     if model:
         args += ["--model", model]
     if data:
@@ -179,13 +182,14 @@ async def run_demo_assets(t: Transport, config: Config, host: HostSpec, model: s
                         f"{host.name}: making the demo model failed: {last_line(r.stderr)}")
 
 
-def format_preflight(results: list[Preflight], failures: dict[str, HostError]) -> str:
-    """One table: host, python, torch, GPUs, free disk, estimate, verdict."""
+def format_preflight(results: list[Preflight], failures: dict[str, HostError],
+                     needs: dict[str, int] | None = None) -> str:
+    """One table: host, python, torch, GPUs, free disk, what its shards will write, verdict."""
     rows = [("host", "worker", "python", "torch", "gpus", "free", "needs", "result")]
     for p in results:
         r = p.report
         free = r.get("free_bytes")
-        need = r.get("estimated_bytes")
+        need = (needs or {}).get(p.host, r.get("estimated_bytes"))
         verdict = "ERROR: " + p.errors[0] if p.errors else ("warning: " + p.warnings[0] if p.warnings else "ok")
         rows.append((p.host, "uploaded" if p.uploaded else "cached", r.get("python", "?"), r.get("torch", "-"),
                      ",".join(map(str, p.gpus)) or "-",

@@ -19,7 +19,12 @@ AGENT_SENTINEL_KEYS = ("done", "fail", "progress", "progress_glob", "total")
 class Placement:
     shard: int
     host: str
-    gpu: int
+    gpu: int                       # the first of its GPUs (the one a shard of one GPU has)
+    gpus: tuple[int, ...] = ()     # all of them, when the shard spans several (gpus_per_shard)
+
+    @property
+    def all_gpus(self) -> tuple[int, ...]:
+        return self.gpus or (self.gpu,)
 
 
 @dataclass
@@ -30,11 +35,15 @@ class ShardCommand:
 
 
 def place_shards(config: Config, gpus_by_host: dict[str, list[int]]) -> list[Placement]:
-    """One shard per GPU, numbered in fleet.toml's host order, then GPU order."""
+    """One shard per `gpus_per_shard` GPUs of a host (in its GPU order), numbered in fleet.toml's
+    host order; GPUs left over (fewer than gpus_per_shard) run nothing."""
+    k = config.run.gpus_per_shard
     out = []
     for host in config.hosts:
-        for gpu in gpus_by_host[host.name]:
-            out.append(Placement(len(out), host.name, gpu))
+        gpus = gpus_by_host[host.name]
+        for i in range(0, len(gpus) - k + 1, k):
+            group = tuple(gpus[i:i + k])
+            out.append(Placement(len(out), host.name, group[0], group if k > 1 else ()))
     return out
 
 
@@ -46,11 +55,12 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
     run = config.run
     python = config.python(host)
     values = {"python": python, "shard": place.shard, "num_shards": num_shards, "gpu": place.gpu,
+              "gpus": ",".join(map(str, place.all_gpus)),
               "host": host.name, "run": run.name, "output": config.host_path(host, run.output),
               "model": config.host_path(host, run.model) if run.model else "",
               "data": config.host_path(host, run.data) if run.data else "",
               "shard_dir": shard_dir(config, host, place.shard)}
-    env = {"CUDA_VISIBLE_DEVICES": str(place.gpu), "PYTHONUNBUFFERED": "1", **run.env}
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.all_gpus)), "PYTHONUNBUFFERED": "1", **run.env}
     job = config.spec.job
     if job is not None:
         argv = [token.format(**values) for token in shlex.split(job.command)]
@@ -60,8 +70,12 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
             "--out", values["output"], "--state", values["shard_dir"],
             "--shard-index", str(place.shard), "--num-shards", str(num_shards),
             "--max-tokens-per-batch", str(run.max_tokens_per_batch), "--too-long", run.too_long]
+    if len(place.all_gpus) > 1:
+        argv += ["--gpus-per-shard", str(len(place.all_gpus))]
     argv += output_args(run) + ["--plan", os.path.join(config.run_dir(host), "plan.json"),
-                                "--max-skip-fraction", str(run.max_skip_fraction)]
+                                "--max-skip-fraction", str(run.max_skip_fraction),
+                                "--compile", run.compile,
+                                "--cache-dir", os.path.join(config.run_dir(host), "cache")]
     if run.last_layer_norm:
         argv += ["--last-layer-norm", run.last_layer_norm]
     if run.max_length:
@@ -74,9 +88,9 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
 
 
 def output_args(run) -> list[str]:
-    """What the worker writes: format, layers (default: the format's own preset), loss mask. The
-    worker's preflight takes the same flags, so both resolve layers alike."""
-    argv = ["--format", run.format, "--loss-mask", run.loss_mask]
+    """What the worker writes: format, layers (default: the format's own preset), loss mask, dtype.
+    The worker's preflight takes the same flags, so both resolve layers alike."""
+    argv = ["--format", run.format, "--loss-mask", run.loss_mask, "--dtype", run.dtype]
     if run.layers_arg is not None:
         argv += ["--layers", run.layers_arg]
     if run.target_last_hidden_states:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from worker.identity import differences
+from worker.identity import differences, upgraded
 from worker.plan import PLAN_VERSION
 
 from .config import Config
@@ -20,7 +20,9 @@ from .jobs import Placement, place_shards
 # fleet.toml values that change what is written (the rest: batch size, device, env, telemetry,
 # may change between launches). Model and data are compared by identity, not by path.
 SPEC_KEYS = ("output", "layers", "last_layer_norm", "target_last_hidden_states", "max_length",
-             "too_long", "format", "dtype", "loss_mask")
+             "too_long", "format", "dtype", "loss_mask", "gpus_per_shard")
+# What a key added to [run] after a plan was made meant for that plan (all earlier runs were bf16).
+SPEC_DEFAULTS = {"dtype": "bf16", "gpus_per_shard": 1}
 
 
 class PlanError(Exception):
@@ -36,21 +38,23 @@ def spec_of(config: Config) -> dict:
 
 
 def make_plan(config: Config, gpus_by_host: dict[str, list[int]], identity: dict) -> dict:
+    places = place_shards(config, gpus_by_host)
     return {"version": PLAN_VERSION, "run": config.run.name, "created": round(time.time(), 3),
-            "num_shards": sum(len(g) for g in gpus_by_host.values()),
-            "shards": [{"id": p.shard, "host": p.host, "gpu": p.gpu}
-                       for p in place_shards(config, gpus_by_host)],
+            "num_shards": len(places),
+            "shards": [{"id": p.shard, "host": p.host, "gpu": p.gpu, "gpus": list(p.all_gpus)}
+                       for p in places],
             "spec": spec_of(config), "identity": identity}
 
 
 def placements(plan: dict) -> list[Placement]:
-    return [Placement(s["id"], s["host"], s["gpu"]) for s in plan["shards"]]
+    return [Placement(s["id"], s["host"], s["gpu"], tuple(s["gpus"]) if len(s.get("gpus", ())) > 1 else ())
+            for s in plan["shards"]]
 
 
 def layout(plan: dict) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for s in plan["shards"]:
-        out.setdefault(s["host"], []).append(s["gpu"])
+        out.setdefault(s["host"], []).extend(s.get("gpus") or [s["gpu"]])
     return out
 
 
@@ -61,9 +65,11 @@ def plan_differences(old: dict, new: dict, compare_identity: bool = True) -> lis
     for host in sorted(set(a) | set(b)):
         if a.get(host) != b.get(host):
             out.append(f"gpus of {host}: {a.get(host, 'none')} -> {b.get(host, 'none')}")
-    out += differences(old.get("spec", {}), new.get("spec", {}))
+    spec = new.get("spec", {})
+    defaults = {key: value for key, value in SPEC_DEFAULTS.items() if key in spec}
+    out += differences({**defaults, **old.get("spec", {})}, spec)
     if compare_identity:
-        out += differences(old.get("identity", {}), new.get("identity", {}))
+        out += differences(upgraded(old.get("identity", {})), new.get("identity", {}))
     return out
 
 

@@ -37,6 +37,7 @@ class Attempt:
     by: str
     gpu: int | None
     phase: Phase = Phase.STARTING
+    detail: str | None = None             # what loading is doing ("compiling the decoder layers")
     pid: int | None = None
     last_progress_t: float = 0.0
     done_event: bool = False              # the built-in worker's `done`
@@ -99,6 +100,7 @@ class ShardRecord:
     writer_wait_s: float = 0.0
     gpu_mem_bytes: int | None = None
     warning: str | None = None
+    path: str | None = None               # the forward path the worker chose, and why
     last_event: str | None = None
     last_event_t: float | None = None
     last_failure: str | None = None       # why the newest failed attempt failed
@@ -127,9 +129,10 @@ class ShardRecord:
             if ev.total_tokens is not None:
                 self.total_tokens = ev.total_tokens
         elif isinstance(ev, protocol.Loading):
-            a.phase = Phase.LOADING
+            a.phase, a.detail = Phase.LOADING, ev.detail
         elif isinstance(ev, protocol.Loaded):
-            a.phase, a.last_progress_t = Phase.RUNNING, ev.t
+            a.phase, a.last_progress_t, a.detail = Phase.RUNNING, ev.t, None
+            self.path = ev.path or self.path
             if ev.gpu_mem_bytes is not None:
                 self.gpu_mem_bytes = ev.gpu_mem_bytes
         elif isinstance(ev, protocol.Progress):               # Done is a Progress too

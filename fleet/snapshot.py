@@ -63,6 +63,7 @@ class ShardStatus(BaseModel):
     id: int
     host: str
     gpu: int
+    gpus: list[int] = Field(default_factory=list, description="every GPU of the shard (gpus_per_shard)")
     state: State
     reason: Optional[str] = Field(None, description="why it is in this state (failures, stops)")
     faulty: bool = Field(False, description="STALLED, FAILED, BACKOFF, FATAL or UNKNOWN")
@@ -100,6 +101,8 @@ class ShardStatus(BaseModel):
     writer_wait_s: float = 0.0
     gpu_mem_bytes: Optional[int] = None
     warning: Optional[str] = None
+    detail: Optional[str] = Field(None, description="what LOADING is doing now (\"compiling the decoder layers\")")
+    path: Optional[str] = Field(None, description="the worker's forward path and why (compiled, eager)")
 
 
 class Totals(BaseModel):
@@ -112,7 +115,7 @@ class Totals(BaseModel):
     tokens: int = Field(0, description="tokens extracted so far")
     total_tokens: Optional[int] = Field(None, description="the run's tokens, once every shard's "
                                                           "total_tokens is known")
-    gpus_planned: int = Field(0, description="GPUs in the run's plan (one shard each)")
+    gpus_planned: int = Field(0, description="GPUs in the run's plan (a shard may span several)")
     gpus_expected: int = Field(0, description="gpus_planned less the GPUs whose shard is DONE (nothing "
                                               "left to do), STOPPED (taken out on purpose) or UNKNOWN "
                                               "(its host is not measured: out of both sides of the "
@@ -212,6 +215,7 @@ class ShardView:
     alive: bool | None = None
     pid: int | None = None
     max_restarts: int = 0
+    gpus: tuple[int, ...] = ()
 
 
 # --- the one computation ------------------------------------------------------------------------
@@ -255,14 +259,26 @@ def shard_eta(r: ShardRecord, state: State, rate: Rates | None) -> float | None:
     return eta(max(r.total - r.done - r.skipped, 0), rate.samples_per_s)
 
 
+def disk_full_eta(records: list[ShardRecord], tokens_per_s: float, free: int) -> float | None:
+    """Seconds until a host's disk is full at its current tokens/s and the bytes per token its
+    shards actually wrote (fp8 or bf16, layers, file overhead: as measured); None when nothing is
+    measured yet or when the rows left, at the tokens per sample seen so far, fit in `free`."""
+    done, tokens = sum(r.done for r in records), sum(r.tokens for r in records)
+    if not done or not tokens or tokens_per_s <= 0:
+        return None
+    per_token = sum(r.bytes for r in records) / tokens
+    left = sum(max(r.total - r.done - r.skipped, 0) for r in records) * tokens / done
+    return None if left * per_token <= free else free / (tokens_per_s * per_token)
+
+
 def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView], now: float,
-                   expected, planned: int | None = None) -> FleetSnapshot:
-    """`expected` is the config's ExpectedSpec; `now` the supervisor's clock; `planned` the GPUs in
-    the run's plan (default: one per shard shown)."""
+                   expected) -> FleetSnapshot:
+    """`views`: every shard of the run's plan; `expected` the config's ExpectedSpec; `now` the
+    supervisor's clock."""
     rows: list[ShardStatus] = []
     by_state: dict[str, int] = {}
     measured: list[tuple[ShardView, Rates]] = []
-    not_expected = 0
+    gpus_planned = gpus_expected = 0          # a shard over several GPUs counts each of them
     for v in views:
         host = hosts[v.host]
         hn = host.host_now(now)
@@ -272,12 +288,14 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
         rate = rates(r, state, hn) if host.reachable else None
         if rate is not None:
             measured.append((v, rate))
-        if state in (State.DONE, State.STOPPED, State.UNKNOWN):
-            not_expected += 1
+        n_gpus = len(v.gpus) if v.gpus else 1
+        gpus_planned += n_gpus
+        if state not in (State.DONE, State.STOPPED, State.UNKNOWN):
+            gpus_expected += n_gpus
         a = r.attempt
         due = v.verdict.due_t
         rows.append(ShardStatus(
-            id=v.id, host=v.host, gpu=v.gpu, state=state,
+            id=v.id, host=v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), state=state,
             reason=f"host unreachable: {host.error}" if state == State.UNKNOWN else v.verdict.reason,
             faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
             progress=_finite((r.done + r.skipped) / r.total, 4) if r.total else None,
@@ -293,7 +311,8 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             last_event=r.last_event,
             last_event_age_s=_finite(hn - r.last_event_t, 1) if r.last_event_t else None,
             backoff_s=_finite(max(due - hn, 0.0), 1) if due is not None and state != State.UNKNOWN else None,
-            writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning))
+            writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
+            detail=a.detail if a and state == State.LOADING else None, path=r.path))
     states = [row.state for row in rows]
     settled = bool(states) and all(s in SETTLED for s in states)
     finished = bool(states) and all(s == State.DONE for s in states)
@@ -301,8 +320,6 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
     # Throughput against expected: the per-GPU figure times the GPUs that should be working.
     sps = sum(x.samples_per_s for _, x in measured)
     tps = sum(x.tokens_per_s for _, x in measured)
-    gpus_planned = len(views) if planned is None else planned
-    gpus_expected = max(gpus_planned - not_expected, 0)
     per_gpu, unit = (expected.samples_per_s_per_gpu, "samples") if expected.samples_per_s_per_gpu \
         else (expected.tokens_per_s_per_gpu, "tokens")
     expected_rate = per_gpu * gpus_expected if per_gpu and gpus_expected else None
@@ -339,16 +356,18 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
         end = max(ends) if settled and ends else now
         elapsed = max(end - min(starts), 0.0)
 
-    host_bps: dict[str, float] = {}
+    host_tps: dict[str, float] = {}
     for v, x in measured:
-        host_bps[v.host] = host_bps.get(v.host, 0.0) + x.bytes_per_s
+        host_tps[v.host] = host_tps.get(v.host, 0.0) + x.tokens_per_s
     disk_eta = None
     host_rows = []
     hours = elapsed / 3600 if elapsed is not None else None
     for h in hosts.values():
         free = (h.disk or {}).get("free")
-        if free is not None and host_bps.get(h.name, 0) > 0 and h.reachable:
-            disk_eta = min(disk_eta if disk_eta is not None else math.inf, free / host_bps[h.name])
+        fills = disk_full_eta([v.record for v in views if v.host == h.name], host_tps.get(h.name, 0.0),
+                              free) if free is not None and h.reachable else None
+        if fills is not None:
+            disk_eta = min(disk_eta if disk_eta is not None else math.inf, fills)
         host_rows.append(HostStatus(
             name=h.name, address=h.address, reachable=h.reachable, error=h.error,
             telemetry=h.telemetry if h.reachable else None,

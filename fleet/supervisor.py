@@ -190,10 +190,10 @@ class Supervisor:
     def snapshot(self, now: float | None = None) -> FleetSnapshot:
         now = time.time() if now is None else now
         views = [ShardView(s.id, s.placement.host, s.placement.gpu, s.record, self.verdict(s, now),
-                           s.alive, s.pid, self.sup.max_restarts)
+                           s.alive, s.pid, self.sup.max_restarts, s.placement.all_gpus)
                  for s in sorted(self.shards.values(), key=lambda s: s.id)]
         return build_snapshot(self.config.run.name, views, {n: l.host for n, l in self.links.items()},
-                              now, self.config.spec.expected, planned=len(self.placements))
+                              now, self.config.spec.expected)
 
     @property
     def replayed(self) -> bool:

@@ -18,6 +18,7 @@ from .transport import HostError, Transport
 class VerifyResult:
     num_samples: int | None = None
     format: str | None = None            # the trainer layout every host wrote (meta.json)
+    dtype: str | None = None             # bf16 | fp8, as every host stored the hidden states
     written: int = 0
     skipped: dict[int, str] = field(default_factory=dict)
     missing: list[list[int]] = field(default_factory=list)
@@ -61,6 +62,11 @@ def merge_reports(reports: dict[str, dict]) -> VerifyResult:
             if result.format is not None and result.format != fmt:
                 result.problems.append(f"{host}: files in format {fmt}, another host's in {result.format}")
             result.format = fmt
+        dtype = rep.get("dtype")
+        if dtype is not None:
+            if result.dtype is not None and result.dtype != dtype:
+                result.problems.append(f"{host}: hidden states in {dtype}, another host's in {result.dtype}")
+            result.dtype = dtype
         result.problems += [f"{host}: {p}" for p in rep.get("problems", [])]
         if rep.get("repaired"):
             result.repaired[host] = rep["repaired"]

@@ -9,19 +9,29 @@ def padded_length(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
-def make_batches(samples: Sequence, max_tokens: int, pad_multiple: int = 1) -> list[list]:
+def row_bucket(rows: int) -> int:
+    """The largest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them) not above
+    `rows`: batches keep at least two thirds of the budget, and kernels that tune per row count
+    (flash-linear-attention's) see a few dozen row counts in a whole shard, not hundreds."""
+    bucket = 1
+    while bucket * 2 <= rows:
+        bucket *= 2
+    return bucket * 3 // 2 if bucket >= 2 and bucket * 3 // 2 <= rows else bucket
+
+
+def make_batches(samples: Sequence, max_tokens: int, pad_multiple: int = 1,
+                 bucket_rows: bool = False) -> list[list]:
     """Longest first (an OOM shows itself at the start), each batch's rows x padded length within
-    `max_tokens`; a sample longer than the budget gets a batch of its own."""
+    `max_tokens`; a sample longer than the budget gets a batch of its own. `bucket_rows`: each
+    batch's row count is a `row_bucket` (few distinct batch shapes)."""
     batches: list[list] = []
-    current: list = []
-    width = 0
-    for s in sorted(samples, key=lambda s: (-s.length, s.index)):
-        if not current:
-            width = padded_length(s.length, pad_multiple)
-        elif (len(current) + 1) * width > max_tokens:
-            batches.append(current)
-            current, width = [], padded_length(s.length, pad_multiple)
-        current.append(s)
-    if current:
-        batches.append(current)
+    ordered = sorted(samples, key=lambda s: (-s.length, s.index))
+    i = 0
+    while i < len(ordered):
+        width = padded_length(ordered[i].length, pad_multiple)
+        rows = max(1, max_tokens // width)
+        if bucket_rows:
+            rows = row_bucket(rows)
+        batches.append(ordered[i:i + rows])
+        i += rows
     return batches

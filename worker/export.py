@@ -3,8 +3,9 @@ another trainer's layout, without the GPU.
 
 Every sample SRC's manifests record is read through SRC's layout and written through DST's, with
 the same atomic write and manifest as the extractor, so an export that is stopped resumes where it
-stopped. Samples recorded as skipped stay skipped. Layers stay as they are (EAGLE-1/2 keeps hs[L]
-alone): a format that needs states SRC does not hold (hs[L] post-norm from a pre-norm run) is
+stopped. Samples recorded as skipped stay skipped. fp8 stays fp8 where DST's reader dequantises it
+(speculators: the same bytes) and is written as bf16 where it cannot (exactly the values
+speculators' reader would have seen). Layers stay as they are (EAGLE-1/2 keeps hs[L] alone): a format that needs states SRC does not hold (hs[L] post-norm from a pre-norm run) is
 refused; re-extract for it.
 Progress goes to stderr; the last line on stdout is one JSON summary (what `fleet export` reads).
 """
@@ -43,12 +44,14 @@ def open_source(src: str) -> tuple[dict, Layout]:
     return meta, layout_of(meta)
 
 
-def target_layout(fmt: str, plan: LayerPlan) -> Layout:
-    """The same layers in `fmt`; EAGLE-1/2 keeps only hs[L] (post-norm) of them."""
+def target_layout(fmt: str, plan: LayerPlan, dtype: str = "bf16") -> Layout:
+    """The same layers in `fmt`; EAGLE-1/2 keeps only hs[L] (post-norm) of them. fp8 where the
+    format's reader dequantises it, else bf16."""
+    from .formats import FP8_READERS
     if fmt == "eagle" and plan.num_layers in plan.ids and plan.last_layer_norm == "post":
         plan = LayerPlan((plan.num_layers,), "post", plan.num_layers)
     try:
-        return Layout(fmt, plan)
+        return Layout(fmt, plan, dtype if fmt in FP8_READERS else "bf16")
     except FormatError as e:
         raise ExportError(f"cannot export to {fmt}: {e}") from None
 
@@ -68,7 +71,7 @@ def convert(src: str, src_layout: Layout, dst: str, dst_layout: Layout, index: i
 
 def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> dict:
     meta, src_layout = open_source(src)
-    dst_layout = target_layout(fmt, src_layout.plan)
+    dst_layout = target_layout(fmt, src_layout.plan, src_layout.dtype)
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ExportError(f"{dst}: the output must be another folder than the source")
     records = load_finished(src)
@@ -77,18 +80,25 @@ def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> dic
     os.makedirs(dst, exist_ok=True)
     if os.path.exists(os.path.join(dst, protocol.META_FILE)):
         old = json.load(open(os.path.join(dst, protocol.META_FILE)))
-        if old.get("format") != fmt or old.get("layer_ids") != list(dst_layout.plan.ids):
+        old_layout = layout_of(old)
+        if old.get("format") != fmt or old.get("layer_ids") != list(dst_layout.plan.ids) \
+                or old_layout.dtype != dst_layout.dtype:
             raise ExportError(f"{dst} already holds format {old.get('format')} with layers "
-                              f"{old.get('layer_ids')}: use another --out")
+                              f"{old.get('layer_ids')} in {old_layout.dtype}: use another --out")
     plan = dst_layout.plan
+    meta = {k: v for k, v in meta.items() if k != "hidden_states_scales"}
+    identity = meta.get("identity")
+    if isinstance(identity, dict):
+        meta["identity"] = {**identity, "dtype": dst_layout.dtype}
     write_json_atomic(os.path.join(dst, protocol.META_FILE),
-                      dict(meta, format=fmt, data_dir=os.path.abspath(dst_layout.data_dir(dst)),
+                      dict(meta, **dst_layout.stored(), format=fmt,
+                           data_dir=os.path.abspath(dst_layout.data_dir(dst)),
                            layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm,
                            trainer_setting=trainer_setting(fmt, plan),
                            exported_from=os.path.abspath(src)))
     manifest = Manifest(manifest_path(dst, "export"))
-    summary = {"source": src, "out": dst, "format": fmt, "to_do": len(todo), "written": 0,
-               "skipped": 0, "problems": []}
+    summary = {"source": src, "out": dst, "format": fmt, "dtype": dst_layout.dtype, "to_do": len(todo),
+               "written": 0, "skipped": 0, "problems": []}
     t0 = time.monotonic()
 
     def one(i: int) -> dict:

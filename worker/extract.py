@@ -29,15 +29,16 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from . import __version__, protocol, sizing
-from .batching import make_batches, padded_length
+from .batching import make_batches, padded_length, row_bucket
 from .data import BadRow, DataError, Sample, open_dataset, row_to_sample, shard_range
 from .events import EventLog
 from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, Layout,
                       supervision_problem, trainer_setting)
 from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
-                       work_identity)
+                       upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers
-from .model import Capture, ModelError, find_decoder, load_model, missing_fast_kernels, text_config
+from .model import (Capture, ModelError, compile_layers, find_decoder, is_hybrid, load_model,
+                    missing_fast_kernels, model_devices, text_config, uncompile_layers)
 from .writer import (BackgroundWriter, DiskFullError, Manifest, Stats, load_finished, manifest_path,
                      write_json_atomic)
 
@@ -89,21 +90,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--too-long", choices=("truncate", "skip"), default="skip",
                    help="what to do with a sample over --max-length (default skip, reported)")
     p.add_argument("--device", default=None, help="cuda:0 | cpu (default: cuda:0 when available)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
-                   help="model dtype (default bf16; fp32 allowed on the CPU). Files are always bf16")
+    p.add_argument("--gpus-per-shard", type=int, default=1,
+                   help="spread the decoder layers over this many GPUs (cuda:0..k-1), for a model "
+                        "that does not fit one")
+    p.add_argument("--devices", default=None,
+                   help="the devices to spread the layers over, as a comma list (overrides "
+                        "--device and --gpus-per-shard; e.g. cpu,cpu tests the split without GPUs)")
+    p.add_argument("--dtype", choices=("bf16", "fp8", "fp32"), default="bf16",
+                   help="hidden states as stored: bf16 (default) or fp8 (float8_e4m3fn + a float32 "
+                        "scale per token per layer, quantised on the GPU; format speculators). "
+                        "fp32 is the old meaning of this flag: use --model-dtype fp32")
+    p.add_argument("--model-dtype", choices=("bf16", "fp32"), default=None,
+                   help="the model's compute dtype (default bf16; fp32 allowed on the CPU)")
     p.add_argument("--writer-queue", type=int, default=3,
                    help="batches waiting for the disk before the GPU waits (bounds host memory)")
     p.add_argument("--writer-threads", type=int, default=4, help="files written in parallel")
     p.add_argument("--sort-window", type=int, default=20000,
                    help="samples read and length-sorted at a time (bounds host memory)")
     p.add_argument("--pad-multiple", type=int, default=None,
-                   help="pad each batch's width to a multiple of this (default 8 on a GPU, 1 on the "
-                        "CPU); coarser widths mean fewer distinct shapes for shape-tuned kernels")
+                   help="pad each batch's width to a multiple of this (default 8 on a GPU, 64 for a hybrid "
+                        "model there, 1 on the CPU); coarser widths mean fewer distinct shapes for "
+                        "shape-tuned kernels")
     p.add_argument("--progress-interval", type=float, default=2.0, help="seconds between progress events")
     p.add_argument("--plan", default=None,
                    help="the run's plan.json (fleet passes it): refuse work whose identity differs")
     p.add_argument("--max-skip-fraction", type=float, default=0.01,
                    help="fail the shard when more than this fraction of its rows are skipped (default 0.01)")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile the decoder layers: auto = on a GPU for dense models (hybrid "
+                        "Gated DeltaNet models run fla's own Triton kernels eagerly), off on the CPU")
+    p.add_argument("--cache-dir", default=None,
+                   help="compile and Triton autotuning caches, shared by the shards of a host (fleet "
+                        "passes <root>/<run>/cache): a restart pays no compile it has paid before")
     p.add_argument("--random-weights", action="store_true",
                    help="initialise from config.json with random weights (benchmarks, dry runs)")
     args = p.parse_args(argv)
@@ -111,6 +129,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--max-tokens-per-batch, --writer-queue, --writer-threads and --pad-multiple must be positive")
     if not 0 <= args.shard_index < args.num_shards:
         p.error(f"--shard-index {args.shard_index} out of range for --num-shards {args.num_shards}")
+    if args.dtype == "fp32":               # --dtype used to be the model's dtype
+        print("warning: --dtype fp32 means --model-dtype fp32 (--dtype is now the stored dtype, "
+              "bf16 or fp8)", file=sys.stderr)
+        args.dtype, args.model_dtype = "bf16", args.model_dtype or "fp32"
     return args
 
 
@@ -126,13 +148,17 @@ class Options:
     loss_mask: str = "assistant"
     format: str = "speculators"
     max_positions: int | None = None     # the model's longest sequence; longer rows are skipped
+    bucket_rows: bool = False            # batch row counts from a few buckets (batching.row_bucket)
+    dtype: str = "bf16"                  # hidden states as stored: bf16 | fp8
 
 
-def gpu_memory(device: torch.device) -> dict:
-    if device.type != "cuda":
+def gpu_memory(devices: torch.device | list[torch.device]) -> dict:
+    """Allocated and peak bytes, summed over the shard's GPUs."""
+    devices = [d for d in (devices if isinstance(devices, list) else [devices]) if d.type == "cuda"]
+    if not devices:
         return {}
-    return {"gpu_mem_bytes": torch.cuda.memory_allocated(device),
-            "gpu_peak_bytes": torch.cuda.max_memory_allocated(device)}
+    return {"gpu_mem_bytes": sum(torch.cuda.memory_allocated(d) for d in devices),
+            "gpu_peak_bytes": sum(torch.cuda.max_memory_allocated(d) for d in devices)}
 
 
 def host_peak_bytes() -> int:
@@ -145,12 +171,22 @@ class Extractor:
     the reason: one bad sample never costs the others."""
 
     def __init__(self, model: torch.nn.Module, plan: LayerPlan, device: torch.device,
-                 writer: BackgroundWriter, pad_multiple: int):
+                 writer: BackgroundWriter, pad_multiple: int, micro_batches: int = 1):
         self.model = model
         self.capture = Capture(find_decoder(model), plan)
-        self.device = device
+        devices = model_devices(model, device)
+        self.device, self.out_device = devices[0], devices[-1]   # ids go in here, states come out there
         self.writer = writer
         self.pad_multiple = pad_multiple
+        self.micro_batches = micro_batches
+
+    def run_batch(self, batch: list[Sample]) -> None:
+        """A model spread over several GPUs takes each batch as `micro_batches` row groups issued
+        back to back: nothing waits on the host, so stage i starts on group j+1 while stage i+1
+        works on group j."""
+        step = -(-len(batch) // self.micro_batches)
+        for i in range(0, len(batch), step):
+            self.run(batch[i:i + step])
 
     def run(self, batch: list[Sample]) -> None:
         problem = self._try(batch)
@@ -184,17 +220,41 @@ class Extractor:
             torch.cuda.empty_cache()
         return problem
 
-    def _forward(self, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = padded_length(max(s.length for s in batch), self.pad_multiple)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        lengths = torch.tensor([s.length for s in batch])
+    def _inputs(self, batch: list[Sample], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [B, width] and lengths [B] on the device. On a GPU they go through one of two pinned
+        staging buffers, asynchronously: the host never waits for the GPU here, so it queues the
+        next batch while the GPUs work (with several GPUs, that is what keeps them all busy)."""
+        B = len(batch)
+        if self.device.type != "cuda":
+            staged = torch.zeros(B * width + B, dtype=torch.long)
+        else:
+            slot = self._turn = (getattr(self, "_turn", 0) + 1) % 2
+            buffers, events = self.__dict__.setdefault("_staging", [None, None]), \
+                self.__dict__.setdefault("_staged", [None, None])
+            if events[slot] is not None:
+                events[slot].synchronize()                        # its copy (two batches ago) is done
+            if buffers[slot] is None or buffers[slot].numel() < B * width + B:
+                buffers[slot] = torch.empty(max(B * width + B, 1 << 16), dtype=torch.long, pin_memory=True)
+            staged = buffers[slot][: B * width + B]
+            staged.zero_()
+        ids, lengths = staged[: B * width].view(B, width), staged[B * width:]
         for row, s in enumerate(batch):
             ids[row, : s.length] = torch.from_numpy(s.input_ids)
-        ids = ids.to(self.device, non_blocking=True)
+            lengths[row] = s.length
+        on_device = staged.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self._staged[self._turn] = torch.cuda.Event()
+            self._staged[self._turn].record(torch.cuda.current_stream(self.device))
+        return on_device[: B * width].view(B, width), on_device[B * width:]
+
+    def _forward(self, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = padded_length(max(s.length for s in batch), self.pad_multiple)
+        ids, lengths = self._inputs(batch, width)
         with torch.inference_mode():
             self.model(input_ids=ids, use_cache=False)
-            hidden = self.capture.take()                         # [B, S, n, H] bf16
-            valid = torch.arange(width, device=self.device)[None, :] < lengths.to(self.device)[:, None]
+            hidden = self.capture.take(self.out_device)          # [B, S, n, H] bf16
+            out = self.out_device
+            valid = torch.arange(width, device=out)[None, :] < lengths.to(out, non_blocking=True)[:, None]
             bad = ~torch.isfinite(hidden).flatten(2).all(-1)     # [B, S]
             finite = ~(bad & valid).any(1)
         return hidden, finite
@@ -240,18 +300,19 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
     """The GPU loop: sample chunks in, files out (in `options.format`); bad rows recorded as
     skipped. Shared by the CLI and the benchmark."""
     os.makedirs(out_dir, exist_ok=True)
-    layout = Layout(options.format, plan)
+    layout = Layout(options.format, plan, options.dtype)
+    devices = model_devices(model, device)
     writer = BackgroundWriter(
         out_dir, Manifest(manifest_path(out_dir, shard)), layout.header(), stats,
-        depth=options.writer_queue, file_threads=options.writer_threads, device=device,
+        depth=options.writer_queue, file_threads=options.writer_threads, device=devices[-1],
         on_skip=lambda index, reason: log.emit(protocol.SampleSkipped(index=index, reason=reason)),
         reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0, layout=layout)
-    extractor = Extractor(model, plan, device, writer, options.pad_multiple)
+    extractor = Extractor(model, plan, device, writer, options.pad_multiple, len(devices))
     stop_ticker = threading.Event()
 
     def tick() -> None:
         while not stop_ticker.wait(progress_interval):
-            log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(device)))
+            log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices)))
 
     ticker = threading.Thread(target=tick, name="progress", daemon=True)
     ticker.start()
@@ -260,20 +321,21 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
             if isinstance(item, BadRow):
                 writer.skip(item.index, item.reason)
                 continue
-            for batch in make_batches(item, options.max_tokens_per_batch, options.pad_multiple):
-                extractor.run(batch)
+            for batch in make_batches(item, options.max_tokens_per_batch, options.pad_multiple,
+                                      options.bucket_rows):
+                extractor.run_batch(batch)
         writer.close()
     finally:
         stop_ticker.set()
         extractor.capture.remove()
-    log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(device)))
+    log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices)))
     return stats
 
 
 def run_meta(layout: Layout, layers: str, loss_mask: str, out: str) -> dict:
     """What meta.json says about the files: format, where the trainer reads, layers, loss mask."""
     plan = layout.plan
-    return {"format": layout.format, "data_dir": os.path.abspath(layout.data_dir(out)),
+    return {**layout.stored(), "format": layout.format, "data_dir": os.path.abspath(layout.data_dir(out)),
             "layers": layers, "layer_ids": list(plan.ids), "last_layer_norm": plan.last_layer_norm,
             "num_layers": plan.num_layers, "target_last_hidden_states": plan.target_last,
             "trainer_setting": trainer_setting(layout.format, plan), "loss_mask": loss_mask,
@@ -302,11 +364,16 @@ def main(argv: list[str] | None = None) -> int:
         raise Terminated(f"terminated by signal {signum}")
     signal.signal(signal.SIGTERM, on_term)
 
+    use_cache_dir(args.cache_dir)
     device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    devices = args.devices.split(",") if args.devices else \
+        [f"cuda:{i}" for i in range(args.gpus_per_shard)] if device.type == "cuda" and args.gpus_per_shard > 1 \
+        else [str(device)]
+    device = torch.device(devices[0])
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+        dtype = torch.float32 if args.model_dtype == "fp32" else torch.bfloat16
         dataset = open_dataset(args.data)
         if dataset.num_rows == 0:
             raise DataError(f"{args.data}: empty (0 rows)")
@@ -320,22 +387,30 @@ def main(argv: list[str] | None = None) -> int:
                                                    if os.path.isdir(args.model) else "model folder not found"))
         plan = resolve_layers(args.layers or args.format, shape.num_layers,
                               args.last_layer_norm, args.target_last_hidden_states)
-        layout = Layout(args.format, plan)
+        layout = Layout(args.format, plan, args.dtype)
         identity = check_identity(args, plan)        # before any file is touched
         finished = load_finished(args.out)
         log.emit(protocol.Loading(model=args.model))
         t0 = time.perf_counter()
-        model = load_model(args.model, str(device), dtype, args.random_weights)
+        if device.type == "cuda" and len(devices) > torch.cuda.device_count():
+            raise ModelError(f"--gpus-per-shard {len(devices)}: only {torch.cuda.device_count()} GPU(s) "
+                             f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')})")
+        model = load_model(args.model, devices, dtype, args.random_weights)
         vocab_size = model.get_input_embeddings().num_embeddings
         config = text_config(model)
+        # Hybrid models on a GPU: coarser widths and row buckets keep fla's kernel shapes few.
+        few_shapes = is_hybrid(model) and device.type == "cuda"
+        pad = args.pad_multiple or (1 if device.type != "cuda" else 64 if few_shapes else 8)
+        path = choose_path(model, device, args, log, max(8, pad))
         log.emit(protocol.Loaded(seconds=round(time.perf_counter() - t0, 2), **gpu_memory(device),
-                                 layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm))
+                                 layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm,
+                                 path=path))
         if warning := missing_fast_kernels(model):
             log.emit(protocol.WarningEvent(message=warning))
         os.makedirs(args.out, exist_ok=True)
         write_meta(args.out, {
             "model": os.path.abspath(args.model), "model_type": config.model_type,
-            "dtype": "bfloat16", "model_dtype": str(dtype).removeprefix("torch."),
+            "model_dtype": str(dtype).removeprefix("torch."),
             **run_meta(layout, args.layers or args.format, args.loss_mask, args.out),
             "hidden_size": config.hidden_size,
             "num_samples": dataset.num_rows, "data": os.path.abspath(args.data),
@@ -362,9 +437,8 @@ def main(argv: list[str] | None = None) -> int:
 
         options = Options(args.max_tokens_per_batch, args.max_length, args.too_long,
                           args.writer_queue, args.writer_threads, args.sort_window,
-                          pad_multiple=args.pad_multiple or (8 if device.type == "cuda" else 1),
-                          loss_mask=args.loss_mask, format=args.format,
-                          max_positions=shape.max_positions)
+                          pad_multiple=pad, loss_mask=args.loss_mask, format=args.format,
+                          max_positions=shape.max_positions, bucket_rows=few_shapes, dtype=args.dtype)
         items = iter_shard(dataset, start, stop, set(finished), vocab_size, tokenizer, options)
         sizing.start(log, dataset, start, stop, vocab_size, args.model, options)  # total_tokens
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
@@ -389,11 +463,86 @@ def main(argv: list[str] | None = None) -> int:
                     EXIT_FAILED, traceback.format_exc())
 
 
+def use_cache_dir(cache_dir: str | None) -> None:
+    """Point Inductor's and Triton's caches (and Triton's autotuning results) at the run's shared
+    folder; set before anything compiles. The flag wins over an inherited environment (torch
+    itself exports its default cache folder to its children)."""
+    if not cache_dir:
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    for var, value in (("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor")),
+                       ("TRITON_CACHE_DIR", os.path.join(cache_dir, "triton")),
+                       ("TORCHINDUCTOR_FX_GRAPH_CACHE", "1"), ("TORCHINDUCTOR_AUTOGRAD_CACHE", "1"),
+                       ("TRITON_CACHE_AUTOTUNING", "1")):
+        os.environ[var] = value
+
+
+def choose_path(model: torch.nn.Module, device: torch.device, args: argparse.Namespace,
+                log: EventLog, pad: int) -> str:
+    """Compile the decoder layers where it pays and can run, warming them up at load (so the
+    compile shows as LOADING "compiling", never as a stall); fall back to eager, saying why."""
+    if args.compile == "off":
+        return "eager (--compile off)"
+    if args.compile == "auto" and device.type != "cuda":
+        return "eager (no GPU: compiling would cost more than it saves)"
+    if args.compile == "auto" and is_hybrid(model):
+        return warm_hybrid(model, device, args, log, pad)
+    if not hasattr(torch, "compile"):
+        return f"eager (torch {torch.__version__} has no torch.compile)"
+    log.emit(protocol.Loading(model=args.model, detail="compiling the decoder layers"))
+    t0 = time.perf_counter()
+    compile_layers(model)
+    try:
+        with torch.inference_mode():
+            for rows, width in ((2, 2 * pad), (1, pad)):      # a batch, and the one-row case
+                model(input_ids=torch.zeros((rows, width), dtype=torch.long, device=device), use_cache=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:                                      # no compiler, an unsupported op...
+        uncompile_layers(model)
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        log.emit(protocol.WarningEvent(message=f"torch.compile failed, running eager: {type(e).__name__}: {why}"))
+        return f"eager (torch.compile failed: {type(e).__name__})"
+    seconds = time.perf_counter() - t0
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return f"compiled ({seconds:.0f} s to compile{f', cache {cache}' if cache else ''})"
+
+
+def warm_hybrid(model: torch.nn.Module, device: torch.device, args: argparse.Namespace,
+                log: EventLog, pad: int) -> str:
+    """flash-linear-attention tunes some kernels per batch row count: run one small batch of every
+    row bucket the shard can use at load (shown as LOADING), so the first minutes of the shard run
+    at full speed; the tuning results land in the run's Triton cache for the next process."""
+    if device.type != "cuda" or missing_fast_kernels(model):
+        return "eager (hybrid model" + (": fast kernels missing)" if missing_fast_kernels(model) else ")")
+    buckets = row_buckets(args.max_tokens_per_batch, pad)
+    log.emit(protocol.Loading(model=args.model, detail=f"tuning fla's kernels for {len(buckets)} batch shapes"))
+    seconds = warm_rows(model, device, buckets, pad)
+    return f"eager with fla's kernels ({len(buckets)} batch shapes tuned in {seconds:.0f} s)"
+
+
+def row_buckets(budget: int, pad: int) -> list[int]:
+    """Every row count a batch can have under `budget` with bucketed rows."""
+    return sorted({row_bucket(r) for r in range(1, max(1, budget // pad) + 1)})
+
+
+def warm_rows(model: torch.nn.Module, device: torch.device, buckets: list[int], width: int) -> float:
+    """One small forward per row bucket (kernels tune on first sight of a row count); seconds."""
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for rows in buckets:
+            model(input_ids=torch.zeros((rows, width), dtype=torch.long, device=device), use_cache=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def check_identity(args: argparse.Namespace, plan: LayerPlan) -> dict:
     """This shard's work as worker.identity sees it; NotRetryable when it is not the run's plan's
     or not what the output folder already holds (another model, dataset, layers or format)."""
     try:
-        identity = work_identity(args.model, args.data, output_identity(plan, args.format, args.loss_mask))
+        identity = work_identity(args.model, args.data,
+                                 output_identity(plan, args.format, args.loss_mask, args.dtype))
     except IdentityError as e:
         raise ModelError(str(e)) from None
     if args.plan:
@@ -402,7 +551,7 @@ def check_identity(args: argparse.Namespace, plan: LayerPlan) -> dict:
                 planned = json.load(f).get("identity") or {}
         except (OSError, ValueError, AttributeError) as e:
             raise ModelError(f"{args.plan}: cannot read the run's plan: {e}") from None
-        if diffs := differences(planned, identity):
+        if diffs := differences(upgraded(planned), identity):
             raise NotRetryable(f"this shard's work differs from the run's plan ({args.plan}): "
                                + "; ".join(diffs) + " (fleet up --replan after fleet down, or restore it)")
     if diffs := output_mismatch(args.out, identity):

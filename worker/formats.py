@@ -4,6 +4,7 @@ back. The writer, `worker.verify` and `worker.export` all go through a Layout.
 | format           | files (under the output folder)         | keys                                            |
 |------------------|-----------------------------------------|-------------------------------------------------|
 | speculators      | hs_<i>.safetensors                      | hidden_states bf16 [T, n, H], token_ids, loss_mask |
+|   (dtype fp8)    |                                         | hidden_states float8_e4m3fn [T, n, H] + hidden_states_scales float32 [T, n, 1] |
 | specforge-eagle3 | rows_<g>-<g+2000>/data_<i>.ckpt         | input_ids, loss_mask int64 [T], aux_hidden_state bf16 [1, T, 3H], hidden_state [1, T, H] |
 | specforge-dflash | rows_<g>-<g+2000>/data_<i>.ckpt         | input_ids, loss_mask, hidden_states [1, T, k*H] (+ target_last_hidden_states [1, T, H]) |
 | eagle            | data/rows_<g>-<g+2000>/data_<i>.ckpt    | input_ids [T], hidden_state [T, H], loss_mask [T] |
@@ -12,6 +13,11 @@ back. The writer, `worker.verify` and `worker.export` all go through a Layout.
 `*.ckpt`, speculators opens `hs_<i>.safetensors` by index, and EAGLE-1/2 (which `torch.load`s every
 file under its data path) is pointed at `data/`. Temp files are written at the top too (a `.tmp-`
 name no reader lists), then renamed into place.
+
+Stored dtype: bf16 in every format; fp8 (worker/fp8.py) only where the trainer's reader
+dequantises it: speculators (`--hidden-states-backend fp8`, hs_connectors' FP8Transfer). SpecForge's
+`load_feature_file` and EAGLE-1/2's loader `torch.load` the tensors and use them as they are.
+`load_sample(path)` reads any of these files back with bf16 hidden states.
 
 Standard library at import (preflight checks a format without torch); torch is imported to read and
 write.
@@ -43,6 +49,23 @@ _HS_NAME = re.compile(r"hs_(\d+)\.safetensors$")
 
 class FormatError(Exception):
     """The layers asked for cannot be written in this format (or read back as it)."""
+
+
+# Formats whose trainer's own reader dequantises fp8 files (checked against its code).
+FP8_READERS = {"speculators": "speculators train --hidden-states-backend fp8 "
+                              "(hs_connectors.transfer.FP8Transfer)"}
+_NO_FP8 = {"specforge-eagle3": "SpecForge's load_feature_file", "specforge-dflash": "SpecForge's load_feature_file",
+           "eagle": "EAGLE-1/2's torch.load"}
+
+
+def check_dtype(fmt: str, dtype: str) -> None:
+    """Refuse, with one line, a stored dtype this format's trainer cannot read."""
+    if dtype not in ("bf16", "fp8"):
+        raise FormatError(f"dtype {dtype!r}: expected bf16 or fp8")
+    if dtype == "fp8" and fmt not in FP8_READERS:
+        raise FormatError(f"dtype fp8: format {fmt} is read by {_NO_FP8.get(fmt, 'a reader')}, which cannot "
+                          f"dequantise fp8 (only speculators can); use dtype = \"bf16\", or format = "
+                          f"\"speculators\" and `fleet export --format {fmt}` later (written in bf16)")
 
 
 def check_plan(fmt: str, plan: LayerPlan) -> None:
@@ -102,12 +125,15 @@ def context_slots(fmt: str, plan: LayerPlan) -> list[int]:
 
 @dataclass(frozen=True)
 class Layout:
-    """One format with the layers it holds: paths, file contents, reading back."""
+    """One format with the layers it holds and the dtype it stores: paths, file contents, reading
+    back."""
     format: str
     plan: LayerPlan
+    dtype: str = "bf16"                  # bf16 | fp8 (worker/fp8.py)
 
     def __post_init__(self) -> None:
         check_plan(self.format, self.plan)
+        check_dtype(self.format, self.dtype)
 
     # --- where --------------------------------------------------------------------------------
     def data_dir(self, out: str) -> str:
@@ -138,16 +164,27 @@ class Layout:
         return found
 
     # --- what ---------------------------------------------------------------------------------
-    def pack(self, hidden, token_ids, loss_mask) -> dict:
-        """One sample's file contents from hidden [T, n, H] bf16, token_ids and loss_mask [T].
+    def pack(self, hidden, token_ids, loss_mask, scales=None) -> dict:
+        """One sample's file contents from hidden [T, n, H], token_ids and loss_mask [T].
 
+        `hidden` is bf16, or fp8 with its `scales` [T, n, 1] (what the writer's GPU quantised);
+        it is quantised or dequantised here when this layout stores the other dtype.
         Every tensor is a fresh, compact copy: torch.save writes a view's whole storage."""
         import torch
+
+        from . import fp8
 
         T, n, H = hidden.shape
         ids = torch.as_tensor(token_ids, dtype=torch.int64).clone()
         mask = torch.as_tensor(loss_mask)
+        if scales is not None and self.dtype != "fp8":
+            hidden, scales = fp8.dequantize(hidden, scales), None
         if self.format == "speculators":
+            if self.dtype == "fp8":
+                if scales is None:
+                    hidden, scales = fp8.quantize(hidden)
+                return {"hidden_states": hidden, fp8.SCALES_KEY: scales, "token_ids": ids,
+                        "loss_mask": mask.to(torch.uint8)}
             return {"hidden_states": hidden, "token_ids": ids, "loss_mask": mask.to(torch.uint8)}
         mask = mask.to(torch.int64).clone()
         ctx = self._compact(hidden[:, context_slots(self.format, self.plan)].reshape(T, -1))
@@ -167,11 +204,16 @@ class Layout:
         return t.to(torch.bfloat16).clone(memory_format=torch.contiguous_format)
 
     def unpack(self, tensors: dict) -> tuple[Any, Any, Any]:
-        """(hidden [T, n, H], token_ids [T], loss_mask [T]) back from a file's contents."""
+        """(hidden [T, n, H] bf16, token_ids [T], loss_mask [T]) back from a file's contents
+        (fp8 files dequantised)."""
         import torch
 
         if self.format == "speculators":
-            return tensors["hidden_states"], tensors["token_ids"], tensors["loss_mask"]
+            from . import fp8
+            hidden = tensors["hidden_states"]
+            if fp8.SCALES_KEY in tensors:
+                hidden = fp8.dequantize(hidden, tensors[fp8.SCALES_KEY])
+            return hidden, tensors["token_ids"], tensors["loss_mask"]
         ids, mask = tensors["input_ids"].reshape(-1), tensors["loss_mask"].reshape(-1)
         T = ids.shape[0]
         if self.format == "eagle":
@@ -191,8 +233,33 @@ class Layout:
 
     def header(self) -> dict[str, str]:
         """Header metadata of a speculators file (ckpt files hold only what their readers load)."""
-        return {"layer_ids": ",".join(map(str, self.plan.ids)),
-                "last_layer_norm": self.plan.last_layer_norm, "format": "fleet-hs-1"}
+        from .fp8 import SCALE_LAYOUT, TORCH_NAMES
+        head = {"layer_ids": ",".join(map(str, self.plan.ids)),
+                "last_layer_norm": self.plan.last_layer_norm, "format": "fleet-hs-1",
+                "dtype": TORCH_NAMES[self.dtype]}
+        if self.dtype == "fp8":
+            head["scale_layout"] = SCALE_LAYOUT
+        return head
+
+    def stored(self) -> dict:
+        """What meta.json says about the stored hidden states: dtype and, for fp8, the scales."""
+        from .fp8 import SCALE_LAYOUT, SCALES_KEY, TORCH_NAMES
+        out: dict = {"dtype": TORCH_NAMES[self.dtype]}
+        if self.dtype == "fp8":
+            out["hidden_states_scales"] = {
+                "key": SCALES_KEY, "dtype": "float32", "shape": "[T, n_layers, 1]",
+                "layout": SCALE_LAYOUT, "rule": "smallest power of two with amax / scale <= 464",
+                "dequantize": f"hidden_states.to(bfloat16) * {SCALES_KEY}.to(bfloat16)"}
+        return out
+
+    def bytes_per_token(self, hidden_size: int) -> int:
+        """Bytes a token costs in this layout's files: hidden states (+ scales) and ids + mask."""
+        ids_mask = 8 + (1 if self.format == "speculators" else 8)      # int64 ids; uint8 / int64 mask
+        return payload_bytes(1, len(self.plan.ids), hidden_size, self.dtype) + ids_mask
+
+    def bytes_per_file(self) -> int:
+        """A file's fixed cost beyond its tokens: safetensors' header, torch.save's zip records."""
+        return FILE_OVERHEAD[self.format] + (FP8_FILE_OVERHEAD if self.dtype == "fp8" else 0)
 
     # --- files --------------------------------------------------------------------------------
     def save(self, tensors: dict, path: str, metadata: dict[str, str]) -> None:
@@ -217,14 +284,24 @@ class Layout:
         """What is wrong with one file's contents, or None."""
         import torch
 
-        want = {"speculators": ("hidden_states", "token_ids", "loss_mask"),
+        from . import fp8
+
+        want = {"speculators": ("hidden_states", "token_ids", "loss_mask")
+                + ((fp8.SCALES_KEY,) if self.dtype == "fp8" else ()),
                 "specforge-eagle3": ("input_ids", "loss_mask", "aux_hidden_state", "hidden_state"),
                 "specforge-dflash": ("input_ids", "loss_mask", "hidden_states")
                 + (("target_last_hidden_states",) if self.plan.target_last else ()),
                 "eagle": ("input_ids", "hidden_state", "loss_mask")}[self.format]
+        if self.format == "speculators" and "hidden_states" in tensors:
+            expected = fp8.FP8 if self.dtype == "fp8" else torch.bfloat16
+            if tensors["hidden_states"].dtype != expected:
+                return f"hidden states dtype {tensors['hidden_states'].dtype}, expected {expected}"
         missing = [k for k in want if k not in tensors]
         if missing:
             return f"keys {missing} missing"
+        if self.format == "speculators" and self.dtype == "fp8":
+            if problem := self._check_scales(tensors["hidden_states"], tensors[fp8.SCALES_KEY]):
+                return problem
         try:
             hidden, ids, mask = self.unpack(tensors)
         except (RuntimeError, ValueError, ZeroDivisionError) as e:
@@ -239,3 +316,49 @@ class Layout:
         if not bool(torch.isfinite(hidden).all()):
             return "non-finite values"
         return None
+
+    @staticmethod
+    def _check_scales(values, scales) -> str | None:
+        import torch
+
+        from .fp8 import SCALES_KEY
+        T, n, _ = values.shape
+        if scales.dtype != torch.float32 or tuple(scales.shape) != (T, n, 1):
+            return (f"{SCALES_KEY} {scales.dtype} {tuple(scales.shape)}, expected float32 {(T, n, 1)} "
+                    f"(one scale per token per layer)")
+        if not bool((torch.isfinite(scales) & (scales > 0)).all()):
+            return f"{SCALES_KEY} holds a scale that is not a positive finite number"
+        return None
+
+
+def payload_bytes(tokens: int, layers: int, hidden_size: int, dtype: str) -> int:
+    """Bytes of hidden states (and fp8's float32 scale per token per layer) for `tokens` tokens."""
+    if dtype == "fp8":
+        return tokens * layers * (hidden_size + 4)
+    return tokens * layers * hidden_size * 2
+
+
+# A file's fixed bytes beyond its tensors, measured on the files the worker writes (safetensors'
+# JSON header with our metadata, + the scales' entry for fp8; torch.save's zip records, each
+# tensor's data aligned to 64 bytes). preflight's projection adds it per sample.
+FILE_OVERHEAD = {"speculators": 360, "specforge-eagle3": 2300, "specforge-dflash": 2300, "eagle": 2050}
+FP8_FILE_OVERHEAD = 120
+
+
+def load_sample(path: str) -> dict:
+    """One sample file of any format, with its hidden states in bf16 (fp8 files dequantised, the
+    scales dropped, as speculators' FP8Transfer hands them to its trainer). Needs only torch and
+    safetensors: `from worker.formats import load_sample`."""
+    import torch
+
+    from . import fp8
+
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        tensors = load_file(path)
+    else:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    if fp8.SCALES_KEY in tensors:
+        scales = tensors.pop(fp8.SCALES_KEY)
+        tensors["hidden_states"] = fp8.dequantize(tensors["hidden_states"], scales)
+    return tensors

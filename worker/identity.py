@@ -59,10 +59,20 @@ def model_shape(model: str) -> ModelShape | None:
         return None
 
 
-def output_identity(plan, fmt: str, loss_mask: str) -> dict:
-    """What is written: the layers (a worker.layers.LayerPlan), the format, the loss mask."""
+def output_identity(plan, fmt: str, loss_mask: str, dtype: str = "bf16") -> dict:
+    """What is written: the layers (a worker.layers.LayerPlan), the format, the loss mask, the
+    stored dtype (bf16 and fp8 files never share an output folder)."""
     return {"layer_ids": list(plan.ids), "last_layer_norm": plan.last_layer_norm,
-            "target_last": bool(getattr(plan, "target_last", False)), "format": fmt, "loss_mask": loss_mask}
+            "target_last": bool(getattr(plan, "target_last", False)), "format": fmt, "loss_mask": loss_mask,
+            "dtype": dtype}
+
+
+def upgraded(identity: dict) -> dict:
+    """An identity recorded before a key existed, with the value that key had then: every output
+    written before the stored dtype was chosen is bf16."""
+    if ("format" in identity or "layer_ids" in identity) and "dtype" not in identity:
+        return {**identity, "dtype": "bf16"}
+    return identity
 
 
 def work_identity(model: str | None, data: str | None, output: dict) -> dict:
@@ -88,6 +98,7 @@ def output_mismatch(out_dir: str, identity: dict) -> list[str]:
     if not isinstance(held, dict):
         held = {k: meta[k] for k in ("layer_ids", "last_layer_norm", "format", "loss_mask")
                 if isinstance(meta, dict) and k in meta}
+    held = upgraded(held)
     return differences({k: v for k, v in held.items() if k in identity},
                        {k: v for k, v in identity.items() if k in held})
 

@@ -95,11 +95,13 @@ class Capture:
             self.slots[slot] = _hidden_from_output(output)
         return hook
 
-    def take(self) -> torch.Tensor:
-        """[B, S, n_layers, H] in bf16; releases the references the hooks held."""
+    def take(self, device: torch.device | None = None) -> torch.Tensor:
+        """[B, S, n_layers, H] in bf16 on `device` (default: where the layers ran; a model spread
+        over several GPUs hands in the last one); releases the references the hooks held."""
         if any(s is None for s in self.slots):
             raise RuntimeError("a hooked layer did not run")
-        stacked = torch.stack([s.to(torch.bfloat16) for s in self.slots], dim=2)
+        stacked = torch.stack([s.to(device or s.device, torch.bfloat16, non_blocking=True)
+                               for s in self.slots], dim=2)
         self.slots = [None] * len(self.slots)
         return stacked
 
@@ -118,8 +120,19 @@ def _dtype_kwarg(dtype: torch.dtype) -> dict:
     return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
 
-def load_model(path: str, device: str, dtype: torch.dtype, random_weights: bool = False) -> torch.nn.Module:
-    """The base model (AutoModel: no lm_head) on `device`, in eval mode."""
+def load_model(path: str, device: str | list[str], dtype: torch.dtype,
+               random_weights: bool = False) -> torch.nn.Module:
+    """The base model (AutoModel: no lm_head) on `device`, in eval mode; a list of devices spreads
+    the decoder layers over them in order (see `spread`)."""
+    devices = [device] if isinstance(device, str) else list(device)
+    if len(devices) > 1:
+        model = _load(path, devices[0] if random_weights else "cpu", dtype, random_weights)
+        spread(model, devices)
+        return model
+    return _load(path, devices[0], dtype, random_weights)
+
+
+def _load(path: str, device: str, dtype: torch.dtype, random_weights: bool) -> torch.nn.Module:
     import transformers
     from transformers import AutoConfig, AutoModel
 
@@ -132,6 +145,7 @@ def load_model(path: str, device: str, dtype: torch.dtype, random_weights: bool 
     try:
         if random_weights:
             config = AutoConfig.from_pretrained(path)
+            torch.manual_seed(0)               # the same weights in every process on this device type
             with torch.device(device):
                 model = AutoModel.from_config(config, **_dtype_kwarg(dtype))
         else:
@@ -142,6 +156,93 @@ def load_model(path: str, device: str, dtype: torch.dtype, random_weights: bool 
     return model.eval()
 
 
+def _to(value: Any, device: torch.device, memo: dict) -> Any:
+    """Tensors in `value` moved to `device`, each at most once per forward: a copy between GPUs
+    makes the two streams wait for each other, so moving the rotary tables again for every layer
+    would serialize the GPUs; `memo` holds what this forward already moved."""
+    if isinstance(value, torch.Tensor):
+        if value.device == device:
+            return value
+        key = (id(value), device)
+        if key not in memo:
+            memo[key] = (value, value.to(device, non_blocking=True))    # keep the source alive
+        return memo[key][1]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device, memo) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device, memo) for k, v in value.items()}
+    return value
+
+
+def spread(model: torch.nn.Module, devices: list[str]) -> None:
+    """Split the decoder layers over `devices` in order (contiguous, balanced by count), the final
+    norm on the last, everything else (embeddings, rotary tables) on the first. A pre-hook moves
+    each layer's tensor inputs to its device; the copies are asynchronous, so the next batch's
+    first stage runs while this one's last stage does, and every GPU stays busy."""
+    decoder = find_decoder(model)
+    targets = [torch.device(d) for d in devices]
+    n, k = len(decoder.layers), len(targets)
+
+    memo: dict = {}
+
+    def mover(device, first: bool = False):
+        def hook(module, args, kwargs):
+            if first:
+                memo.clear()                       # a new forward: last one's tensors are stale
+            return _to(args, device, memo), _to(kwargs, device, memo)
+        return hook
+    decoder.layers[0].register_forward_pre_hook(mover(targets[0], first=True), with_kwargs=True)
+    for i, layer in enumerate(decoder.layers):
+        layer.to(targets[i * k // n])
+        layer.register_forward_pre_hook(mover(targets[i * k // n]), with_kwargs=True)
+    decoder.norm.to(targets[-1])
+    decoder.norm.register_forward_pre_hook(mover(targets[-1]), with_kwargs=True)
+    placed = {id(p) for m in (*decoder.layers, decoder.norm) for p in (*m.parameters(), *m.buffers())}
+    for module in model.modules():                 # the rest: to the first device
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) not in placed:
+                p.data = p.data.to(targets[0])
+        for name, b in list(module._buffers.items()):
+            if b is not None and id(b) not in placed:
+                module._buffers[name] = b.to(targets[0])
+    model.devices = targets
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """torch.compile each decoder layer's forward, with dynamic shapes so batch widths and row
+    counts reuse the graphs. The hooks stay outside (they run in the module's __call__, not in
+    forward). Each layer gets its own graph (its index is a constant in it), so the recompile
+    limit is raised to fit them; identical graphs hit Inductor's cache after the first."""
+    import functools
+
+    import torch._dynamo
+    decoder = find_decoder(model)
+    limit = 4 * len(decoder.layers) + 16
+    for name in ("recompile_limit", "cache_size_limit"):        # the name depends on torch's version
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+    compiled = {}
+    for layer in decoder.layers:
+        cls = type(layer)
+        if cls not in compiled:
+            compiled[cls] = torch.compile(cls.forward, dynamic=True)
+        layer.forward = functools.partial(compiled[cls], layer)
+
+
+def uncompile_layers(model: torch.nn.Module) -> None:
+    for layer in find_decoder(model).layers:
+        layer.__dict__.pop("forward", None)
+
+
+def is_hybrid(model: torch.nn.Module) -> bool:
+    return getattr(text_config(model), "model_type", "") in HYBRID_MODEL_TYPES
+
+
+def model_devices(model: torch.nn.Module, default: torch.device) -> list[torch.device]:
+    """The devices a model runs on, in order: the first takes the input ids, the last the output."""
+    return list(getattr(model, "devices", None) or [default])
+
+
 def text_config(model: torch.nn.Module) -> Any:
     config = model.config
     return getattr(config, "text_config", None) or config
@@ -149,7 +250,7 @@ def text_config(model: torch.nn.Module) -> Any:
 
 def missing_fast_kernels(model: torch.nn.Module) -> str | None:
     """For hybrid Gated DeltaNet models, which fast-kernel packages are absent (None: all there)."""
-    if getattr(text_config(model), "model_type", "") not in HYBRID_MODEL_TYPES:
+    if not is_hybrid(model):
         return None
     missing = [pkg for pkg, mod in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))
                if importlib.util.find_spec(mod) is None]

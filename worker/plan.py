@@ -18,6 +18,8 @@ import json
 import os
 import sys
 
+from .protocol import replace_atomically
+
 PLAN_FILE = "plan.json"
 PLAN_VERSION = 1
 
@@ -41,13 +43,10 @@ def write_plan(run_dir: str, plan: dict, archive_records: bool = False) -> None:
     records = os.path.join(run_dir, "shards")
     if archive_records and os.path.isdir(records):
         os.rename(records, f"{records}.before-{int(plan.get('created', 0))}")
-    path = plan_path(run_dir)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(plan, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(plan, f, indent=1, sort_keys=True)
+    replace_atomically(plan_path(run_dir), write)
 
 
 def main(argv: list[str] | None = None) -> int:

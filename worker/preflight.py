@@ -1,9 +1,15 @@
 """`python -m worker.preflight`: can this host run its shards? One JSON object on stdout.
 
 Checks the Python version, torch/transformers/safetensors (built-in job only), GPUs against the
-ones asked for, the model and data paths, the layers and format (through the worker's own resolver),
-and free disk at the output against the estimated output size (tokens x layers x hidden x 2 bytes).
-Standard library only, except that it imports torch when the built-in job needs it.
+ones asked for, the model and data paths, the layers, format and dtype (through the worker's own
+resolver), and measures free disk at the output. For the built-in worker it projects the output's
+size (`footprint`): every row's tokens x (layers x hidden x bytes per element, + a scale per layer
+for fp8, + ids and mask) + each file's fixed bytes, from the dataset's real lengths where that is
+cheap (input_ids of JSONL rows, a saved dataset's seq_len or input_ids lengths) and an estimate
+that says so where it is not (raw chats), in buckets of rows with what the output already holds
+taken off: fleet sums the buckets of each host's shards and compares them with its free space.
+Standard library only, except that it imports torch when the built-in job needs it (and pyarrow for
+a Parquet / saved dataset).
 """
 
 from __future__ import annotations
@@ -11,10 +17,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
+import time
 
-from .formats import FormatError, check_plan
+from . import protocol
+from .formats import FormatError, Layout, check_dtype, check_plan
 from .gpu import GpuReader
 from .identity import (IdentityError, model_shape, output_identity, output_mismatch,
                        work_identity)
@@ -25,37 +34,113 @@ from .probe import disk_space
 MIN_PYTHON = (3, 9)
 
 
-def estimate_tokens(data: str, sample_rows: int = 2000) -> int | None:
-    """Mean tokens of the first rows x row count (raw chats: ~3.5 characters a token). JSONL only."""
-    if not data.endswith((".jsonl", ".json")) or not os.path.isfile(data):
+CHARS_PER_TOKEN = 3.5                # raw chats: the estimate where rows are not tokenized
+BUCKETS = 1024                       # row buckets of the footprint (fleet sums those of each host)
+SCAN_BUDGET_S = 30.0                 # reading JSONL lengths past this is extrapolated (and says so)
+
+
+def _jsonl_ids_length(line: bytes) -> int | None:
+    """len(input_ids) of a JSONL row without parsing it (counting commas), None if it has none."""
+    key = line.find(b'"input_ids"')
+    if key < 0:
         return None
-    rows, tokens = 0, 0
-    with open(data, "rb") as f:
+    start = line.find(b"[", key)
+    if start < 0 or line[key + 11:start].strip() != b":":
+        return None
+    stop = line.find(b"]", start)
+    if stop < 0:
+        return None
+    body = line[start + 1:stop]
+    return body.count(b",") + 1 if body.strip() else 0
+
+
+def jsonl_lengths(path: str, budget_s: float = SCAN_BUDGET_S) -> tuple[list[float], str, bool]:
+    """Tokens of every row, the basis of that figure, and whether it is exact."""
+    lengths: list[float] = []
+    chats, t0, cut = 0, time.monotonic(), False
+    with open(path, "rb") as f:
         for n, line in enumerate(f):
-            if n < sample_rows:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(row, dict) and isinstance(row.get("input_ids"), list):
-                    tokens += len(row["input_ids"])
-                else:
-                    tokens += int(len(line) / 3.5)
-            rows = n + 1
-    return int(tokens / min(rows, sample_rows) * rows) if rows else 0
+            if n % 4096 == 0 and time.monotonic() - t0 > budget_s:
+                cut = True
+                break
+            ids = _jsonl_ids_length(line)
+            if ids is None:
+                chats += 1
+                ids = len(line.strip()) / CHARS_PER_TOKEN
+            lengths.append(ids)
+    if cut:
+        from .identity import jsonl_row_count
+        rows = jsonl_row_count(path)
+        mean = sum(lengths) / max(len(lengths), 1)
+        return (lengths + [mean] * (rows - len(lengths)),
+                f"estimate: lengths of the first {len(lengths):,} of {rows:,} rows, their mean for the rest", False)
+    if chats:
+        return lengths, (f"estimate: {chats:,} of {len(lengths):,} rows are raw chats, counted at "
+                         f"~{CHARS_PER_TOKEN} characters a token"), False
+    return lengths, f"input_ids lengths of all {len(lengths):,} rows", True
 
 
-def existing_output_bytes(output: str) -> int:
-    folder = os.path.join(output, "manifest")
-    total = 0
-    if os.path.isdir(folder):
-        for name in os.listdir(folder):
-            try:
-                for line in open(os.path.join(folder, name)):
-                    total += json.loads(line).get("bytes", 0)
-            except (OSError, ValueError):
-                pass
-    return total
+def arrow_lengths(path: str) -> tuple[list[float], str, bool]:
+    from .data import _arrow_table
+    table = _arrow_table(path)
+    rows = table.num_rows
+    if "seq_len" in table.column_names:
+        return [int(x or 0) for x in table.column("seq_len").to_pylist()], f"seq_len of all {rows:,} rows", True
+    if "input_ids" in table.column_names:
+        import pyarrow.compute as pc
+        lengths = pc.list_value_length(table.column("input_ids")).to_pylist()
+        return [int(x or 0) for x in lengths], f"input_ids lengths of all {rows:,} rows", True
+    head = table.slice(0, min(rows, 1000)).to_pylist()
+    mean = sum(len(json.dumps(r, default=str)) for r in head) / max(len(head), 1) / CHARS_PER_TOKEN
+    return [mean] * rows, (f"estimate: raw chats, the first {len(head):,} rows' characters at "
+                           f"~{CHARS_PER_TOKEN} a token"), False
+
+
+def finished_rows(output: str) -> tuple[set[int], int]:
+    """Indices the output's manifests record (written or skipped) and the bytes written."""
+    done: set[int] = set()
+    written = 0
+    folder = os.path.join(output, protocol.MANIFEST_DIR)
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith(".jsonl"):
+            for rec in protocol.iter_jsonl(os.path.join(folder, name)):
+                if isinstance(rec.get("index"), int):
+                    done.add(rec["index"])
+                    written += rec.get("bytes", 0) if isinstance(rec.get("bytes"), int) else 0
+    return done, written
+
+
+def footprint(data: str, output: str, layout: Layout, hidden_size: int, max_length: int | None = None,
+              too_long: str = "skip", max_positions: int | None = None) -> dict:
+    """The output's projected size for the whole run, and what is still to write, by row bucket."""
+    if os.path.isfile(data) and not data.endswith(".parquet"):
+        lengths, basis, exact = jsonl_lengths(data)
+    else:
+        lengths, basis, exact = arrow_lengths(data)
+    per_token, per_file = layout.bytes_per_token(hidden_size), layout.bytes_per_file()
+    done, written = finished_rows(output)
+    rows = len(lengths)
+    k = min(rows, BUCKETS)
+    edges = [j * rows // k for j in range(k + 1)] if k else [0]
+    remaining = [0.0] * k
+    tokens = total = 0.0
+    for i, length in enumerate(lengths):
+        if max_length and length > max_length:
+            length = max_length if too_long == "truncate" else 0       # skipped: no file
+        if max_positions and length > max_positions:
+            length = 0
+        row_bytes = length * per_token + per_file if length else 0
+        tokens += length
+        total += row_bytes
+        if i not in done:
+            remaining[i * k // rows] += row_bytes
+    report = {"rows": rows, "tokens": round(tokens), "exact": exact, "basis": basis, "dtype": layout.dtype,
+              "layers": len(layout.plan.ids), "hidden_size": hidden_size, "bytes_per_token": per_token,
+              "bytes_per_file": per_file, "total_bytes": round(total), "written_bytes": written,
+              "edges": edges, "remaining": [round(b) for b in remaining]}
+    if layout.dtype == "bf16" and layout.format == "speculators":     # what dtype = "fp8" would take
+        report["bytes_per_token_fp8"] = Layout(layout.format, layout.plan, "fp8").bytes_per_token(hidden_size)
+    return report
 
 
 def dataset_problem(path: str, rows: int | None, sample: int = 100) -> str | None:
@@ -91,6 +176,34 @@ def row_problem(line: bytes) -> str | None:
     if isinstance(turns, list) and turns:
         return None
     return "row has none of input_ids, conversations, messages"
+
+
+ACTIVATION_BYTES_PER_TOKEN_PER_H = 48   # a batch's live activations, per token, in units of H bytes:
+                                        # measured 2.66 GiB for 16K tokens at H=4096 (bf16), ~42
+
+
+def fit_problem(model: str, shape, gpus: list[dict], k: int, budget: int, layers: int) -> str | None:
+    """Do the weights and one batch fit the k GPUs a shard gets? Weights from the weight files
+    (none: random weights, not checked); GPU memory from telemetry (none: not checked)."""
+    weights = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)
+                  if f.endswith((".safetensors", ".bin")))
+    totals = [g["mem_total"] for g in gpus if g.get("mem_total")]
+    if not weights or len(totals) < k:
+        return None
+    activations = budget * shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_H
+    captured = budget * layers * shape.hidden_size * 2 * 2           # the stacked states, and their copy
+    need = weights / k + activations + captured
+    have = 0.92 * min(totals)                                        # CUDA context, fragmentation
+    if need <= have:
+        return None
+    fits = math.ceil(weights / max(have - activations - captured, 1))
+    return (f"{_size(weights)} of weights over {k} GPU(s) plus one {budget}-token batch "
+            f"(~{_size(activations + captured)}) need ~{_size(need)} per GPU, which has "
+            f"{_size(min(totals))}: set gpus_per_shard = {max(fits, k + 1)} or lower max_tokens_per_batch")
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -135,6 +248,10 @@ def run(args: argparse.Namespace) -> dict:
                       f"GPU index {bad[0]} out of range: host has {count} GPU(s)"
                       + ("" if args.device == "cuda" else "; shards will run on the CPU"))
     report["gpus"] = resolved
+    k = args.gpus_per_shard
+    if k > 1 and len(resolved) % k:
+        check("error", f"{len(resolved)} GPU(s) {resolved} for gpus_per_shard = {k}: "
+                       f"{len(resolved) % k} would sit idle; list a multiple of {k}")
     for label, path in (("model", args.model), ("data", args.data)):
         if path and not os.path.exists(path):
             check("error", f"{label} path {path} does not exist")
@@ -150,11 +267,12 @@ def run(args: argparse.Namespace) -> dict:
             layers = resolve_layers(args.layers or args.format, shape.num_layers, None,
                                     args.target_last_hidden_states)
             check_plan(args.format, layers)
+            check_dtype(args.format, args.dtype)
         except (LayerError, FormatError) as e:
             check("error", str(e))
             layers = None
     try:
-        output = output_identity(layers, args.format, args.loss_mask) if layers else {}
+        output = output_identity(layers, args.format, args.loss_mask, args.dtype) if layers else {}
         model = args.model if args.builtin and args.model and os.path.isdir(args.model) else None
         data = args.data if args.data and os.path.exists(args.data) else None
         report["identity"] = identity = work_identity(model, data, output)
@@ -174,22 +292,36 @@ def run(args: argparse.Namespace) -> dict:
         if diffs:
             check("error", f"output {args.output} holds another run's work (its meta.json): "
                            + "; ".join(diffs) + " — use another output folder")
+    if args.builtin and shape and args.device != "cpu":
+        if problem := fit_problem(args.model, shape, [g for g in gpus if g.get("index") in resolved[:k]],
+                                  k, args.max_tokens_per_batch, len(layers.ids) if layers else 4):
+            check("error", problem)
     if args.output:
         space = disk_space(args.output)
-        free = report["free_bytes"] = space.free
+        report["free_bytes"] = space.free
+        report["folder_id"] = _folder_id(args.output)
         if not os.access(space.probe, os.W_OK):
             check("error", f"output {args.output}: {space.probe} is not writable")
-        tokens = estimate_tokens(args.data) if args.data else None
-        if shape and tokens is not None and layers:
-            need = tokens * len(layers.ids) * shape.hidden_size * 2 - existing_output_bytes(args.output)
-            report["estimated_bytes"] = max(need, 0)
-            if need > free:
-                check("error", f"output {args.output}: needs about {need / 1e9:.1f} GB, "
-                               f"{free / 1e9:.1f} GB free")
-            elif need > 0.8 * free:
-                check("warning", f"output {args.output}: needs about {need / 1e9:.1f} GB of "
-                                 f"{free / 1e9:.1f} GB free")
+        if args.builtin and shape and layers and args.data and os.path.exists(args.data):
+            try:
+                fp = footprint(args.data, args.output, Layout(args.format, layers, args.dtype), shape.hidden_size,
+                               args.max_length, args.too_long, shape.max_positions)
+            except Exception as e:      # a projection that fails must not stop the run; it says why
+                check("warning", f"output size not projected: {type(e).__name__}: {e}")
+            else:
+                report["footprint"] = fp
+                report["estimated_bytes"] = sum(fp["remaining"])
     return report
+
+
+def _folder_id(output: str) -> str | None:
+    """The output folder's id (its meta.json), by which hosts sharing one folder are known."""
+    try:
+        with open(os.path.join(output, protocol.META_FILE)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return meta.get("folder_id") if isinstance(meta, dict) else None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -201,9 +333,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--layers", default=None, help="as the worker's --layers (default: --format)")
     ap.add_argument("--format", default="speculators")
+    ap.add_argument("--dtype", default="bf16", help="hidden states as stored: bf16 | fp8")
+    ap.add_argument("--max-length", type=int, default=None, help="as the worker's (for the footprint)")
+    ap.add_argument("--too-long", default="skip", help="as the worker's (for the footprint)")
     ap.add_argument("--target-last-hidden-states", action="store_true")
     ap.add_argument("--loss-mask", default="assistant", help="accepted as the worker takes it")
     ap.add_argument("--run-dir", default=None, help="the run's folder: its plan.json is reported")
+    ap.add_argument("--gpus-per-shard", type=int, default=1)
+    ap.add_argument("--max-tokens-per-batch", type=int, default=16384)
     ap.add_argument("--builtin", action="store_true", help="the built-in extraction worker runs here")
     ap.add_argument("--demo", action="store_true", help="model and data are made on first use")
     return ap.parse_args(argv)

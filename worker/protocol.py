@@ -135,6 +135,7 @@ class Loading(Record):
     t: float = field(default_factory=now)
     launch: Optional[int] = None
     model: Optional[str] = None
+    detail: Optional[str] = None       # what loading is doing now ("compiling the decoder layers")
 
 
 @event
@@ -148,6 +149,7 @@ class Loaded(Record):
     gpu_peak_bytes: Optional[int] = None
     layer_ids: Optional[list] = None
     last_layer_norm: Optional[str] = None
+    path: Optional[str] = None         # which forward path runs and why ("compiled …", "eager: …")
 
 
 @event
@@ -383,6 +385,28 @@ def parse_message(line: str) -> Optional[Message]:
 
 
 # --- JSON lines files --------------------------------------------------------------------------
+
+def replace_atomically(path: str, write, tmp: str | None = None) -> None:
+    """Write a file whole or not at all: `write(tmp)` fills a temp file (its name starts with
+    TEMP_PREFIX, so no reader's listing picks it up), which is fsync'd and renamed to `path`; on
+    any failure the temp file is removed and the error raised."""
+    tmp = tmp or os.path.join(os.path.dirname(path) or ".",
+                              f"{TEMP_PREFIX}{os.path.basename(path)}-{os.getpid()}")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
 
 def append_jsonl(path: str, record: Record | dict, sync: bool = True) -> None:
     """Append one record as a single write, so concurrent appenders never interleave a line."""

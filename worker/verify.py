@@ -30,15 +30,21 @@ def to_ranges(indices) -> list[list[int]]:
 
 
 def layout_of(meta: dict) -> Layout:
-    """The layout meta.json describes (runs from before formats existed are speculators files)."""
+    """The layout meta.json describes (runs from before formats existed are speculators files;
+    runs from before fp8 existed are bf16)."""
+    from .fp8 import dtype_of_name
     ids = tuple(meta.get("layer_ids", ()))
     L = meta.get("num_layers", max(ids, default=0))
     plan = LayerPlan(ids, meta.get("last_layer_norm", "none"), L,
                      bool(meta.get("target_last_hidden_states", False)))
     try:
-        return Layout(meta.get("format", "speculators"), plan)
+        dtype = dtype_of_name(meta.get("dtype"))
+    except ValueError:
+        dtype = "bf16"
+    try:
+        return Layout(meta.get("format", "speculators"), plan, dtype)
     except FormatError:                    # an unreadable meta.json: check what can be checked
-        return Layout("speculators", plan)
+        return Layout("speculators", plan, dtype)
 
 
 def check_file(layout: Layout, out: str, rec: dict, hidden: int | None) -> str | None:
@@ -55,6 +61,8 @@ def check_file(layout: Layout, out: str, rec: dict, hidden: int | None) -> str |
         return f"sample {index}: {path}: {problem}"
     if layout.format == "speculators" and meta.get("sample_index") != str(index):
         return f"sample {index}: metadata sample_index is {meta.get('sample_index')!r}"
+    if layout.format == "speculators" and meta.get("dtype", "bfloat16") != layout.header()["dtype"]:
+        return f"sample {index}: metadata dtype is {meta.get('dtype')!r}, meta.json says {layout.header()['dtype']}"
     return None
 
 
@@ -91,8 +99,8 @@ def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) 
                 if problem:
                     problems.append(problem)
                     broken[rec["index"]] = problem
-    report = {"num_samples": meta.get("num_samples"), "format": layout.format, "checked": len(written),
-              "folder_id": meta.get("folder_id")}
+    report = {"num_samples": meta.get("num_samples"), "format": layout.format, "dtype": layout.dtype,
+              "checked": len(written), "folder_id": meta.get("folder_id")}
     if repair and (broken or twice):
         report["repaired"] = repair_folder(out, layout, broken, twice, folder)
         problems = [p for p in problems if not any(p.startswith(f"sample {i}:") for i in set(broken) | twice)]

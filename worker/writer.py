@@ -4,10 +4,13 @@ A sample is done only once its file is complete on disk (temp name, fsync, renam
 in the manifest. The GPU hands each batch over as one device->host copy on a side stream into a
 reusable pinned buffer; the writer thread waits for that copy, checks each sample and writes it.
 The GPU waits for the disk only when every buffer is in use, and that wait is measured.
+With dtype fp8 the batch is quantised on the GPU first (worker/fp8.py), so the buffers, the copy
+and the files all carry half the bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -20,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import protocol
+from . import fp8, protocol
 from .formats import Layout
 from .layers import LayerPlan
 
@@ -37,62 +40,39 @@ def write_sample_file(layout: Layout, out_dir: str, index: int, tensors: dict[st
     `out_dir` (no reader lists it), fsync, rename into place. Returns its size in bytes."""
     final = layout.path(out_dir, index)
     tmp = os.path.join(out_dir, f"{protocol.TEMP_PREFIX}{index}-{os.getpid()}-{threading.get_ident()}")
-    try:
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        layout.save(tensors, tmp, metadata)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(f"disk full writing sample {index} to {out_dir}") from None
-        if "No space left" in str(e):     # safetensors and torch.save report I/O errors their own way
-            raise DiskFullError(f"disk full writing sample {index} to {out_dir}") from None
-        raise
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    with disk_full_says(f"sample {index} to {out_dir}"):
+        protocol.replace_atomically(final, lambda path: layout.save(tensors, path, metadata), tmp)
     return os.path.getsize(final)
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Temp file, fsync, rename; on any failure the temp file goes and a full disk says so."""
-    tmp = os.path.join(os.path.dirname(path), f"{protocol.TEMP_PREFIX}{os.path.basename(path)}-{os.getpid()}")
+@contextlib.contextmanager
+def disk_full_says(what: str):
+    """A full disk (however the library that wrote reports it) becomes DiskFullError naming `what`."""
     try:
+        yield
+    except Exception as e:
+        full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left" in str(e)
+        if full:
+            raise DiskFullError(f"disk full writing {what}") from None
+        raise
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    def write(tmp: str) -> None:
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(f"disk full writing {path}") from None
-        raise
+    with disk_full_says(path):
+        protocol.replace_atomically(path, write)
 
 
 def write_lines_atomic(path: str, lines: list[str]) -> None:
-    """Replace a JSON-lines file whole (temp file, fsync, rename): a reader sees old or new."""
-    tmp = os.path.join(os.path.dirname(path), f"{protocol.TEMP_PREFIX}{os.path.basename(path)}-{os.getpid()}")
-    try:
+    """Replace a JSON-lines file whole: a reader sees the old one or the new one."""
+    def write(tmp: str) -> None:
         with open(tmp, "w") as f:
             f.write("".join(line + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with disk_full_says(path):
+        protocol.replace_atomically(path, write)
 
 
 def manifest_path(out_dir: str, shard: int) -> str:
@@ -129,21 +109,19 @@ class Manifest:
         if not records:
             return
         data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFullError(f"disk full appending to {self.path}") from None
-            raise
-        finally:
-            os.close(fd)
+        with disk_full_says(self.path):
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 class HostBuffers:
-    """A fixed number of reusable (pinned, when on CUDA) host buffers; acquiring blocks when all are
-    out, which is how the writer's backlog bounds host memory and how the GPU's wait is measured."""
+    """A fixed number of reusable (pinned, when on CUDA) host byte buffers; acquiring blocks when
+    all are out, which is how the writer's backlog bounds host memory and how the GPU's wait is
+    measured."""
 
     def __init__(self, count: int, pinned: bool, on_peak: Callable[[int], None] | None = None):
         self.pinned = pinned
@@ -154,17 +132,17 @@ class HostBuffers:
         self.peak_bytes = 0
         self._sizes: dict[int, int] = {}
 
-    def acquire(self, numel: int, reserve: int = 0) -> tuple[torch.Tensor, float]:
-        """A buffer of at least `numel` elements; a new one is sized max(numel, reserve) so that
+    def acquire(self, nbytes: int, reserve: int = 0) -> tuple[torch.Tensor, float]:
+        """A uint8 buffer of at least `nbytes`; a new one is sized max(nbytes, reserve) so that
         batches under the token budget never reallocate (pinning is slow)."""
         t0 = time.perf_counter()
         buf = self._free.get()
         waited = time.perf_counter() - t0
-        if buf is None or buf.numel() < numel:
+        if buf is None or buf.numel() < nbytes:
             if buf is not None:
                 self._sizes.pop(id(buf), None)
-            buf = torch.empty(max(numel, reserve), dtype=torch.bfloat16, pin_memory=self.pinned)
-            self._sizes[id(buf)] = buf.numel() * 2
+            buf = torch.empty(max(nbytes, reserve), dtype=torch.uint8, pin_memory=self.pinned)
+            self._sizes[id(buf)] = buf.numel()
             self.peak_bytes = max(self.peak_bytes, sum(self._sizes.values()))
             if self.on_peak:
                 self.on_peak(self.peak_bytes)
@@ -172,6 +150,28 @@ class HostBuffers:
 
     def release(self, buf: torch.Tensor) -> None:
         self._free.put(buf)
+
+
+def _align(n: int, to: int = 64) -> int:
+    return (n + to - 1) // to * to
+
+
+def host_views(buf: torch.Tensor, shape: tuple[int, int, int, int], dtype: str
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Views of a host byte buffer holding a batch as stored: hidden [B, S, n, H] (bf16 or fp8)
+    and, for fp8, its scales [B, S, n, 1] float32 after it (64-byte aligned)."""
+    numel = shape[0] * shape[1] * shape[2] * shape[3]
+    if dtype != "fp8":
+        return buf[: 2 * numel].view(torch.bfloat16).view(shape), None
+    start = _align(numel)
+    scales = buf[start: start + 4 * (numel // shape[3])].view(torch.float32).view(*shape[:3], 1)
+    return buf[:numel].view(fp8.FP8).view(shape), scales
+
+
+def batch_bytes(shape: tuple[int, int, int, int], dtype: str) -> int:
+    """Host bytes a batch of this shape needs as stored (what host_views lays out)."""
+    numel = shape[0] * shape[1] * shape[2] * shape[3]
+    return 2 * numel if dtype != "fp8" else _align(numel) + 4 * (numel // shape[3])
 
 
 @dataclass
@@ -195,8 +195,9 @@ class Stats:
 @dataclass
 class BatchJob:
     samples: list                 # data.Sample, in batch row order
-    host: torch.Tensor            # flat host buffer holding [B, S, n, H]
-    shape: tuple[int, int, int, int]
+    host: torch.Tensor            # the host byte buffer (returned to the pool when written)
+    hidden: torch.Tensor          # view of it: [B, S, n, H] as stored (bf16 or fp8)
+    scales: torch.Tensor | None   # fp8: view of it, [B, S, n, 1] float32
     finite: torch.Tensor          # bool [B] (host)
     ready: Any                    # torch.cuda.Event or None
 
@@ -210,6 +211,7 @@ class BackgroundWriter:
                  layout: Layout = SPECULATORS):
         self.out_dir = out_dir
         self.layout = layout
+        self.dtype = layout.dtype
         self.reserve_tokens = reserve_tokens
         self.manifest = manifest
         self.metadata = metadata
@@ -227,28 +229,38 @@ class BackgroundWriter:
 
     # --- called from the GPU loop ---------------------------------------------------------------
     def submit(self, samples: list, hidden: torch.Tensor, finite: torch.Tensor) -> None:
-        """Hand over one batch: hidden [B, S, n, H] bf16 on the device, finite bool [B]."""
+        """Hand over one batch: hidden [B, S, n, H] bf16 on the device, finite bool [B].
+
+        fp8: `hidden` (the extractor's own stacked copy, which it is done with) is quantised in
+        place on the device, and only the fp8 values and their scales cross to the host."""
         self.raise_if_failed()
         shape = tuple(hidden.shape)
-        numel = hidden.numel()
         n, H = shape[2], shape[3]
-        buf, waited = self.buffers.acquire(numel, reserve=self.reserve_tokens * n * H)
+        scales = None
+        if self.dtype == "fp8":
+            with torch.inference_mode():
+                hidden, scales = fp8.quantize(hidden, inplace=True)
+        reserve = batch_bytes((1, self.reserve_tokens, n, H), self.dtype) if self.reserve_tokens else 0
+        buf, waited = self.buffers.acquire(batch_bytes(shape, self.dtype), reserve=reserve)
         with self.stats.lock:
             self.stats.writer_wait_s += waited
-        target = buf[:numel].view(shape)
+        target, target_scales = host_views(buf, shape, self.dtype)
+        sources = [(target, hidden)] + ([(target_scales, scales)] if scales is not None else [])
         if self.cuda:
             self.copy_stream.wait_stream(torch.cuda.current_stream(hidden.device))
             with torch.cuda.stream(self.copy_stream):
-                target.copy_(hidden, non_blocking=True)
+                for dst, src in sources:
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(self.copy_stream)
                 finite_host = finite.to("cpu", non_blocking=True)
-                hidden.record_stream(self.copy_stream)
                 finite.record_stream(self.copy_stream)
                 ready = torch.cuda.Event()
                 ready.record(self.copy_stream)
         else:
-            target.copy_(hidden)
+            for dst, src in sources:
+                dst.copy_(src)
             finite_host, ready = finite.clone(), None
-        self.jobs.put(BatchJob(samples, buf, shape, finite_host, ready))
+        self.jobs.put(BatchJob(samples, buf, target, target_scales, finite_host, ready))
 
     def skip(self, index: int, reason: str) -> None:
         """Record a sample that will not be written (malformed row, too long, OOM)."""
@@ -283,9 +295,9 @@ class BackgroundWriter:
             except BaseException as e:       # surfaced to the GPU loop at its next submit
                 self.error = e
 
-    def _write(self, sample, hidden: torch.Tensor, meta: dict[str, str]) -> int:
+    def _write(self, sample, hidden: torch.Tensor, scales: torch.Tensor | None, meta: dict[str, str]) -> int:
         tensors = self.layout.pack(hidden, torch.from_numpy(sample.input_ids),
-                                   torch.from_numpy(sample.loss_mask))
+                                   torch.from_numpy(sample.loss_mask), scales)
         return write_sample_file(self.layout, self.out_dir, sample.index, tensors, meta)
 
     def _record_skip(self, index: int, reason: str) -> None:
@@ -298,20 +310,20 @@ class BackgroundWriter:
         try:
             if job.ready is not None:
                 job.ready.synchronize()
-            B, S, n, H = job.shape
-            view = job.host[: B * S * n * H].view(job.shape)
+            n, H = job.hidden.shape[2:]
             futures = []
             for row, sample in enumerate(job.samples):
                 if not bool(job.finite[row]):
                     futures.append((sample, None, "non-finite hidden states"))
                     continue
                 T = sample.length
-                hidden = view[row, :T]
+                hidden = job.hidden[row, :T]
+                scales = job.scales[row, :T] if job.scales is not None else None
                 if hidden.shape != (T, n, H) or sample.loss_mask.shape != (T,):
                     futures.append((sample, None, "shape mismatch"))
                     continue
                 meta = dict(self.metadata, sample_index=str(sample.index))
-                futures.append((sample, self.files.submit(self._write, sample, hidden, meta), None))
+                futures.append((sample, self.files.submit(self._write, sample, hidden, scales, meta), None))
             records, first_error = [], None
             for sample, fut, problem in futures:
                 if problem is not None:

@@ -30,6 +30,11 @@ from .panes.throughput import BUCKET_S, ThroughputChart
 from .panes.topbar import TopBar
 from .screens import ConfirmScreen, LogScreen
 
+def gpus_of(s) -> tuple[str, tuple[int, ...]] | None:
+    """The host and GPUs of a shard, for the GPU pane to highlight."""
+    return (s.host, tuple(s.gpus or (s.gpu,))) if s is not None else None
+
+
 TOLD = {"FAILED", "FATAL", "finished"}        # what a toast (and the bell) tells while you watch
 
 
@@ -124,7 +129,7 @@ class MainScreen(Screen):
             table.show(snap, self.view, self.no_color)
             selected = self.selected_status()
             self.query_one(ShardDetail).show(selected, self.no_color)
-            self.query_one(GpuPane).show(snap, (selected.host, selected.gpu) if selected else None,
+            self.query_one(GpuPane).show(snap, gpus_of(selected),
                                          self.no_color)
             self.query_one("#middle").set_class(not any(h.gpus for h in snap.hosts), "-no-telemetry")
             sort = f"sort {self.view.sort}{'▼' if self.view.reverse else '▲'}"
@@ -150,7 +155,7 @@ class MainScreen(Screen):
         if self.snap is not None:
             selected = self.selected_status()
             self.query_one(ShardDetail).show(selected, self.no_color)
-            self.query_one(GpuPane).show(self.snap, (selected.host, selected.gpu) if selected else None,
+            self.query_one(GpuPane).show(self.snap, gpus_of(selected),
                                          self.no_color)
             self.query_one("#log", LogView).follow(self.app.source, self.query_one(ShardTable).selected_shard)
 

@@ -65,8 +65,12 @@ def test_expected_is_per_gpu_times_gpus_planned_and_a_failure_lowers_the_ratio_n
     t = build_snapshot("r", [shards[0], stopped, done, dead], h, 10, EXP).totals
     assert (t.gpus_planned, t.gpus_expected, t.expected_per_s, t.ratio) == (4, 2, 2.0, 0.5)
     h["b"].reachable = False
-    t = build_snapshot("r", [shards[0], view(1, "b", running(), 10)], h, 10, EXP, planned=2).totals
+    t = build_snapshot("r", [shards[0], view(1, "b", running(), 10)], h, 10, EXP).totals
     assert (t.gpus_planned, t.gpus_expected, t.by_state) == (2, 1, {"RUNNING": 1, "UNKNOWN": 1})
+    # A shard over two GPUs (gpus_per_shard = 2) is expected to do two GPUs' work.
+    wide = ShardView(0, "a", 0, fold(running()), judge(fold(running()), True, 10, POLICY), True, None, 3, (0, 1))
+    t = build_snapshot("r", [wide], h, 10, EXP).totals
+    assert (t.gpus_planned, t.gpus_expected, t.expected_per_s, t.ratio) == (2, 2, 2.0, 0.5)
 
 
 def test_tokens_once_known_ratio_eta_and_per_shard_eta():

@@ -56,7 +56,7 @@ def runs(tmp_path_factory, dense_model, prepared, dspark_config) -> dict[str, st
     for name, (fmt, layers, *_ ) in CASES.items():
         out = str(tmp_path_factory.mktemp(name) / "out")
         args = ["--model", dense_model, "--data", prepared[0], "--out", out, "--format", fmt,
-                "--dtype", "fp32", "--max-tokens-per-batch", "512",
+                "--model-dtype", "fp32", "--max-tokens-per-batch", "512",
                 "--max-skip-fraction", "0.5"]      # the unsupervised row is skipped on purpose
         if layers:
             args += ["--layers", layers.format(dspark=dspark_config)]

@@ -45,7 +45,7 @@ def test_shards_cover_every_index_exactly_once(n):
 def test_files_manifest_meta_and_no_padding(tmp_path, dense_model, token_data):
     out, state = str(tmp_path / "out"), str(tmp_path / "state")
     r = run_worker("--model", dense_model, "--data", token_data, "--out", out, "--state", state,
-                   "--max-tokens-per-batch", "512", "--dtype", "fp32")
+                   "--max-tokens-per-batch", "512", "--model-dtype", "fp32")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(l) for l in open(token_data)]
     assert sorted(manifest_indices(out)) == list(range(len(rows)))
@@ -73,7 +73,7 @@ def test_batched_equals_one_at_a_time(tmp_path, models, token_data):
         for budget in ("4096", "1"):               # budget 1: every sample its own batch
             out = str(tmp_path / f"{arch}-{budget}")
             r = run_worker("--model", models[arch], "--data", token_data, "--out", out,
-                           "--max-tokens-per-batch", budget, "--dtype", "fp32")
+                           "--max-tokens-per-batch", budget, "--model-dtype", "fp32")
             assert r.returncode == 0, r.stderr
             outs[budget] = out
         for i in range(0, 60, 7):

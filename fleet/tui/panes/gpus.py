@@ -80,7 +80,9 @@ class GpuTable(LineTable):
                 if g.util is not None and h.gpu_age_s is not None:
                     self.history.setdefault(f"g:{h.name}:{g.index}", deque(maxlen=HISTORY)).append(g.util)
 
-    def show(self, snap: FleetSnapshot, selected: tuple[str, int] | None, no_color: bool = False) -> None:
+    def show(self, snap: FleetSnapshot, selected: tuple[str, tuple[int, ...]] | None,
+             no_color: bool = False) -> None:
+        """`selected`: the selected shard's host and GPUs (several for a multi-GPU shard)."""
         keys: list[str] = []
         rows: dict[str, tuple] = {}
         highlight: set[str] = set()
@@ -99,7 +101,7 @@ class GpuTable(LineTable):
                 gkey = f"g:{h.name}:{g.index}"
                 keys.append(gkey)
                 rows[gkey] = (h, g, open_)
-                if selected == (h.name, g.index):
+                if selected and selected[0] == h.name and g.index in selected[1]:
                     highlight.add(gkey)
 
         def make(key: str) -> tuple:
@@ -197,7 +199,7 @@ class GpuPane(Vertical):
         yield Static("GPUs", classes="title", id="gpus-title")
         yield GpuTable(id="gpu-table")
 
-    def show(self, snap: FleetSnapshot, selected: tuple[str, int] | None, no_color: bool) -> None:
+    def show(self, snap: FleetSnapshot, selected: tuple[str, tuple[int, ...]] | None, no_color: bool) -> None:
         line = telemetry_line(snap)
         self.set_class(line is not None, "-oneline")
         title = self.query_one("#gpus-title", Static)

@@ -106,13 +106,18 @@ def visible_shards(snap: FleetSnapshot, view: View) -> list[ShardStatus]:
         rows = [s for s in rows if s.state.value in view.states]
     if view.query:
         match = matcher(view.query)
-        rows = [s for s in rows if match(f"{s.id} {s.host}:{s.gpu} {s.state.value} {s.reason or ''} "
+        rows = [s for s in rows if match(f"{s.id} {where(s)} {s.state.value} {s.reason or ''} "
                                          f"{s.last_failure or ''}")]
     if view.sort in MEASURES:              # unmeasured rows stay last whichever way
         name = MEASURES[view.sort]
         return sorted(rows, key=lambda s: (_missing_last(getattr(s, name), view.reverse), s.id))
     key = SORT_KEYS.get(view.sort, SORT_KEYS["id"])
     return sorted(rows, key=lambda s: (key(s), s.id), reverse=view.reverse)
+
+
+def where(s: ShardStatus) -> str:
+    """host:gpu, or host:0,1 for a shard over several GPUs."""
+    return f"{s.host}:{','.join(map(str, s.gpus))}" if len(s.gpus) > 1 else f"{s.host}:{s.gpu}"
 
 
 def state_cell(s: ShardStatus, no_color: bool, replaying: bool) -> tuple:
@@ -127,7 +132,7 @@ def state_cell(s: ShardStatus, no_color: bool, replaying: bool) -> tuple:
 def shard_cells(s: ShardStatus, marked: bool, no_color: bool = False, replaying: bool = False) -> tuple:
     if replaying:
         blank = ""
-        return (("●" if marked else " ") + str(s.id), f"{s.host}:{s.gpu}", state_cell(s, no_color, True),
+        return (("●" if marked else " ") + str(s.id), where(s), state_cell(s, no_color, True),
                 blank, blank, blank, blank, blank, blank, blank, blank)
     pct = f"{s.progress:4.0%}" if s.progress is not None else "   ?"
     unmeasured = "?" if s.state in MEASURED else "—"      # not yet measured / not applicable
@@ -135,7 +140,7 @@ def shard_cells(s: ShardStatus, marked: bool, no_color: bool = False, replaying:
     event = f"{s.last_event or '—'} {human_duration(s.last_event_age_s)}" if s.last_event_age_s is not None \
         else (s.last_event or "—")
     reason = s.reason or (f"⚠ {s.warning}" if s.warning else "")
-    return (("●" if marked else " ") + str(s.id), f"{s.host}:{s.gpu}", state_cell(s, no_color, False),
+    return (("●" if marked else " ") + str(s.id), where(s), state_cell(s, no_color, False),
             progress, si(s.tokens_per_s) if s.tokens_per_s is not None else unmeasured,
             si(s.samples_per_s) if s.samples_per_s is not None else unmeasured,
             human_duration(s.eta_s) if s.eta_s is not None else unmeasured,
@@ -166,7 +171,7 @@ def detail(s: ShardStatus | None, no_color: bool = False) -> Text:
         return Text("no shard selected", style="italic")
     t = Text()
     t.append(f"shard {s.id} ", "bold")
-    t.append(f"{s.host}:{s.gpu}  ")
+    t.append(f"{where(s)}  ")
     t.append(f"{GLYPH.get(s.state.value, '')} {s.state.value}", state_style(s.state.value, no_color))
     tokens = f"  {si(s.tokens)}/{si(s.total_tokens)} tok" if s.total_tokens else f"  {si(s.tokens)} tok"
     t.append(f"  {s.done + s.skipped:,}/{s.total:,} samples" + (f" ({s.skipped} skipped)" if s.skipped else "")

@@ -1,0 +1,75 @@
+"""The worker's fast path on the CPU: compiled decoder layers agree with eager within bf16
+tolerance, the compile is cached in the run's folder for the next process, and a machine that
+cannot compile falls back to eager with an event saying why."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import read_events, run_worker
+
+
+def loaded(state: str) -> dict:
+    return next(e for e in read_events(state) if e["event"] == "loaded")
+
+
+def test_compiled_layers_agree_with_eager_and_the_compile_is_cached(tmp_path, dense_model, token_data):
+    """In fp32 the compiled path computes the same function as eager (fused kernels round
+    differently, far below bf16's resolution); the files are bf16 either way."""
+    cache = str(tmp_path / "cache")
+    runs = {}
+    for name, extra in (("eager", ("--compile", "off")), ("compiled", ("--compile", "on", "--cache-dir", cache)),
+                        ("again", ("--compile", "on", "--cache-dir", cache))):
+        out, state = str(tmp_path / name), str(tmp_path / f"state-{name}")
+        r = run_worker("--model", dense_model, "--data", token_data, "--out", out, "--state", state,
+                       "--model-dtype", "fp32", *extra)
+        assert r.returncode == 0, r.stderr
+        runs[name] = (out, loaded(state)["path"])
+    assert runs["eager"][1] == "eager (--compile off)"
+    assert runs["compiled"][1].startswith("compiled (") and f"cache {cache}/inductor" in runs["compiled"][1]
+    assert runs["again"][1].startswith("compiled (")
+    assert glob.glob(os.path.join(cache, "inductor", "**", "*.py"), recursive=True)    # the shared cache
+    files = sorted(glob.glob(os.path.join(runs["eager"][0], "hs_*.safetensors")))
+    assert len(files) == 60
+    worst = 0.0
+    for path in files:
+        ref = load_file(path)["hidden_states"].float()
+        for other in ("compiled", "again"):
+            got = load_file(path.replace(runs["eager"][0], runs[other][0]))["hidden_states"].float()
+            worst = max(worst, float((got - ref).norm() / ref.norm()))
+    assert worst < 4e-3, worst                     # bf16 files: one rounding of the same values
+
+
+def test_a_host_that_cannot_compile_runs_eager_and_says_why(tmp_path, dense_model, token_data):
+    state = str(tmp_path / "state")
+    env = {**os.environ, "CXX": "/nonexistent/c++", "CC": "/nonexistent/cc"}
+    r = run_worker("--model", dense_model, "--data", token_data, "--out", str(tmp_path / "out"), "--state", state,
+                   "--compile", "on", "--cache-dir", str(tmp_path / "cache"), env=env)
+    assert r.returncode == 0, r.stderr
+    assert loaded(state)["path"].startswith("eager (torch.compile failed: ")
+    warnings = [e["message"] for e in read_events(state) if e["event"] == "warning"]
+    assert any(w.startswith("torch.compile failed, running eager:") for w in warnings), warnings
+    assert len(glob.glob(str(tmp_path / "out" / "hs_*.safetensors"))) == 60
+
+
+def test_compiling_shows_as_loading_with_its_detail(tmp_path, dense_model, token_data):
+    from fleet.judge import Policy, judge
+    from fleet.record import fold
+    from fleet.state import State
+    from worker import protocol
+    state = str(tmp_path / "state")
+    r = run_worker("--model", dense_model, "--data", token_data, "--out", str(tmp_path / "out"), "--state", state,
+                   "--compile", "on", "--cache-dir", str(tmp_path / "cache"))
+    assert r.returncode == 0, r.stderr
+    events = protocol.read_events(os.path.join(state, "events.jsonl"))
+    at = next(i for i, e in enumerate(events) if getattr(e, "detail", None) == "compiling the decoder layers")
+    launch = [protocol.Launch(t=events[0].t - 1, launch=1)]
+    record = fold(launch + events[: at + 1])
+    v = judge(record, True, events[at].t + 1, Policy())
+    assert v.state == State.LOADING and record.attempt.detail == "compiling the decoder layers"
+    assert fold(launch + events).path.startswith("compiled (")
