@@ -5,7 +5,7 @@ visual snapshot and key tests. Deterministic for a given seed and clock.
 Like the real worker, samples come longest first (1,400 tokens down to 100 over a shard), so a
 shard's samples/s climbs while its tokens/s holds: what the live view must not be fooled by.
 
-    python bench/synthetic_fleet.py [--hosts 64] [--gpus 8]     # the live view on a synthetic fleet
+It imports no UI: `python bench/tui.py --show` opens the live view on it.
 """
 
 from __future__ import annotations
@@ -183,26 +183,3 @@ class SyntheticFleet:
         yield f"[shard {shard}] warning message=flash-linear-attention not installed: slow GDN kernels"
         await asyncio.Event().wait()          # a quiet, healthy stream
         yield ""
-
-
-def main() -> None:
-    import argparse
-    from fleet.tui.app import FleetApp
-    p = argparse.ArgumentParser(description="the live view on a synthetic fleet (nothing runs)")
-    p.add_argument("--hosts", type=int, default=64)
-    p.add_argument("--gpus", type=int, default=8)
-    args = p.parse_args()
-    n = args.hosts * args.gpus
-    fleet = SyntheticFleet(hosts=args.hosts, gpus=args.gpus, unreachable=(min(5, args.hosts - 1),),
-                           failed=tuple(k for k in (1, 17, 300) if k < n), backoff=(4,) if n > 4 else (),
-                           stalled=(6,) if n > 6 else (), stopped=(2,) if n > 2 else ())
-
-    class Live(FleetApp):
-        def on_refresh(self, message) -> None:
-            fleet.tick(self.interval)
-            super().on_refresh(message)
-    print(Live(fleet).run() or "")
-
-
-if __name__ == "__main__":
-    main()

@@ -10,6 +10,7 @@ Three figures, in one headless Textual app (the same FleetApp `fleet up` opens):
            as the machine allows), against the start. Keypresses redraw at once.
 
     python bench/tui.py --seconds 30 --json out.json
+    python bench/tui.py --show [--hosts 64] [--gpus 8]     # just look: the live view on it, ticking
 """
 
 from __future__ import annotations
@@ -106,12 +107,32 @@ async def measure(seconds: float, hour_ticks: int) -> dict:
     return out
 
 
+def show(hosts: int, gpus: int) -> None:
+    """The live view on a synthetic fleet with a failure of every kind, ticking as it redraws."""
+    n = hosts * gpus
+    fleet = SyntheticFleet(hosts=hosts, gpus=gpus, unreachable=(min(5, hosts - 1),),
+                           failed=tuple(k for k in (1, 17, 300) if k < n), backoff=(4,) if n > 4 else (),
+                           stalled=(6,) if n > 6 else (), stopped=(2,) if n > 2 else ())
+
+    class Live(FleetApp):
+        def on_refresh(self, message) -> None:
+            fleet.tick(self.interval)
+            super().on_refresh(message)
+    print(Live(fleet).run() or "")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=30)
     p.add_argument("--hour-ticks", type=int, default=14400)
     p.add_argument("--json", default=None)
+    p.add_argument("--show", action="store_true", help="open the live view on the synthetic fleet instead")
+    p.add_argument("--hosts", type=int, default=64)
+    p.add_argument("--gpus", type=int, default=8)
     args = p.parse_args()
+    if args.show:
+        show(args.hosts, args.gpus)
+        return
     result = asyncio.run(measure(args.seconds, args.hour_ticks))
     print(json.dumps(result, indent=2))
     if args.json:

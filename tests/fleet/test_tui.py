@@ -82,6 +82,14 @@ async def until(pilot, predicate, timeout: float = 120, what: str = "condition")
     raise AssertionError(f"timed out waiting for {what}")
 
 
+async def confirm(pilot, app, keys: list[str], question: str) -> None:
+    """Press `keys`, check the confirmation asks `question`, answer yes."""
+    await pilot.press(*keys)
+    await pilot.pause(0.3)
+    assert question in str(app.screen.query_one("#question").render())
+    await pilot.press("y")
+
+
 class Watched(FleetApp):
     """FleetApp that keeps what it showed: the state cells of every draw, toasts and bells."""
 
@@ -161,10 +169,7 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
 
             # k on shard 1: STOPPED, never FAILED or BACKOFF on the way, and not restarted.
             shards.move_to_key("1")
-            await pilot.press("k")
-            await pilot.pause(0.3)
-            assert "Stop shard(s) 1?" in str(app.screen.query_one("#question").render())
-            await pilot.press("y")
+            await confirm(pilot, app, ["k"], "Stop shard(s) 1?")
             await until(pilot, lambda: cell(shards, "1", "state") == "■ STOPPED", what="shard 1 STOPPED")
             await pilot.pause(1.0)
             seen1 = [f[1].get("1") for f in app.frames if f[0]]
@@ -172,10 +177,7 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
             assert cell(shards, "1", "state") == "■ STOPPED" and cell(shards, "1", "reason") == "stopped"
 
             shards.move_to_key("0")
-            await pilot.press("r")
-            await pilot.pause(0.3)
-            assert "Restart shard(s) 0?" in str(app.screen.query_one("#question").render())
-            await pilot.press("y")
+            await confirm(pilot, app, ["r"], "Restart shard(s) 0?")
             await until(pilot, lambda: cell(shards, "0", "state") == "▶ RUNNING", what="shard 0 running again")
             assert cell(shards, "0", "reason") == "" and cell(shards, "0", "restarts") == "0/0"
             await pilot.press("q")
@@ -194,10 +196,7 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
                 again.frames[:3]
             chart = again.main.query_one(ThroughputChart)
             assert chart.rebuilt and any(v > 0 for _, v in chart.points)
-            await pilot.press("colon", *"restart 1", "enter")
-            await pilot.pause(0.3)
-            assert "Restart shard(s) 1?" in str(again.screen.query_one("#question").render())
-            await pilot.press("y")
+            await confirm(pilot, again, ["colon", *"restart 1", "enter"], "Restart shard(s) 1?")
             await until(pilot, lambda: again.snap.totals.finished, timeout=300, what="both DONE")
             await pilot.pause(0.5)
             top = str(again.main.query_one(TopBar).render())
