@@ -23,7 +23,7 @@ from ..snapshot import FleetSnapshot
 from ..state import RESTARTABLE
 from .commands import COMMANDS, CommandError, parse
 from .panes.gpus import GpuPane, GpuTable
-from .panes.lines import LineTable
+from .panes.lines import LineTable, show_text
 from .panes.log import LogView
 from .panes.shards import COLUMN_KEYS, ShardDetail, ShardTable, View
 from .panes.throughput import BUCKET_S, ThroughputChart
@@ -63,6 +63,7 @@ class MainScreen(Screen):
         self.view = View()
         self.snap: FleetSnapshot | None = None
         self.seen: notify.Seen | None = None
+        self._keys_shown: tuple | None = None
 
     @property
     def no_color(self) -> bool:
@@ -133,16 +134,19 @@ class MainScreen(Screen):
                                          self.no_color)
             self.query_one("#middle").set_class(not any(h.gpus for h in snap.hosts), "-no-telemetry")
             sort = f"sort {self.view.sort}{'▼' if self.view.reverse else '▲'}"
-            self.query_one("#shards-title", Static).update(
+            show_text(self.query_one("#shards-title", Static),
                 f"shards ({table.row_count}/{len(snap.shards)})  " + " · ".join([sort] + self.view.describe()))
         log = self.query_one("#log", LogView)
         log.follow(self.app.source, table.selected_shard)
         messages = getattr(self.app.source, "messages", None)
         last = f" · supervisor: {messages[-1]}" if messages else ""
-        self.query_one("#log-title", Static).update(
+        show_text(self.query_one("#log-title", Static),
             f"log of shard {table.selected_shard} ({log.status}){last}" if table.selected_shard is not None
             else "log")
-        self.refresh_bindings()
+        keys = self._key_state()
+        if keys != self._keys_shown:                # the footer is rebuilt on each refresh: only on a change
+            self._keys_shown = keys
+            self.refresh_bindings()
 
     def selected_status(self):
         k = self.query_one(ShardTable).selected_shard
@@ -172,6 +176,11 @@ class MainScreen(Screen):
         self.action_log()
 
     # --- keys -------------------------------------------------------------------------------------
+    def _key_state(self) -> tuple:
+        """What check_action's answers depend on."""
+        return (bool(self.snap and self.snap.totals.finished),
+                self.query_one(ShardTable).selected_shard is not None, bool(self._restartable()))
+
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """Keys that cannot apply now are hidden (a finished run has nothing to restart or stop)."""
         finished = bool(self.snap and self.snap.totals.finished)

@@ -21,7 +21,7 @@ from textual.widgets import Static
 from ...snapshot import FleetSnapshot, HostStatus
 from ..style import (bar, gib, level_style, memory_level, power_level, spark, temp_level, usd,
                      util_level)
-from .lines import Column, LineTable
+from .lines import Column, LineTable, show_text
 
 HISTORY = 60                   # utilisation readings kept per GPU (about 90 s at the 1.5 s redraw)
 EXPAND_ALL_UP_TO = 24          # hosts + GPUs: below this every host starts expanded
@@ -205,10 +205,10 @@ class GpuPane(Vertical):
         title = self.query_one("#gpus-title", Static)
         table = self.query_one(GpuTable)
         if line is not None:
-            title.update(line)
+            show_text(title, line)
             table.display = False
             return
         table.display = True
         n = sum(len(h.gpus or []) for h in snap.hosts)
-        title.update(f"GPUs ({n} on {len(snap.hosts)} host(s))  enter expands a host")
+        show_text(title, f"GPUs ({n} on {len(snap.hosts)} host(s))  enter expands a host")
         table.show(snap, selected, no_color)

@@ -27,6 +27,7 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+from textual.widgets import Static
 
 Span = tuple[str, Union[Style, str, None]]
 Cell = Union[str, tuple[Span, ...]]
@@ -104,6 +105,15 @@ def render_cell(cell: Cell, width: int, align: str, base: Style) -> list[Segment
     return segments
 
 
+def show_text(widget: Static, content) -> None:
+    """Update a Static only when what it says changed, and without laying the screen out again when
+    its height is fixed: at 512 shards a layout costs more than the redraw itself."""
+    if getattr(widget, "_fleet_shown", None) != content:
+        widget._fleet_shown = content
+        height = widget.styles.height
+        widget.update(content, layout=height is None or height.is_auto)   # a fixed height: no layout
+
+
 class LineTable(ScrollView, can_focus=True):
     COMPONENT_CLASSES = {"linetable--header", "linetable--cursor", "linetable--highlight"}
     BINDINGS = [
@@ -170,7 +180,8 @@ class LineTable(ScrollView, can_focus=True):
             else min(self.cursor_row, max(len(keys) - 1, 0))
         if self.virtual_size.height != len(keys) + 1:
             self.virtual_size = Size(self.size.width, len(keys) + 1)
-            self.refresh(layout=True)           # a pane sized by its rows grows or shrinks
+            if self.styles.height is not None and self.styles.height.is_auto:
+                self.refresh(layout=True)       # a pane sized by its rows grows or shrinks
         if row != self.cursor_row:
             self.cursor_row = row
         else:

@@ -18,7 +18,7 @@ from ...render import human_duration
 from ...snapshot import FleetSnapshot, ShardStatus
 from ...state import MEASURED
 from ..style import GLYPH, bar, si, state_style
-from .lines import Column, LineTable
+from .lines import Column, LineTable, show_text
 
 COLUMNS = [
     Column("id", "shard", 6, 0, "right"),
@@ -193,4 +193,4 @@ def detail(s: ShardStatus | None, no_color: bool = False) -> Text:
 
 class ShardDetail(Static):
     def show(self, s: ShardStatus | None, no_color: bool = False) -> None:
-        self.update(detail(s, no_color))
+        show_text(self, detail(s, no_color))

@@ -12,6 +12,7 @@ from textual.widgets import Static
 from ...render import human_bytes, human_duration
 from ...snapshot import FleetSnapshot
 from ..style import ALERT, GLYPH, bar, si, state_style, usd
+from .lines import show_text
 
 
 def fit(parts: list[tuple[int, Text]], width: int, sep: str = "  ") -> Text:
@@ -105,7 +106,7 @@ class TopBar(Static):
     def show(self, snap: FleetSnapshot, no_color: bool = False) -> None:
         self._last = (snap, no_color)
         width = max(self.content_region.width, 20)
-        self.update(Text("\n").join(lines(snap, width, no_color)))
+        show_text(self, Text("\n").join(lines(snap, width, no_color)))
 
     def on_resize(self) -> None:
         if getattr(self, "_last", None):
