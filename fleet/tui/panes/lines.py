@@ -214,8 +214,8 @@ class LineTable(ScrollView, can_focus=True):
         return max(self.scrollable_content_region.width, 1)
 
     def on_resize(self) -> None:
+        """A new height keeps the cached lines (layout_for drops them when the width changes)."""
         self.virtual_size = Size(self.size.width, len(self.keys) + 1)
-        self._layout = None
         self._scroll_cursor_into_view()
 
     def render_line(self, y: int) -> Strip:
