@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from typing import Awaitable, Callable
 
 import click
@@ -147,7 +148,8 @@ def up(config_path: str, headless: bool, replan: bool, allow_partial: bool) -> N
     config = load(config_path)
 
     async def deploy_phase() -> dict:
-        sup = Supervisor(config)
+        t0 = time.monotonic()
+        sup = Supervisor(config, on_log=lambda m: click.echo(f"  {time.monotonic() - t0:5.1f}s  {m}", err=True))
         try:
             return await deploy_and_plan(sup, replan, allow_partial)
         finally:
@@ -314,23 +316,11 @@ def logs(config_path: str, shard: str, follow: bool, lines: int) -> None:
     config = load(config_path)
 
     async def go() -> int:
-        from .jobs import shard_dir
         sup = Supervisor(config)
         try:
             k = await find_shard(sup, shard)
-            link = sup.links[sup.shards[k].placement.host]
-            path = f"{shard_dir(config, link.spec, k)}/log"
-            argv = ["tail", "-n", str(lines)] + (["-F"] if follow else []) + [path]
-            if follow:
-                stream = await link.transport.stream(argv)
-                try:
-                    async for line in stream.lines():
-                        click.echo(line.rstrip("\n"))
-                finally:
-                    await stream.close()
-            else:
-                r = await link.transport.run(argv)
-                click.echo(r.stdout, nl=False)
+            async for line in sup.log_lines(k, lines, follow):
+                click.echo(line)
         except HostError as e:
             fail(str(e), EXIT_UNREACHABLE)
         finally:

@@ -206,6 +206,7 @@ class HostSpec(Strict):
     python: str | None = None
     gpus: Union[Literal["all"], list[int]] = "all"
     root: str = "fleet"
+    usd_per_hour: float | None = Field(None, ge=0)   # what the box costs: spend and cost per token
 
     @field_validator("name")
     @classmethod
@@ -307,11 +308,49 @@ class SlurmSpec(Strict):
                         accept_new=self.accept_new, python=self.python, gpus=[0], root=self.root)
 
 
+NOTIFY_EVENTS = ("PENDING", "STARTING", "LOADING", "RUNNING", "DONE", "STALLED", "FAILED", "BACKOFF",
+                 "FATAL", "STOPPED", "UNKNOWN", "alert", "finished")
+
+
+class NotifySpec(Strict):
+    """A command the supervisor runs (split like [job] commands, never by a shell) on chosen
+    transitions, with the event as JSON on its stdin (fleet/notify.py)."""
+    command: str
+    on: list[Literal[NOTIFY_EVENTS]] = ["FAILED", "FATAL", "alert", "finished"]
+    alert_after: float = 120.0          # throughput under alert_ratio this long before "alert"
+    timeout: float = 30.0
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: str) -> str:
+        import shlex
+        try:
+            if shlex.split(v):
+                return v
+        except ValueError as e:
+            raise ValueError(f"cannot split command: {e}") from None
+        raise ValueError("empty command")
+
+    @field_validator("alert_after", "timeout", mode="before")
+    @classmethod
+    def _duration(cls, v):
+        d = parse_duration(v)
+        if d < 0:
+            raise ValueError("must not be negative")
+        return d
+
+    @property
+    def argv(self) -> list[str]:
+        import shlex
+        return shlex.split(self.command)
+
+
 class FleetSpec(Strict):
     run: RunSpec
     expected: ExpectedSpec = ExpectedSpec()
     supervise: SuperviseSpec = SuperviseSpec()
     job: JobSpec | None = None
+    notify: NotifySpec | None = None
     hosts: list[HostSpec] = []
     slurm: SlurmSpec | None = None
 
@@ -409,7 +448,7 @@ def _section_name(loc: tuple) -> str:
 
 
 _MODELS = {"run": RunSpec, "expected": ExpectedSpec, "supervise": SuperviseSpec, "job": JobSpec,
-           "hosts": HostSpec, "slurm": SlurmSpec, "": FleetSpec}
+           "hosts": HostSpec, "slurm": SlurmSpec, "notify": NotifySpec, "": FleetSpec}
 
 
 def _format_error(err: dict, lines: dict[tuple, int], path: str) -> str:

@@ -13,6 +13,7 @@ import os
 import tarfile
 from dataclasses import dataclass, field
 from functools import cache
+from typing import Callable
 
 import worker
 
@@ -134,16 +135,23 @@ class Preflight:
         return self.report.get("identity") or {}
 
 
-async def deploy_host(t: Transport, config: Config, host: HostSpec) -> Preflight:
-    """Upload, make demo assets if asked, then preflight. Raises HostError if unreachable."""
+async def deploy_host(t: Transport, config: Config, host: HostSpec,
+                      step: Callable[[str], None] = lambda line: None) -> Preflight:
+    """Upload, make demo assets if asked, then preflight. Raises HostError if unreachable.
+    `step` is told each step as it begins (what `fleet up` prints while it deploys)."""
     result = Preflight(host.name)
+    step(f"{host.name}: connecting to {host.address}")
     await t.connect()
+    step(f"{host.name}: checking the worker ({worker_hash()[:8]})")
     result.uploaded = await upload_worker(t, config, host)
+    step(f"{host.name}: worker " + ("uploaded" if result.uploaded else "already there"))
     run = config.run
     model = config.host_path(host, run.model) if run.model else ""
     data = config.host_path(host, run.data) if run.data else ""
     if run.demo:
+        step(f"{host.name}: making the demo model and data (first use only)")
         await run_demo_assets(t, config, host, model, data)
+    step(f"{host.name}: preflight: python, GPUs, model, data, layers, free disk")
     gpus, device, k = "all" if host.gpus == "all" else ",".join(map(str, host.gpus)), run.device, run.gpus_per_shard
     if config.slurm is not None:          # the login node's GPUs are not the run's: Slurm allocates them
         gpus, device = ",".join(map(str, range(k))), "cpu"
@@ -172,6 +180,8 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec) -> Preflight
         report["slurm"] = {k: v for k, v in more.items() if k != "checks"}
     for c in report.get("checks", []):
         (result.errors if c["level"] == "error" else result.warnings).append(c["message"])
+    step(f"{host.name}: preflight " + (f"refused: {result.errors[0]}" if result.errors else
+                                       f"ok ({len(result.gpus)} GPU(s))"))
     return result
 
 

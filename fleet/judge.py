@@ -32,7 +32,9 @@ from .record import Outcome, Phase, ShardRecord, awaiting_slurm, outcome
 from .state import MEASURED, State
 
 RATE_WINDOW_S = 30.0
-SLURM_WORD_WAIT_S = 30.0      # a restart waits this long (at most) for Slurm's account of an end
+SLURM_WORD_WAIT_S = 30.0  # a restart waits this long (at most) for Slurm's account of an end
+STALL_SHOWN_S = 2.0       # a stalled shard is restarted no sooner than this after it is seen stalled:
+                          # longer than the TUI's 1.5 s redraw, so STALLED is on screen at least once
 
 
 class Action(str, Enum):
@@ -124,20 +126,21 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
         why = f"no progress for {idle:.0f}s"
         if not policy.restart_stalled:
             return Verdict(State.STALLED, why, attempts=attempts)
-        v = _failed(why, a.last_progress_t + policy.stall_timeout, attempts, host_now, policy)
+        v = _failed(why, a.last_progress_t + policy.stall_timeout, attempts, host_now, policy,
+                    min_delay=STALL_SHOWN_S)
         return v if v.state == State.FATAL else Verdict(State.STALLED, v.reason, v.action, v.due_t, attempts)
     return Verdict(State(phase.value), attempts=attempts)
 
 
 def _failed(why: str, failed_t: float, attempts: int, host_now: float, policy: Policy,
-            not_retryable: bool = False) -> Verdict:
+            not_retryable: bool = False, min_delay: float = 0.0) -> Verdict:
     if not_retryable:
         return Verdict(State.FATAL, f"{why} (not retried: a restart would fail the same way)",
                        attempts=attempts)
     if attempts >= policy.max_restarts:
         return Verdict(State.FATAL, f"gave up after {policy.max_restarts} restart(s); last: {why}",
                        attempts=attempts)
-    delay = backoff_delay(attempts, policy.backoff_base, policy.backoff_max)
+    delay = max(backoff_delay(attempts, policy.backoff_base, policy.backoff_max), min_delay)
     due = failed_t + delay
     return Verdict(State.BACKOFF, f"{why}; restart in {delay:g}s",
                    Action.RESTART if host_now >= due else Action.NONE, due, attempts)
@@ -154,7 +157,9 @@ class Rates:
 
 def rates(record: ShardRecord, state: State, host_now: float, window: float = RATE_WINDOW_S) -> Rates | None:
     """Rates of the current attempt over the last `window` s up to now: they fall to zero when
-    progress stops. None (not measured) unless RUNNING/STALLED with two progress points, so a
+    progress stops. The counters at the window's start are interpolated between the progress
+    points around it, so sparse points (a replay keeps one a minute) never count work done before
+    the window. None (not measured) unless RUNNING/STALLED with two progress points, so a
     restarted shard starts from no rate rather than its last process's."""
     a = record.attempt
     if a is None or state not in MEASURED or len(a.history) < 2:
@@ -163,6 +168,44 @@ def rates(record: ShardRecord, state: State, host_now: float, window: float = RA
     span = host_now - start
     if span <= 0:
         return None
-    i = bisect_right(a.history, start, key=lambda p: p[0]) - 1   # newest point at/before start
-    base, last = a.history[max(i, 0)], a.history[-1]
-    return Rates(*((last[i] - base[i]) / span for i in (1, 2, 3)))
+    last = a.history[-1]                  # the counters at `start`, between the points around it
+    return Rates(*((last[i] - _at(a.history, start, i)) / span for i in (1, 2, 3)))
+
+
+def _at(history, t: float, column: int) -> float:
+    """A cumulative counter of an attempt's history at time t: linear between points, flat before
+    the first point and after the last (no progress is invented outside what was recorded)."""
+    if t <= history[0][0]:
+        return history[0][column]
+    if t >= history[-1][0]:
+        return history[-1][column]
+    i = bisect_right(history, t, key=lambda p: p[0])
+    (t0, *a), (t1, *b) = history[i - 1], history[i]
+    v0, v1 = a[column - 1], b[column - 1]
+    return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+
+
+def throughput_history(records, now: float, step: float, points: int) -> list[tuple[float, float, float]]:
+    """The fleet's throughput over the last `points` intervals of `step` s up to `now`, rebuilt from
+    the records (what a re-attached view draws before it has watched anything): `records` is
+    (ShardRecord, clock offset = host clock - the caller's clock) pairs; returns (interval end,
+    tokens/s, samples/s) in the caller's clock. Only each shard's current attempt is in its
+    record, and a replay thins old progress (to one point a minute), so older intervals are
+    smoothed, never invented."""
+    edges = [now - step * (points - i) for i in range(points + 1)]
+    tokens = [0.0] * points
+    samples = [0.0] * points
+    for record, offset in records:
+        a = record.attempt
+        if a is None or len(a.history) < 2:
+            continue
+        h = [(t - offset, *rest) for t, *rest in a.history]
+        if h[-1][0] <= edges[0]:
+            continue
+        for column, out in ((1, samples), (2, tokens)):
+            before = _at(h, edges[0], column)
+            for i in range(points):
+                after = _at(h, edges[i + 1], column)
+                out[i] += (after - before) / step
+                before = after
+    return [(edges[i + 1], tokens[i], samples[i]) for i in range(points)]

@@ -143,6 +143,7 @@ class ShardRecord:
     skipped: int = 0
     total: int = 0
     tokens: int = 0
+    total_tokens: int | None = None       # the shard's tokens to extract, once the worker read them
     bytes: int = 0
     writer_wait_s: float = 0.0
     gpu_mem_bytes: int | None = None
@@ -177,6 +178,8 @@ class ShardRecord:
             if ev.total is not None:
                 self.total = ev.total
             a.node, a.job, a.gpus = ev.node or a.node, a.job or ev.job, ev.gpus or a.gpus
+            if ev.total_tokens is not None:
+                self.total_tokens = ev.total_tokens
         elif isinstance(ev, protocol.Loading):
             a.phase, a.detail = Phase.LOADING, ev.detail
         elif isinstance(ev, protocol.Loaded):
@@ -238,7 +241,7 @@ class ShardRecord:
 
     def _count(self, ev) -> None:
         self.done, self.skipped = ev.done, ev.skipped
-        for key in ("total", "tokens", "bytes", "writer_wait_s", "gpu_mem_bytes"):
+        for key in ("total", "tokens", "total_tokens", "bytes", "writer_wait_s", "gpu_mem_bytes"):
             value = getattr(ev, key, None)
             if value is not None:
                 setattr(self, key, value)

@@ -36,10 +36,14 @@ def rate_text(x: float | None, digits: int = 1) -> str:
 
 def format_status(snap: FleetSnapshot) -> str:
     t = snap.totals
+    cost = (f", ${t.usd_spent:,.2f} spent" + (f" (${t.usd_projected:,.2f} projected)"
+                                              if t.usd_projected is not None and not t.settled else "")
+            if t.usd_spent is not None else "")
     lines = [f"run {snap.run}: {t.done}/{t.total} samples, "
-             f"{rate_text(t.samples_per_s)} samples/s, {rate_text(t.tokens_per_s, 0)} tokens/s"
-             + (f" ({t.ratio:.0%} of expected)" if t.ratio is not None else "")
-             + f", ETA {human_duration(t.eta_s)}, written {human_bytes(t.bytes_written)}"]
+             f"{rate_text(t.tokens_per_s, 0)} tokens/s, {rate_text(t.samples_per_s)} samples/s"
+             + (f" ({t.ratio:.0%} of expected in {t.ratio_unit})" if t.ratio is not None else "")
+             + f", ETA {human_duration(t.eta_s)}" + (f" ({t.eta_unit})" if t.eta_unit else "")
+             + f", written {human_bytes(t.bytes_written)}{cost}"]
     lines.append("states: " + ", ".join(f"{k} {v}" for k, v in t.by_state.items()))
     for h in snap.hosts:
         if h.reachable is False:
@@ -69,3 +73,22 @@ def transitions(before: dict[int, str], snap: FleetSnapshot) -> list[str]:
             out.append(f"{stamp} shard {s.id} {s.host}:{s.gpu} {old or '-'} -> {s.state.value}"
                        f" {s.done + s.skipped}/{s.total}{why}")
     return out
+
+
+QUIT_MESSAGE = ("fleet: the workers keep running. `fleet up` re-attaches to them, `fleet status` "
+                "shows them, `fleet down` stops them.")
+
+
+def quit_message(snap: FleetSnapshot | None) -> str:
+    """What `fleet up` prints when its live view closes: true to what is left running."""
+    if snap is None or not snap.totals.replayed or not snap.totals.settled:
+        return QUIT_MESSAGE
+    t = snap.totals
+    if t.finished:
+        per_gpu = f", avg {t.avg_tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if t.avg_tokens_per_s_per_gpu else ""
+        cost = f", ${t.usd_spent:,.2f}" if t.usd_spent is not None else ""
+        return (f"fleet: run {snap.run} is finished: {t.shards}/{t.shards} shards DONE in "
+                f"{human_duration(t.elapsed_s)}{per_gpu}{cost}. Check the output: fleet verify")
+    counts = ", ".join(f"{n} {s}" for s, n in t.by_state.items())
+    return (f"fleet: nothing of run {snap.run} is running ({counts}). `fleet up` launches every shard "
+            f"that is not DONE; `fleet status` shows them.")

@@ -31,6 +31,7 @@ class Gpu(BaseModel):
     util: Optional[float] = Field(None, description="percent")
     temp: Optional[float] = Field(None, description="degrees C")
     power_w: Optional[float] = None
+    power_limit_w: Optional[float] = Field(None, description="the enforced power limit, when reported")
     lost: bool = Field(False, description="NVML lost the GPU: it stays listed, with no readings")
 
 
@@ -56,6 +57,10 @@ class HostStatus(BaseModel):
     gpu_age_s: Optional[float] = None
     disk: Optional[Disk] = None
     last_seen_age_s: Optional[float] = None
+    replayed: bool = Field(False, description="this host's record has been read since (re)connecting; "
+                                              "until then its shards' states are not yet known")
+    usd_per_hour: Optional[float] = Field(None, description="[[hosts]] usd_per_hour, when given")
+    usd_spent: Optional[float] = Field(None, description="usd_per_hour x the run's elapsed_s")
 
 
 class SlurmTaskStatus(BaseModel):
@@ -81,12 +86,23 @@ class ShardStatus(BaseModel):
     total: int = 0
     progress: Optional[float] = Field(None, description="(done + skipped) / total")
     tokens: int = 0
+    total_tokens: Optional[int] = Field(None, description="tokens of every row of the shard the worker "
+                                                          "will extract (done or not), sent once it has "
+                                                          "read their lengths; null until then and for "
+                                                          "a [job]")
     bytes: int = 0
     samples_per_s: Optional[float] = Field(None, description="over the last 30 s of host time up to "
-                                                             "now; null when not measured")
+                                                             "now (falling to 0 when progress stops); "
+                                                             "null unless RUNNING or STALLED: a restarted "
+                                                             "shard starts from no rate")
     tokens_per_s: Optional[float] = None
+    eta_s: Optional[float] = Field(None, description="this shard's remaining work at its own current "
+                                                     "rate, in tokens when total_tokens is known, else "
+                                                     "in samples; 0 when DONE; null when not measured "
+                                                     "or not moving")
     restarts: int = Field(0, description="launches after the first")
-    auto_attempts: int = Field(0, description="automatic restarts since the last manual launch")
+    auto_attempts: int = Field(0, description="automatic restarts since the last manual launch "
+                                              "(FATAL once it reaches max_restarts)")
     max_restarts: int = 0
     failures: int = Field(0, description="attempts that ended in failure, ever")
     last_failure: Optional[str] = None
@@ -110,17 +126,52 @@ class Totals(BaseModel):
     total: int
     samples_per_s: Optional[float] = None
     tokens_per_s: Optional[float] = None
+    tokens: int = Field(0, description="tokens extracted so far")
+    total_tokens: Optional[int] = Field(None, description="the run's tokens, once every shard's "
+                                                          "total_tokens is known")
+    gpus_planned: int = Field(0, description="GPUs in the run's plan (a shard may span several)")
+    gpus_expected: int = Field(0, description="gpus_planned less the GPUs whose shard is DONE (nothing "
+                                              "left to do), STOPPED (taken out on purpose), QUEUED (waiting "
+                                              "for Slurm to place it) or UNKNOWN "
+                                              "(its host is not measured: out of both sides of the "
+                                              "ratio). PENDING, STARTING, LOADING, STALLED, FAILED, "
+                                              "BACKOFF and FATAL shards count: a GPU that should work "
+                                              "and does not lowers the ratio")
     expected_unit: Optional[Literal["samples", "tokens"]] = None
-    expected_per_s: Optional[float] = Field(None, description="per-GPU figure x shards expected to "
-                                                              "work (not DONE, STOPPED, UNKNOWN or QUEUED)")
-    ratio: Optional[float] = None
+    expected_per_s: Optional[float] = Field(None, description="per-GPU figure x gpus_expected, in "
+                                                              "expected_unit")
+    expected_tokens_per_s: Optional[float] = Field(
+        None, description="the expected rate in tokens/s: tokens_per_s_per_gpu x gpus_expected, or "
+                          "samples_per_s_per_gpu x gpus_expected x the run's tokens per sample (from "
+                          "the shards whose total_tokens is known)")
+    ratio: Optional[float] = Field(None, description="measured / expected, in ratio_unit; null until "
+                                                     "a shard is measured")
+    ratio_unit: Optional[Literal["samples", "tokens"]] = Field(
+        None, description="tokens whenever expected_tokens_per_s is known (samples are length-sorted: "
+                          "samples/s swings while tokens/s holds), else samples")
     alert: bool = False
     alert_level: Optional[AlertLevel] = Field(None, description="ok; low: under alert_ratio; "
                                                                 "critical: under half of it")
-    eta_s: Optional[float] = None
-    elapsed_s: Optional[float] = None
+    eta_s: Optional[float] = Field(None, description="remaining work at the fleet's current rate, in "
+                                                     "eta_unit; 0 when finished")
+    eta_unit: Optional[Literal["samples", "tokens"]] = Field(
+        None, description="tokens once every shard not DONE has a total_tokens, else samples")
+    elapsed_s: Optional[float] = Field(None, description="since the run's first launch; once settled, "
+                                                         "to the last shard's end (frozen)")
+    finished: bool = Field(False, description="every shard DONE")
+    avg_samples_per_s: Optional[float] = Field(None, description="samples done / elapsed_s")
+    avg_tokens_per_s: Optional[float] = Field(None, description="tokens / elapsed_s")
+    avg_tokens_per_s_per_gpu: Optional[float] = Field(None, description="avg_tokens_per_s / gpus_planned")
     bytes_written: int = 0
     disk_full_eta_s: Optional[float] = None
+    usd_per_hour: Optional[float] = Field(None, description="sum of the hosts' usd_per_hour (hosts "
+                                                            "without one count nothing); null when no "
+                                                            "host has one")
+    usd_spent: Optional[float] = Field(None, description="usd_per_hour x elapsed_s: from the run's "
+                                                         "first launch, not from when a box was rented")
+    usd_projected: Optional[float] = Field(None, description="usd_spent + usd_per_hour x eta_s: the "
+                                                             "whole run's cost at the current rate")
+    usd_per_million_tokens: Optional[float] = Field(None, description="usd_spent / tokens x 1e6")
     replayed: bool = Field(False, description="every reachable host's record has been read")
     settled: bool = Field(False, description="every shard DONE, FATAL or STOPPED")
 
@@ -163,6 +214,7 @@ class HostView:
     last_seen: float | None = None         # supervisor clock
     replayed: bool = False
     role: str | None = None                # with [slurm]: "login" or "node"
+    usd_per_hour: float | None = None      # [[hosts]] usd_per_hour
 
     def host_now(self, now: float) -> float:
         return now + self.clock_offset
@@ -242,6 +294,22 @@ def shown_state(view: ShardView, host: HostView) -> State:
     return State.UNKNOWN if host.reachable is False else view.verdict.state
 
 
+def eta(remaining: float, rate: float | None) -> float | None:
+    """Seconds to do `remaining` at `rate`; None when not measured or not moving."""
+    return remaining / rate if rate is not None and rate > 0 else None
+
+
+def shard_eta(r: ShardRecord, state: State, rate: Rates | None) -> float | None:
+    """One shard's remaining work at its own rate: tokens when its total is known, else samples."""
+    if state == State.DONE:
+        return 0.0
+    if rate is None:
+        return None
+    if r.total_tokens is not None:
+        return eta(max(r.total_tokens - r.tokens, 0), rate.tokens_per_s)
+    return eta(max(r.total - r.done - r.skipped, 0), rate.samples_per_s)
+
+
 def disk_full_eta(records: list[ShardRecord], tokens_per_s: float, free: int) -> float | None:
     """Seconds until a host's disk is full at its current tokens/s and the bytes per token its
     shards actually wrote (fp8 or bf16, layers, file overhead: as measured); None when nothing is
@@ -256,11 +324,12 @@ def disk_full_eta(records: list[ShardRecord], tokens_per_s: float, free: int) ->
 
 def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView], now: float,
                    expected) -> FleetSnapshot:
-    """`expected` is the config's ExpectedSpec; `now` the supervisor's clock."""
+    """`views`: every shard of the run's plan; `expected` the config's ExpectedSpec; `now` the
+    supervisor's clock."""
     rows: list[ShardStatus] = []
     by_state: dict[str, int] = {}
     measured: list[tuple[ShardView, Rates]] = []
-    working = 0
+    gpus_planned = gpus_expected = 0          # a shard over several GPUs counts each of them
     for v in views:
         host = hosts[v.host]
         hn = host.host_now(now)
@@ -270,8 +339,10 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
         rate = rates(r, state, hn) if host.reachable else None
         if rate is not None:
             measured.append((v, rate))
+        n_gpus = len(v.gpus) if v.gpus else 1
+        gpus_planned += n_gpus
         if state not in (State.DONE, State.STOPPED, State.UNKNOWN, State.QUEUED):
-            working += 1
+            gpus_expected += n_gpus
         a = r.attempt
         due = v.verdict.due_t
         rows.append(ShardStatus(
@@ -279,9 +350,10 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             reason=f"host unreachable: {host.error}" if state == State.UNKNOWN else v.verdict.reason,
             faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
             progress=_finite((r.done + r.skipped) / r.total, 4) if r.total else None,
-            tokens=r.tokens, bytes=r.bytes,
+            tokens=r.tokens, total_tokens=r.total_tokens, bytes=r.bytes,
             samples_per_s=_finite(rate.samples_per_s) if rate else None,
             tokens_per_s=_finite(rate.tokens_per_s, 1) if rate else None,
+            eta_s=_finite(shard_eta(r, state, rate), 0),
             restarts=max(r.launches - 1, 0), auto_attempts=v.verdict.attempts,
             max_restarts=v.max_restarts, failures=r.failures, last_failure=r.last_failure,
             alive=v.alive if host.reachable else None,
@@ -292,23 +364,55 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             backoff_s=_finite(max(due - hn, 0.0), 1) if due is not None and state != State.UNKNOWN else None,
             writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
             detail=a.detail if a and state == State.LOADING else None, path=r.path))
+    states = [row.state for row in rows]
+    settled = bool(states) and all(s in SETTLED for s in states)
+    finished = bool(states) and all(s == State.DONE for s in states)
+
+    # Throughput against expected: the per-GPU figure times the GPUs that should be working.
     sps = sum(x.samples_per_s for _, x in measured)
     tps = sum(x.tokens_per_s for _, x in measured)
-    total = sum(v.record.total for v in views)
-    finished = sum(v.record.done + v.record.skipped for v in views)
     per_gpu, unit = (expected.samples_per_s_per_gpu, "samples") if expected.samples_per_s_per_gpu \
         else (expected.tokens_per_s_per_gpu, "tokens")
-    expected_rate = per_gpu * working if per_gpu and working else None
-    actual = sps if unit == "samples" else tps
-    ratio = actual / expected_rate if expected_rate and measured else None
+    expected_rate = per_gpu * gpus_expected if per_gpu and gpus_expected else None
+    sized = [v.record for v in views if v.record.total_tokens is not None and v.record.total]
+    tokens_per_sample = (sum(r.total_tokens for r in sized) / sum(r.total for r in sized)) if sized else None
+    expected_tokens = expected_rate if unit == "tokens" else (
+        expected_rate * tokens_per_sample if expected_rate and tokens_per_sample else None)
+    ratio, ratio_unit = None, None
+    if expected_tokens:
+        ratio, ratio_unit = (tps / expected_tokens if measured else None), "tokens"
+    elif expected_rate:
+        ratio, ratio_unit = (sps / expected_rate if measured else None), "samples"
     level = alert_level(_finite(ratio, 3), expected.alert_ratio)
-    remaining = max(total - finished, 0)
-    eta = remaining / sps if sps > 0 else (0.0 if total and remaining == 0 else None)
+
+    # What is left, in tokens when every unfinished shard knows its total.
+    total = sum(v.record.total for v in views)
+    finished_samples = sum(v.record.done + v.record.skipped for v in views)
+    tokens = sum(v.record.tokens for v in views)
+    open_ = [v.record for v, st in zip(views, states) if st != State.DONE]
+    if open_ and all(r.total_tokens is not None for r in open_):
+        eta_unit, remaining, rate_now = "tokens", sum(max(r.total_tokens - r.tokens, 0) for r in open_), tps
+    else:
+        eta_unit, remaining, rate_now = "samples", max(total - finished_samples, 0), sps
+    run_eta = 0.0 if finished or (total and remaining == 0) else eta(remaining, rate_now)
+    all_sized = bool(views) and all(v.record.total_tokens is not None for v in views)
+
+    # Elapsed on the supervisor's clock: from the first launch; once settled, to the last end.
+    starts = [v.record.first_launch_t - hosts[v.host].clock_offset for v in views
+              if v.record.first_launch_t is not None]
+    elapsed = None
+    if starts:
+        ends = [v.record.last_event_t - hosts[v.host].clock_offset for v in views
+                if v.record.last_event_t is not None]
+        end = max(ends) if settled and ends else now
+        elapsed = max(end - min(starts), 0.0)
+
     host_tps: dict[str, float] = {}
     for v, x in measured:
         host_tps[v.host] = host_tps.get(v.host, 0.0) + x.tokens_per_s
     disk_eta = None
     host_rows = []
+    hours = elapsed / 3600 if elapsed is not None else None
     for h in hosts.values():
         free = (h.disk or {}).get("free")
         fills = disk_full_eta([v.record for v in views if v.host == h.name], host_tps.get(h.name, 0.0),
@@ -321,26 +425,41 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             gpus=[Gpu(**g) for g in h.gpus] if h.reachable else None,
             gpu_age_s=_finite(h.host_now(now) - h.gpu_t, 1) if h.gpu_t and h.reachable else None,
             disk=Disk(**h.disk) if h.reachable and h.disk else None,
-            last_seen_age_s=_finite(now - h.last_seen, 1) if h.last_seen else None))
-    starts = [(v.record.first_launch_t, v.host) for v in views if v.record.first_launch_t]
-    elapsed = None
-    if starts:
-        t0, host = min(starts)
-        elapsed = hosts[host].host_now(now) - t0
-    states = [row.state for row in rows]
+            last_seen_age_s=_finite(now - h.last_seen, 1) if h.last_seen else None,
+            replayed=h.replayed, usd_per_hour=h.usd_per_hour,
+            usd_spent=_finite(h.usd_per_hour * hours) if h.usd_per_hour is not None and hours is not None
+            else None))
+
+    # Money: what the priced hosts cost over the run's elapsed time, and at this rate to the end.
+    priced = [h.usd_per_hour for h in hosts.values() if h.usd_per_hour is not None]
+    usd_rate = sum(priced) if priced else None
+    spent = usd_rate * hours if usd_rate is not None and hours is not None else None
+    projected = None
+    if spent is not None:
+        projected = spent if settled else (spent + usd_rate * run_eta / 3600 if run_eta is not None else None)
     return FleetSnapshot(
         run=run, time=round(now, 3), hosts=host_rows, shards=rows,
         totals=Totals(
-            shards=len(rows), by_state=by_state, done=finished, total=total,
+            shards=len(rows), by_state=by_state, done=finished_samples, total=total,
             samples_per_s=_finite(sps) if measured else None,
             tokens_per_s=_finite(tps, 1) if measured else None,
+            tokens=tokens, total_tokens=sum(v.record.total_tokens for v in views) if all_sized else None,
+            gpus_planned=gpus_planned, gpus_expected=gpus_expected,
             expected_unit=unit if per_gpu else None,
-            expected_per_s=_finite(expected_rate), ratio=_finite(ratio, 3),
+            expected_per_s=_finite(expected_rate), expected_tokens_per_s=_finite(expected_tokens, 1),
+            ratio=_finite(ratio, 3), ratio_unit=ratio_unit,
             alert=level in ("low", "critical"), alert_level=level,
-            eta_s=_finite(eta, 0), elapsed_s=_finite(elapsed, 1),
+            eta_s=_finite(run_eta, 0), eta_unit=eta_unit if views else None,
+            elapsed_s=_finite(elapsed, 1), finished=finished,
+            avg_samples_per_s=_finite(finished_samples / elapsed) if elapsed else None,
+            avg_tokens_per_s=_finite(tokens / elapsed, 1) if elapsed else None,
+            avg_tokens_per_s_per_gpu=_finite(tokens / elapsed / gpus_planned, 1) if elapsed and gpus_planned
+            else None,
             bytes_written=sum(v.record.bytes for v in views), disk_full_eta_s=_finite(disk_eta, 0),
-            replayed=all_replayed(hosts.values()),
-            settled=bool(states) and all(s in SETTLED for s in states)))
+            usd_per_hour=_finite(usd_rate), usd_spent=_finite(spent),
+            usd_projected=_finite(projected),
+            usd_per_million_tokens=_finite(spent / tokens * 1e6, 3) if spent is not None and tokens else None,
+            replayed=all_replayed(hosts.values()), settled=settled))
 
 
 def status_exit_code(snap: FleetSnapshot) -> int:

@@ -32,6 +32,7 @@ from . import slurm as slurm_launch
 from .config import Config, HostSpec
 from .jobs import Placement, sentinel_spec, shard_command, shard_dir
 from .judge import Action, LaunchFailure, Policy, Verdict, judge
+from .notify import Notifier
 from .plan import PlanError, check_hosts, make_plan, placements, plan_differences, refusal
 from .record import ShardRecord
 from .snapshot import (FleetSnapshot, HostView, ShardView, all_replayed, build_snapshot, slurm_nodes,
@@ -97,7 +98,8 @@ class Supervisor:
         self.links: dict[str, HostLink] = {
             h.name: HostLink(h, make_transport(h, self.sup, slots),
                              HostView(h.name, h.address if self.slurm is None else self.slurm.login,
-                                      role=None if self.slurm is None else "login"))
+                                      role=None if self.slurm is None else "login",
+                                      usd_per_hour=h.usd_per_hour))
             for h in config.hosts}
         self.shards: dict[int, ShardSlot] = {}
         self.placements: list[Placement] = []
@@ -106,6 +108,8 @@ class Supervisor:
         self._closing = False
         self._decider: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.notifier = Notifier(config.spec.notify, config.base_dir, lambda m: self.on_log(m)) \
+            if config.spec.notify else None
 
     # --- setup ---------------------------------------------------------------------------------
     async def deploy(self) -> tuple[list[deploy.Preflight], dict[str, HostError]]:
@@ -114,7 +118,7 @@ class Supervisor:
         for link in self.links.values():
             link.host.reachable = None
         results = await asyncio.gather(
-            *(deploy.deploy_host(l.transport, self.config, l.spec) for l in self.links.values()),
+            *(deploy.deploy_host(l.transport, self.config, l.spec, self.on_log) for l in self.links.values()),
             return_exceptions=True)
         ok, failures = [], {}
         for link, r in zip(self.links.values(), results):
@@ -285,6 +289,8 @@ class Supervisor:
         for link in self.links.values():
             link.task = asyncio.create_task(self._host_loop(link), name=f"host-{link.spec.name}")
         self._decider = asyncio.create_task(self._decide_loop(), name="decide")
+        if self.notifier is not None:
+            self.notifier.start(self.snapshot, lambda: self.replayed)
 
     async def wait_replayed(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -424,6 +430,7 @@ class Supervisor:
             slot.record.apply(ev)
             if isinstance(ev, protocol.Launch):
                 slot.launch_failures.clear()
+                slot.alive = None            # liveness read before this launch says nothing of it
                 if slot.busy_since is not None and slot.record.launches > slot.busy_launches:
                     slot.busy_since = None
         elif isinstance(msg, protocol.Liveness):
@@ -610,6 +617,23 @@ class Supervisor:
                 return link.spec.name, {"error": str(e)}
         return dict(await asyncio.gather(*(one(l) for l in self.links.values())))
 
+    async def log_lines(self, shard_id: int, last: int = 200, follow: bool = True):
+        """A shard's log: its last `last` lines, then (`follow`) new ones until the stream ends.
+        Raises HostError when the host cannot be read."""
+        link = self.links[self.shards[shard_id].placement.host]
+        argv = ["tail", "-n", str(last)] + (["-F"] if follow else []) + \
+            [f"{shard_dir(self.config, link.spec, shard_id)}/log"]
+        if not follow:
+            for line in (await link.transport.run(argv)).stdout.splitlines():
+                yield line
+            return
+        stream = await link.transport.stream(argv)
+        try:
+            async for line in stream.lines():
+                yield line.rstrip("\n")
+        finally:
+            await stream.close()
+
     def resolve_shard(self, ref: str) -> int:
         """'3' or 'host:gpu' -> shard id (KeyError with a message otherwise)."""
         if ref.isdigit() and int(ref) in self.shards:
@@ -624,7 +648,9 @@ class Supervisor:
         raise KeyError(f"no shard {ref!r}; shards: {known}")
 
     async def close(self) -> None:
-        """Stop following; the workers keep running."""
+        """Stop following (telling what just changed first); the workers keep running."""
+        if self.notifier is not None:
+            await self.notifier.close()
         self._closing = True
         tasks = [l.task for l in self.links.values() if l.task] + list(self._tasks)
         if self._decider:

@@ -21,12 +21,16 @@ class EventLog:
         self.shard = shard
         launch = os.environ.get(protocol.LAUNCH_ENV, "")
         self.launch = int(launch) if launch.isdigit() else None
+        self.total_tokens: int | None = None      # set once known (worker/sizing.py)
         self._lock = threading.Lock()
 
     def emit(self, event: protocol.Record) -> protocol.Record:
-        """Stamp the event with this process's launch and append it (a single write)."""
+        """Stamp the event with this process's launch (and a progress event with the shard's
+        total tokens, once known) and append it (a single write)."""
         if getattr(event, "launch", None) is None and self.launch is not None:
             event.launch = self.launch
+        if isinstance(event, protocol.Progress) and event.total_tokens is None:
+            event.total_tokens = self.total_tokens
         with self._lock:
             if self.path:
                 protocol.append_jsonl(self.path, event, sync=isinstance(event, _SYNCED))

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from . import __version__, protocol
+from . import __version__, protocol, sizing
 from .batching import make_batches, padded_length, row_bucket
 from .data import BadRow, DataError, Sample, open_dataset, row_to_sample, shard_range
 from .events import EventLog
@@ -440,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                           pad_multiple=pad, loss_mask=args.loss_mask, format=args.format,
                           max_positions=shape.max_positions, bucket_rows=few_shapes, dtype=args.dtype)
         items = iter_shard(dataset, start, stop, set(finished), vocab_size, tokenizer, options)
+        sizing.start(log, dataset, start, stop, vocab_size, args.model, options)  # total_tokens
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                stats, args.progress_interval, stop - start)
         if problem := too_many_skipped(args.out, start, stop, args.max_skip_fraction):

@@ -52,6 +52,7 @@ class GpuReader:
             mem = _na(lambda: nv.nvmlDeviceGetMemoryInfo(h))
             util = _na(lambda: nv.nvmlDeviceGetUtilizationRates(h))
             power = _na(lambda: nv.nvmlDeviceGetPowerUsage(h))
+            limit = _na(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h))
             name = _na(lambda: nv.nvmlDeviceGetName(h))
             uuid = _na(lambda: nv.nvmlDeviceGetUUID(h))
             gpus.append({
@@ -62,11 +63,13 @@ class GpuReader:
                 "util": getattr(util, "gpu", None),
                 "temp": _na(lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
                 "power_w": None if power is None else round(power / 1000, 1),
+                "power_limit_w": None if limit is None else round(limit / 1000, 1),
             })
         return gpus
 
     def _read_smi(self) -> list[dict]:
-        fields = "index,name,uuid,memory.used,memory.total,utilization.gpu,temperature.gpu,power.draw"
+        fields = ("index,name,uuid,memory.used,memory.total,utilization.gpu,temperature.gpu,power.draw,"
+                  "power.limit")
         try:
             out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=10).stdout
@@ -87,5 +90,6 @@ class GpuReader:
             gpus.append({"index": int(p[0]), "name": p[1], "uuid": p[2],
                          "mem_used": None if used is None else int(used * 2**20),
                          "mem_total": None if total is None else int(total * 2**20),
-                         "util": num(p[5]), "temp": num(p[6]), "power_w": num(p[7])})
+                         "util": num(p[5]), "temp": num(p[6]), "power_w": num(p[7]),
+                         "power_limit_w": num(p[8]) if len(p) > 8 else None})
         return gpus

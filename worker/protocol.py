@@ -136,6 +136,7 @@ class Started(Record):
     node: Optional[str] = None         # Slurm: the node the task runs on (SLURMD_NODENAME)
     job: Optional[str] = None          # Slurm: "<array job id>_<index>"
     gpus: Optional[list] = None        # Slurm: the node's GPU indices allocated to the task
+    total_tokens: Optional[int] = None  # the shard's tokens to extract, when already known
 
 
 @event
@@ -190,7 +191,10 @@ class Loaded(Record):
 @event
 @dataclass
 class Progress(Record):
-    """Cumulative counters of the shard (finished samples include those of earlier launches)."""
+    """Cumulative counters of the shard (finished samples include those of earlier launches).
+    `total_tokens`: the tokens of every row of the shard that will be extracted (whole shard, done
+    or not), sent once the worker has read the rows' lengths; ETAs and throughput compare in
+    tokens from then on, since samples are length-sorted and samples/s swings."""
     KIND: ClassVar[str] = "progress"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
@@ -198,6 +202,7 @@ class Progress(Record):
     skipped: int = 0
     total: Optional[int] = None
     tokens: Optional[int] = None
+    total_tokens: Optional[int] = None
     bytes: Optional[int] = None
     writer_wait_s: Optional[float] = None
     host_buffer_bytes: Optional[int] = None

@@ -1,24 +1,18 @@
-"""Modal screens: confirmation, help, and the full-screen log view."""
+"""Modal screens: confirmation, help (generated from the bindings), and the full-screen log view."""
 
 from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Vertical
+from textual.containers import Grid, VerticalScroll
 from textual.screen import ModalScreen, Screen
-from textual.widgets import Button, Footer, Label, Static
+from textual.widgets import Button, Footer, Input, Label, Static
 
-from .panes.log import ShardLog
+from .panes.log import LogView
 
 
 class ConfirmScreen(ModalScreen[bool]):
     BINDINGS = [Binding("y", "answer(True)", "yes"), Binding("n,escape", "answer(False)", "no")]
-    DEFAULT_CSS = """
-    ConfirmScreen { align: center middle; }
-    ConfirmScreen > Grid { grid-size: 2; grid-gutter: 1 2; grid-rows: auto 3; padding: 1 2;
-                           width: 70; height: auto; border: thick $warning; background: $surface; }
-    ConfirmScreen Label { column-span: 2; width: 100%; }
-    """
 
     def __init__(self, question: str):
         super().__init__()
@@ -37,44 +31,82 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(yes)
 
 
-HELP = """\
-[b]Keys[/b]
+# --- help ---------------------------------------------------------------------------------------
 
-  r          restart the selected shard (or the marked ones)  — asks first
-  R          restart every FAILED / BACKOFF / FATAL shard       — asks first
-  space      mark / unmark the selected shard for r or k
-  k          stop the selected shard (or the marked ones)      — asks first
-  l, enter   full-screen log of the selected shard; esc back
-  /          filter shards (host, state, id, reason); esc clears
-  f          only faulty shards (STALLED, FAILED, BACKOFF, FATAL, UNKNOWN)
-  s          sort: shard → state → progress → rate
-  D          stop the whole run                                 — asks first
-  q          quit: the workers keep running; `fleet up` re-attaches
-  ?          this help
+NOT_BINDINGS = [
+    ("Anywhere", [("tab / shift+tab", "next / previous pane (shards, GPUs, log)"),
+                  ("ctrl+p", "Textual's command palette (theme, screenshot, keys)")]),
+    ("Mouse", [("click a row", "select it (a GPU host: select; double click expands)"),
+               ("double click", "a shard: open its log"),
+               ("click a header", "sort by that column; again reverses it"),
+               ("wheel", "scroll the pane under the pointer")]),
+]
 
-Restarts resume: a restarted shard skips every sample already in its manifest.
-"""
+
+def binding_lines(app, bindings) -> list[tuple[str, str]]:
+    """(keys, what it does) for each binding, from the bindings themselves: the tooltip when there
+    is one, else the footer's description. The nine sort-by-column keys are one line."""
+    keys: dict[str, list[str]] = {}
+    what: dict[str, str] = {}
+    for b in bindings:
+        b = b if isinstance(b, Binding) else Binding(*b)
+        action = "sort_column" if b.action.startswith("sort_column(") else b.action
+        if action.startswith(("cursor", "page")):
+            continue
+        if action == "sort_column":
+            keys[action] = ["1 … 9"]
+            what[action] = "sort by the Nth column on screen; again reverses it"
+            continue
+        keys.setdefault(action, []).extend(app.get_key_display(Binding(k.strip(), b.action))
+                                           for k in b.key.split(","))
+        what.setdefault(action, b.tooltip or b.description)
+    return [(" / ".join(keys[a]), what[a]) for a in keys]
+
+
+def help_text(app) -> str:
+    """Every key of every screen, one line each, never wrapped: generated from the bindings."""
+    from .app import FleetApp
+    from .main import MainScreen
+    from .panes.gpus import GpuTable
+    sections = [
+        ("Shards (the main screen)", binding_lines(app, MainScreen.BINDINGS)),
+        ("GPU pane", binding_lines(app, GpuTable.BINDINGS)),
+        ("Log view (l or enter)", binding_lines(app, LogScreen.BINDINGS + LogView.BINDINGS)),
+        ("Anywhere", binding_lines(app, FleetApp.BINDINGS) + NOT_BINDINGS[0][1]),
+        NOT_BINDINGS[1],
+    ]
+    width = max(len(k) for _, lines in sections for k, _ in lines)
+    out = []
+    for title, lines in sections:
+        out.append(f"[b]{title}[/b]")
+        out += [f"  {k.ljust(width)}  {what}" for k, what in lines]
+        out.append("")
+    out.append("A restarted shard resumes: it skips every sample in its manifest.")
+    return "\n".join(out)
 
 
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark", "dismiss_help", "close")]
-    DEFAULT_CSS = """
-    HelpScreen { align: center middle; }
-    HelpScreen > Vertical { width: 80; height: auto; padding: 1 2; border: thick $primary; background: $surface; }
-    """
 
     def compose(self) -> ComposeResult:
-        with Vertical():
-            yield Static(HELP)
+        with VerticalScroll():
+            yield Static(help_text(self.app), id="help-text")
 
     def action_dismiss_help(self) -> None:
         self.dismiss(None)
 
 
+# --- the log view -------------------------------------------------------------------------------
+
 class LogScreen(Screen[None]):
-    BINDINGS = [Binding("escape", "app.pop_screen", "back"),
-                Binding("a", "toggle_autoscroll", "autoscroll"),
-                Binding("w", "toggle_wrap", "wrap")]
+    """One shard's log, full screen. Only its own keys work here (the main screen's are on the
+    main screen), so `/` searches the log and `l` does not open a second log."""
+    BINDINGS = [
+        Binding("escape,q", "back", "back", tooltip="back to the shards (esc also closes the search)"),
+        Binding("slash", "search", "search", tooltip="search as you type; enter keeps it, n / N go on"),
+        Binding("a", "toggle_autoscroll", "autoscroll", tooltip="follow the end of the log, or stay put"),
+        Binding("w", "toggle_wrap", "wrap", tooltip="wrap long lines, or cut them (left / right scroll)"),
+    ]
 
     def __init__(self, source, shard: int):
         super().__init__()
@@ -82,19 +114,63 @@ class LogScreen(Screen[None]):
         self.shard = shard
 
     def compose(self) -> ComposeResult:
-        yield Static(f"shard {self.shard} — log (esc back, a autoscroll, w wrap)", id="log-title")
-        yield ShardLog(id="full-log")
+        yield Static(f"shard {self.shard} — log", id="log-title")
+        yield LogView(id="full-log")
+        yield Input(placeholder="search the log (enter keeps it, esc drops it)", id="log-search")
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one(ShardLog).follow(self.source, self.shard)
+        self.query_one("#log-search", Input).display = False
+        view = self.query_one(LogView)
+        view.follow(self.source, self.shard)
+        view.focus()
+        self._title()
+
+    def _title(self) -> None:
+        view = self.query_one(LogView)
+        flags = [f"autoscroll {'on' if view.auto_scroll else 'off'}", f"wrap {'on' if view.wrap else 'off'}"]
+        if view.search:
+            flags.append(f"search '{view.search}' (n/N)")
+        self.query_one("#log-title", Static).update(f"shard {self.shard} — log · {view.status} · "
+                                                    + " · ".join(flags))
+
+    def action_back(self) -> None:
+        box = self.query_one("#log-search", Input)
+        if box.display:
+            box.display = False
+            self.query_one(LogView).find(None)
+            self.query_one(LogView).focus()
+            self._title()
+            return
+        self.app.pop_screen()
+
+    def action_search(self) -> None:
+        box = self.query_one("#log-search", Input)
+        box.display = True
+        box.value = self.query_one(LogView).search or ""
+        box.focus()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        view = self.query_one(LogView)
+        view.find(event.value, 1, from_line=view.cursor - 1)
+        self._title()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.input.display = False
+        view = self.query_one(LogView)
+        if event.value and not view.find(event.value, 1, from_line=view.cursor - 1):
+            self.notify(f"pattern not found: {event.value}", severity="warning")
+        view.focus()
+        self._title()
 
     def action_toggle_autoscroll(self) -> None:
-        log = self.query_one(ShardLog)
-        log.auto_scroll = not log.auto_scroll
-        self.notify(f"autoscroll {'on' if log.auto_scroll else 'off'}")
+        view = self.query_one(LogView)
+        view.auto_scroll = not view.auto_scroll
+        if view.auto_scroll:
+            view.action_bottom()
+        self._title()
 
     def action_toggle_wrap(self) -> None:
-        log = self.query_one(ShardLog)
-        log.wrap = not log.wrap
-        self.notify(f"wrap {'on' if log.wrap else 'off'}")
+        view = self.query_one(LogView)
+        view.wrap = not view.wrap
+        self._title()

@@ -2,14 +2,16 @@
 
 `SupervisorSource` drives a live Supervisor; anything else with the same methods (the benchmark's
 synthetic 512-shard fleet, a fixed snapshot for visual tests) can feed the same screen. The TUI
-never talks SSH itself.
+never talks SSH itself and never builds a path or a command: the source does.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import AsyncIterator, Protocol
 
-from ..jobs import shard_dir
+from ..judge import throughput_history
 from ..snapshot import FleetSnapshot
 from ..supervisor import Supervisor
 from ..transport import HostError
@@ -17,6 +19,9 @@ from ..transport import HostError
 
 class FleetSource(Protocol):
     def snapshot(self) -> FleetSnapshot: ...
+
+    def history(self, step: float, points: int) -> list[tuple[float, float, float]]:
+        """(time, tokens/s, samples/s) per interval up to now, rebuilt from the records."""
 
     async def restart(self, shard_ids: list[int]) -> list[str]: ...
 
@@ -31,6 +36,8 @@ class SupervisorSource:
     def __init__(self, sup: Supervisor):
         self.sup = sup
         self.launch_task = None
+        self.messages: deque[str] = deque(maxlen=50)   # the supervisor's log lines, for the screen
+        sup.on_log = self.messages.append
 
     async def close(self) -> None:
         """Stop following; the workers keep running."""
@@ -38,6 +45,11 @@ class SupervisorSource:
 
     def snapshot(self) -> FleetSnapshot:
         return self.sup.snapshot()
+
+    def history(self, step: float, points: int) -> list[tuple[float, float, float]]:
+        offsets = {name: link.host.clock_offset for name, link in self.sup.links.items()}
+        records = [(s.record, offsets[s.placement.host]) for s in self.sup.shards.values()]
+        return throughput_history(records, time.time(), step, points)
 
     async def restart(self, shard_ids: list[int]) -> list[str]:
         out = []
@@ -59,14 +71,8 @@ class SupervisorSource:
                 for host, r in results.items()]
 
     async def follow_log(self, shard_id: int) -> AsyncIterator[str]:
-        """The shard's log tail, then new lines; raises HostError when the stream drops."""
-        host = self.sup.shards[shard_id].placement.host
-        link = self.sup.links[host]
-        path = f"{shard_dir(self.sup.config, link.spec, shard_id)}/log"
-        stream = await link.transport.stream(["tail", "-n", "200", "-F", path])
-        try:
-            async for line in stream.lines():
-                yield line.rstrip("\n")
-        finally:
-            await stream.close()
-        raise HostError(f"{host}: log stream ended")
+        """The shard's log tail, then new lines; raises HostError when the stream drops (the
+        view says so and follows again)."""
+        async for line in self.sup.log_lines(shard_id):
+            yield line
+        raise HostError(f"shard {shard_id}: log stream ended")

@@ -1,19 +1,123 @@
-"""Colours and text bars shared by the panes."""
+"""How things look: state glyphs and styles (with and without colour), meter bars with thresholds,
+sparklines, and the units the panes print. Pure functions of values the snapshot computed; no
+decisions about the fleet are made here.
+
+Every state has a glyph, so a state reads without colour (NO_COLOR, colour-blind users, a
+monochrome capture); under NO_COLOR, weight and reverse video carry what colour would.
+"""
 
 from __future__ import annotations
 
-STATE_STYLE = {
-    "PENDING": "dim", "DEPLOYING": "cyan", "STARTING": "cyan", "LOADING": "cyan",
-    "RUNNING": "green", "DONE": "bold green", "STALLED": "yellow", "FAILED": "bold red",
-    "BACKOFF": "yellow", "FATAL": "bold white on red", "STOPPED": "dim", "UNKNOWN": "magenta",
+from rich.style import Style
+
+from ..state import State
+
+GLYPH = {
+    "PENDING": "○", "DEPLOYING": "…", "STARTING": "◔", "LOADING": "◑", "RUNNING": "▶",
+    "DONE": "✓", "STALLED": "⚠", "FAILED": "✗", "BACKOFF": "↻", "FATAL": "✖", "STOPPED": "■",
+    "UNKNOWN": "?",
 }
-ALERT_STYLE = {None: "green", "ok": "green", "low": "yellow", "critical": "red"}
+_COLOUR = {
+    "PENDING": "bright_black", "DEPLOYING": "cyan", "STARTING": "cyan", "LOADING": "cyan",
+    "RUNNING": "green", "DONE": "bold green", "STALLED": "bold yellow", "FAILED": "bold red",
+    "BACKOFF": "yellow", "FATAL": "bold white on red", "STOPPED": "italic",
+    "UNKNOWN": "magenta",
+}
+_MONO = {                                  # what survives NO_COLOR: weight, italics, reverse video
+    "PENDING": "", "DEPLOYING": "", "STARTING": "", "LOADING": "", "RUNNING": "", "DONE": "",
+    "STALLED": "bold", "FAILED": "bold", "BACKOFF": "bold", "FATAL": "bold reverse",
+    "STOPPED": "italic", "UNKNOWN": "italic",
+}
+_STATE_STYLES = {False: {k: Style.parse(v) for k, v in _COLOUR.items()},
+                 True: {k: Style.parse(v) for k, v in _MONO.items()}}
+
+ALERT = {False: {None: "", "ok": "green", "low": "bold yellow", "critical": "bold red"},
+         True: {None: "", "ok": "", "low": "bold", "critical": "bold reverse"}}
+GOOD, WARN, BAD = "green", "yellow", "bold red"
 
 
-def bar(fraction: float, width: int) -> str:
-    """A text bar of `width` cells, eighths for the partial cell."""
+def state_style(state: str, no_color: bool = False) -> Style:
+    return _STATE_STYLES[no_color].get(state, Style())
+
+
+def state_label(state: str) -> str:
+    return f"{GLYPH.get(state, ' ')} {state}"
+
+
+def level_style(level: str, no_color: bool) -> str:
+    """GOOD / WARN / BAD as a style: colours, or under NO_COLOR nothing / bold / bold reverse."""
+    if no_color:
+        return {GOOD: "", WARN: "bold", BAD: "bold reverse"}[level]
+    return level
+
+
+# --- thresholds (nvitop's idea: a meter says at a glance whether to worry) ------------------------
+
+def memory_level(fraction: float) -> str:
+    """GPU memory: worry near full (the next long batch may not fit)."""
+    return GOOD if fraction < 0.80 else WARN if fraction < 0.95 else BAD
+
+
+def util_level(percent: float) -> str:
+    """Utilisation: for extraction an idle GPU is the problem, a busy one is the goal."""
+    return GOOD if percent >= 75 else WARN if percent >= 25 else BAD
+
+
+def temp_level(celsius: float) -> str:
+    """H100/H200 throttle from about 87 °C."""
+    return GOOD if celsius < 75 else WARN if celsius < 85 else BAD
+
+
+def power_level(watts: float, limit: float | None) -> str:
+    """Against the enforced power limit when the host reports it."""
+    if not limit:
+        return GOOD
+    return GOOD if watts < 0.9 * limit else WARN if watts < 0.98 * limit else BAD
+
+
+# --- text shapes -----------------------------------------------------------------------------------
+
+_EIGHTHS = " ▏▎▍▌▋▊▉"
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def bar(fraction: float, width: int, empty: str = "·") -> str:
+    """A horizontal meter of `width` cells, eighths for the partial cell."""
     fraction = min(max(fraction, 0.0), 1.0)
     eighths = int(round(fraction * width * 8))
     full, part = divmod(eighths, 8)
-    partial = " ▏▎▍▌▋▊▉"[part] if part else ""
-    return ("█" * full + partial).ljust(width, "·")[:width]
+    partial = _EIGHTHS[part] if part else ""
+    return ("█" * full + partial).ljust(width, empty)[:width]
+
+
+def spark(values, width: int, top: float | None = None) -> str:
+    """The last `width` values as a one-line sparkline (0 at the bottom, `top` or the max at the top)."""
+    values = list(values)[-width:]
+    if not values:
+        return " " * width
+    top = top or max(values) or 1.0
+    return "".join(_SPARK[min(int(v / top * 7.999), 7)] if v > 0 else " " for v in values).rjust(width)
+
+
+def gib(n: float | None, digits: int = 1) -> str:
+    """Bytes in GiB, as nvidia-smi's MiB figures read (an H200 is ~141 GiB)."""
+    return "?" if n is None else f"{n / 2**30:.{digits}f}"
+
+
+def si(x: float | None, digits: int = 1) -> str:
+    """1234567 -> 1.2M: rates in a few cells."""
+    if x is None:
+        return "?"
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.{digits}f}{unit}"
+    return f"{x:.{digits}f}" if x < 100 else f"{x:.0f}"
+
+
+def usd(x: float | None) -> str:
+    if x is None:
+        return "?"
+    return f"${x:,.2f}" if x < 10 else f"${x:,.0f}"
+
+
+ALL_STATES = [s.value for s in State]

@@ -159,7 +159,7 @@ def test_rates_are_measured_to_now_and_fall_when_progress_stops():
     r = rates(fold(evs), State.RUNNING, 10)
     assert (round(r.samples_per_s, 6), round(r.tokens_per_s, 6), round(r.bytes_per_s, 6)) == (5.0, 500.0, 1000.0)
     assert rates(fold(evs), State.RUNNING, 25).samples_per_s == (50 - 10) / 23   # decaying to now
-    assert rates(fold(evs), State.RUNNING, 35).samples_per_s == (50 - 20) / 30
+    assert rates(fold(evs), State.RUNNING, 35).samples_per_s == (50 - 25) / 30   # 25 at t=5, between points
     assert rates(fold(evs), State.RUNNING, 40).samples_per_s == 0.0
     assert rates(fold(evs), State.LOADING, 10) is None
     evs.append(launch(12, n=2, by="auto"))                               # a restart starts from no rate

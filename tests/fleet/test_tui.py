@@ -1,5 +1,7 @@
-"""The live TUI: Textual's pilot on a real local fleet (real workers), visual snapshots of the main
-screen and the log view, and a smoke test in a real terminal (tmux)."""
+"""The live TUI through its real producer: Textual's pilot on a real local fleet (the real
+supervisor, real worker processes on the tiny model), then a re-attach to the same run; and `fleet
+up` itself in a real terminal (tmux) at 80x24. Layout, keys and visuals on the synthetic fleet are
+in test_tui_keys.py and test_tui_snapshots.py."""
 
 from __future__ import annotations
 
@@ -14,14 +16,15 @@ import time
 
 import pytest
 
-from bench.synthetic_fleet import SyntheticFleet
 from fleet.config import load_config
 from fleet.state import State
 from fleet.supervisor import Supervisor
 from fleet.tui.app import QUIT_MESSAGE, FleetApp
-from fleet.tui.panes.gpus import GpuTable
-from fleet.tui.panes.log import ShardLog
-from fleet.tui.panes.shards import ShardTable
+from fleet.tui.panes.gpus import GpuPane
+from fleet.tui.panes.lines import cell_text
+from fleet.tui.panes.log import LogView
+from fleet.tui.panes.shards import COLUMN_KEYS, ShardTable
+from fleet.tui.panes.throughput import ThroughputChart
 from fleet.tui.panes.topbar import TopBar
 from fleet.tui.source import SupervisorSource
 from tests.conftest import REPO
@@ -49,6 +52,7 @@ name = "local"
 address = "local"
 gpus = [0, 1]
 root = "fleet"
+usd_per_hour = 3.6
 """
     path = tmp_path / "fleet.toml"
     path.write_text(text)
@@ -58,16 +62,15 @@ root = "fleet"
 @pytest.fixture
 def long_data(tmp_path):
     from worker.demo import make_token_dataset
-    return make_token_dataset(str(tmp_path / "data.jsonl"), 16000, vocab_size=500, mean_tokens=60, seed=2)
+    return make_token_dataset(str(tmp_path / "data.jsonl"), 10000, vocab_size=500, mean_tokens=60, seed=2)
 
 
 def pid_of(tmp_path, shard: int) -> int:
     return int(open(tmp_path / "fleet" / "tui" / "shards" / str(shard) / "pid").read())
 
 
-def cell_text(table, row: str, column: str) -> str:
-    value = table.get_cell(row, column)
-    return value.plain if hasattr(value, "plain") else str(value)
+def cell(table, row: str, column: str) -> str:
+    return cell_text(table.cells_of(row)[COLUMN_KEYS.index(column)])
 
 
 async def until(pilot, predicate, timeout: float = 120, what: str = "condition"):
@@ -79,135 +82,152 @@ async def until(pilot, predicate, timeout: float = 120, what: str = "condition")
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def supervised_app(sup: Supervisor) -> FleetApp:
-    """The TUI on a deployed supervisor, which it starts and launches (as `fleet up` does)."""
+async def confirm(pilot, app, keys: list[str], question: str) -> None:
+    """Press `keys`, check the confirmation asks `question`, answer yes."""
+    await pilot.press(*keys)
+    await pilot.pause(0.3)
+    assert question in str(app.screen.query_one("#question").render())
+    await pilot.press("y")
+
+
+class Watched(FleetApp):
+    """FleetApp that keeps what it showed: the state cells of every draw, toasts and bells."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.frames: list[tuple[bool, dict[str, str]]] = []
+        self.toasts: list[str] = []
+        self.bells = 0
+
+    def draw(self, snap) -> None:
+        super().draw(snap)
+        if not self.main.query(ShardTable):
+            return                                  # the screen is not composed yet
+        table = self.main.query_one(ShardTable)
+        self.frames.append((snap.totals.replayed, {k: cell(table, k, "state") for k in table.keys}))
+
+    def notify(self, message, *a, **kw):
+        self.toasts.append(str(message))
+        return super().notify(message, *a, **kw)
+
+    def bell(self) -> None:
+        self.bells += 1
+
+
+def opener(sup: Supervisor):
     async def open_source():
         await sup.start()
         source = SupervisorSource(sup)
         source.launch_task = asyncio.create_task(sup.launch_all())
         return source
-    return FleetApp(open_source=open_source, interval=0.2)
+    return open_source
 
 
-async def test_live_tui_kill_restart_filter_and_quit(tmp_path, dense_model, long_data):
+def supervised_app(sup: Supervisor) -> FleetApp:
+    """The TUI on a deployed supervisor, which it starts and launches (as `fleet up` does)."""
+    return FleetApp(open_source=opener(sup), interval=0.2)
+
+
+async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp_path, dense_model, long_data):
     config = load_config(local_toml(tmp_path, dense_model, long_data))
     sup = Supervisor(config)
     results, failures = await sup.deploy()
     assert not failures and not results[0].errors
     await sup.settle_plan(results)
-    app = supervised_app(sup)
+
+    app = Watched(open_source=opener(sup), interval=0.2)
     try:
-        async with app.run_test(size=(170, 48)) as pilot:
-            shards = app.query_one(ShardTable)
+        async with app.run_test(size=(120, 40)) as pilot:
+            shards = app.main.query_one(ShardTable)
             await until(pilot, lambda: app.snap and all(s.state == State.RUNNING for s in app.snap.shards),
                         what="both shards running")
-            await until(pilot, lambda: app.snap.totals.samples_per_s is not None, what="a rate")
-            # Every pane renders.
-            assert "fleet tui" in str(app.query_one(TopBar).render())
-            gpus = app.query_one(GpuTable)
-            assert gpus.row_count >= 1
-            if not app.snap.hosts[0].gpus:
-                assert cell_text(gpus, "local/x", "mem") == "no GPU telemetry"
-            assert shards.row_count == 2
-            assert "throughput" in str(app.query_one("#tp-label").render())
-            await until(pilot, lambda: len(app.query_one(ShardLog).lines) > 2, what="log lines")
+            # Honest numbers: the workers sent their shards' tokens, so ETA and ratio are in tokens.
+            await until(pilot, lambda: app.snap.totals.eta_unit == "tokens" and
+                        all(s.eta_s is not None for s in app.snap.shards), what="ETAs in tokens")
+            t = app.snap.totals
+            assert t.ratio_unit == "tokens" and t.total_tokens == sum(s.total_tokens for s in app.snap.shards)
+            assert t.gpus_planned == 2 and t.usd_per_hour == 3.6 and t.usd_spent is not None
+            top = str(app.main.query_one(TopBar).render())
+            assert "fleet tui" in top and "tok/s" in top and "ETA" in top and "(tokens)" in top
+            assert cell(shards, "0", "eta") != "?"
+            # A CPU run has no GPU telemetry: the GPU pane is one line that says so.
+            gpus = app.main.query_one(GpuPane)
+            assert gpus.has_class("-oneline") and gpus.outer_size.height == 1
+            assert "no GPU telemetry" in str(app.main.query_one("#gpus-title").render())
+            await until(pilot, lambda: len(app.main.query_one("#log", LogView).lines) > 2, what="log lines")
 
+            # SIGKILL: FATAL (max_restarts 0), told by a toast and the bell while watching.
             os.kill(pid_of(tmp_path, 0), signal.SIGKILL)
-            await until(pilot, lambda: cell_text(shards, "0", "state") == "FATAL", what="shard 0 FATAL")
-            assert "killed by signal 9" in cell_text(shards, "0", "reason")
+            await until(pilot, lambda: cell(shards, "0", "state") == "✖ FATAL", what="shard 0 FATAL")
+            assert "killed by signal 9" in cell(shards, "0", "reason")
+            await until(pilot, lambda: app.bells >= 1, what="the bell")
+            assert any("shard 0" in m and "-> FATAL" in m for m in app.toasts), app.toasts
+            assert not any("shard 1" in m for m in app.toasts), app.toasts   # no false alarm at launch
 
             await pilot.press("f")                                   # faulty only
             await until(pilot, lambda: shards.row_count == 1, what="faulty filter")
-            assert cell_text(shards, "0", "id") == "0"
             await pilot.press("f")
-            await pilot.press("slash", *"local:1", "enter")          # text filter
-            await until(pilot, lambda: shards.row_count == 1 and shards.selected_shard == 1, what="text filter")
+            await pilot.press("slash", *"local:1")                   # filters as it is typed
+            await until(pilot, lambda: shards.row_count == 1 and shards.selected_shard == 1, what="live filter")
             await pilot.press("escape")
             await until(pilot, lambda: shards.row_count == 2, what="filter cleared")
 
-            shards.move_cursor(row=0)
-            await pilot.press("r")
-            await pilot.pause(0.3)
-            assert "Restart shard(s) 0?" in str(app.screen.query_one("#question").render())
-            await pilot.press("y")
-            await until(pilot, lambda: cell_text(shards, "0", "state") in ("STARTING", "LOADING", "RUNNING"),
-                        what="shard 0 restarted")
-            await until(pilot, lambda: cell_text(shards, "0", "state") == "RUNNING", what="shard 0 running")
-            live_pid = pid_of(tmp_path, 0)
+            # k on shard 1: STOPPED, never FAILED or BACKOFF on the way, and not restarted.
+            shards.move_to_key("1")
+            await confirm(pilot, app, ["k"], "Stop shard(s) 1?")
+            await until(pilot, lambda: cell(shards, "1", "state") == "■ STOPPED", what="shard 1 STOPPED")
+            await pilot.pause(1.0)
+            seen1 = [f[1].get("1") for f in app.frames if f[0]]
+            assert not {"✗ FAILED", "↻ BACKOFF", "✖ FATAL"} & set(seen1), seen1
+            assert cell(shards, "1", "state") == "■ STOPPED" and cell(shards, "1", "reason") == "stopped"
+
+            shards.move_to_key("0")
+            await confirm(pilot, app, ["r"], "Restart shard(s) 0?")
+            await until(pilot, lambda: cell(shards, "0", "state") == "▶ RUNNING", what="shard 0 running again")
+            assert cell(shards, "0", "reason") == "" and cell(shards, "0", "restarts") == "0/0"
             await pilot.press("q")
-        assert app.return_value == QUIT_MESSAGE
-        os.kill(live_pid, 0)                                         # q left the worker running
-        # It goes on to DONE unsupervised, resuming where the killed one stopped.
-        check = Supervisor(config)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            snap = await check.read_once()
-            if [s.state for s in snap.shards] == [State.DONE, State.DONE]:
-                break
-            await asyncio.sleep(1)
-        await check.close()
+        assert app.return_value == QUIT_MESSAGE                      # shard 0 still runs
+        os.kill(pid_of(tmp_path, 0), 0)
+
+        # Re-attach: the first frames say "replaying", never PENDING 0/0; the chart's past is
+        # rebuilt from the records; `:restart 1` brings the stopped shard back; the end is told.
+        attach = Supervisor(config)
+        attach.use_plan(sup.plan)                                    # as `fleet up` does after deploy
+        again = Watched(open_source=opener(attach), interval=0.2)
+        async with again.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: again.snap is not None and again.snap.totals.replayed, what="replayed")
+            assert again.frames and all(len(cells) == 2 for _, cells in again.frames)
+            assert all(cells[k] != "○ PENDING" for replayed, cells in again.frames for k in cells), \
+                again.frames[:3]
+            chart = again.main.query_one(ThroughputChart)
+            assert chart.rebuilt and any(v > 0 for _, v in chart.points)
+            await confirm(pilot, again, ["colon", *"restart 1", "enter"], "Restart shard(s) 1?")
+            await until(pilot, lambda: again.snap.totals.finished, timeout=300, what="both DONE")
+            await pilot.pause(0.5)
+            top = str(again.main.query_one(TopBar).render())
+            assert "✓ 2/2 DONE in" in top and "→ fleet verify" in top
+            keys = {b.binding.key for b in again.screen.active_bindings.values() if b.enabled}
+            assert not {"r", "R", "k", "D"} & keys                  # nothing left to restart or stop
+            assert any("2/2 DONE" in m and "fleet verify" in m for m in again.toasts), again.toasts
+            final = again.snap
+            await pilot.press("q")
+        assert again.return_value.startswith("fleet: run tui is finished: 2/2 shards DONE in")
+        assert final.totals.elapsed_s == again.source.snapshot().totals.elapsed_s     # frozen
+        snap = await Supervisor(config).read_once()
         assert [s.state for s in snap.shards] == [State.DONE, State.DONE]
-        assert snap.shards[0].restarts == 1 and snap.totals.done == 16000
+        assert snap.shards[0].restarts == 1 and snap.totals.done == 10000
     finally:
         await Supervisor(config).stop_all()
 
 
-def synthetic_app() -> FleetApp:
-    fleet = SyntheticFleet(hosts=3, gpus=4, seed=7, unreachable=(2,), failed=(1,), log_lines=12)
-    for _ in range(20):
-        fleet.tick(1.0)
-    return FleetApp(fleet, interval=3600)
-
-
-def test_snapshot_main_screen(snap_compare):
-    assert snap_compare(synthetic_app(), terminal_size=(170, 48), run_before=_settle)
-
-
-def test_snapshot_log_view(snap_compare):
-    async def open_log(pilot):
-        await _settle(pilot)
-        await pilot.press("down", "l")
-        await pilot.pause(0.5)
-    assert snap_compare(synthetic_app(), terminal_size=(120, 30), run_before=open_log)
-
-
-async def _settle(pilot):
-    await pilot.pause(0.5)
-
-
-async def test_keys_on_a_synthetic_fleet_mark_stop_sort_and_help():
-    fleet = SyntheticFleet(hosts=2, gpus=4, seed=1, failed=(3, 5))
-    app = FleetApp(fleet, interval=0.1)
-    async with app.run_test(size=(170, 48)) as pilot:
-        await pilot.pause(0.3)
-        table = app.query_one(ShardTable)
-        await pilot.press("space", "space")                          # mark shards 0 and 1
-        assert table.marked == {0, 1}
-        await pilot.press("k", "y")
-        await pilot.pause(0.3)
-        assert [(s.state, s.reason) for s in app.snap.shards[:2]] == [(State.STOPPED, "stopped")] * 2
-        assert table.marked == set()
-        await pilot.press("R")                                       # stopped shards are not failures
-        await pilot.pause(0.2)
-        assert "Restart 2 FAILED/BACKOFF/FATAL shard(s): 3, 5?" in str(app.screen.query_one("#question").render())
-        await pilot.press("n")
-        await pilot.press("s")                                       # sort by state: failures first
-        await pilot.pause(0.3)
-        assert table.selected_key is not None and app.sort == "state"
-        assert cell_text(table, table._order[0], "state") == "FATAL"
-        await pilot.press("question_mark")
-        await pilot.pause(0.2)
-        assert "restart every FAILED / BACKOFF / FATAL shard" in str(app.screen.query_one("Static").render())
-
-
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by scripts/test.sh")
-def test_tmux_smoke_real_terminal(tmp_path, dense_model, long_data):
+def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
     config = local_toml(tmp_path, dense_model, long_data)
     session = f"fleet-smoke-{os.getpid()}"
     env_cmd = f"sleep 1; cd {REPO} && {sys.executable} -m fleet.cli up -c {config}; sleep 60"
     # The size is set before the window exists: any later resize races the app's start-up.
-    subprocess.run(["tmux", "start-server", ";", "set-option", "-g", "default-size", "170x48"], check=True)
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "170", "-y", "48", env_cmd], check=True)
+    subprocess.run(["tmux", "start-server", ";", "set-option", "-g", "default-size", "80x24"], check=True)
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", env_cmd], check=True)
 
     def screen() -> str:
         return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
@@ -223,15 +243,18 @@ def test_tmux_smoke_real_terminal(tmp_path, dense_model, long_data):
     size = subprocess.run(["tmux", "display", "-p", "-t", session, "#{window_width}x#{window_height}"],
                           capture_output=True, text=True).stdout.strip()
     try:
-        assert size == "170x48", size
-        wait_screen(lambda t: t.count("RUNNING") >= 2 and "local:1" in t, "two running shards")
+        assert size == "80x24", size
+        # Deploy steps are printed as they happen, before the live view opens.
+        wait_screen(lambda t: "local: preflight" in t or "RUNNING" in t, "deploy steps or the view")
+        text = wait_screen(lambda t: t.count("▶ RUNNING") >= 2 and "local:1" in t, "two running shards")
+        assert "tok/s" in text and "ETA" in text and "no GPU telemetry" in text
         os.kill(pid_of(tmp_path, 0), signal.SIGKILL)
-        wait_screen(lambda t: "FATAL" in t, "FATAL on screen")
+        text = wait_screen(lambda t: "✖ FATAL" in t and "killed by signal 9" in t, "FATAL and its reason")
         subprocess.run(["tmux", "send-keys", "-t", session, "r"], check=True)
         wait_screen(lambda t: "Restart shard(s) 0?" in t, "confirmation")
         subprocess.run(["tmux", "send-keys", "-t", session, "y"], check=True)
-        wait_screen(lambda t: "FATAL" not in t and t.count("RUNNING") >= 2, "shard 0 running again")
-        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+        wait_screen(lambda t: "✖ FATAL" not in t and t.count("▶ RUNNING") >= 2, "shard 0 running again")
+        subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True)     # quits like q
         wait_screen(lambda t: "the workers keep running" in t, "quit message")
         events = [json.loads(l) for l in open(tmp_path / "fleet" / "tui" / "shards" / "0" / "events.jsonl")]
         assert [e["by"] for e in events if e["event"] == "launch"] == ["manual", "manual"]

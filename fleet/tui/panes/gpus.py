@@ -1,60 +1,214 @@
-"""GPUs pane: per host, per GPU memory bar, utilisation, temperature, power, and whether the reading
-is live or stale (with its age).
+"""GPUs pane, nvitop-like: per GPU a memory bar and a utilisation bar with thresholds, a short
+utilisation history, temperature and power coloured, GiB as nvidia-smi reads them; the selected
+shard's GPU highlighted. A fleet of many hosts shows one summary row per host, which `enter` (or a
+click) expands to its GPUs. No telemetry at all: the pane is one line that says so. An unreachable
+host is UNKNOWN, never zeros.
 
-A host without telemetry says so; an unreachable host is UNKNOWN, never zeros.
+The history is what this view has watched (a few dozen readings per GPU, capped); everything
+else comes from the snapshot.
 """
 
 from __future__ import annotations
 
-from rich.text import Text
+from collections import deque
 
-from ...render import human_bytes
-from ...snapshot import FleetSnapshot
-from ..style import bar
-from .keyed_table import KeyedTable
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widgets import Static
 
-COLUMNS = [("host", "host"), ("gpu", "gpu"), ("memory", "mem"), ("util", "util"), ("temp", "temp"),
-           ("power", "power"), ("reading", "age")]
+from ...snapshot import FleetSnapshot, HostStatus
+from ..style import (bar, gib, level_style, memory_level, power_level, spark, temp_level, usd,
+                     util_level)
+from .lines import Column, LineTable, show_text
 
+HISTORY = 60                   # utilisation readings kept per GPU (about 90 s at the 1.5 s redraw)
+EXPAND_ALL_UP_TO = 24          # hosts + GPUs: below this every host starts expanded
 
-def _num(v, unit: str, digits: int = 0) -> str:
-    return "—" if v is None else f"{v:.{digits}f}{unit}"
-
-
-def gpu_rows(snap: FleetSnapshot) -> dict[str, tuple]:
-    rows: dict[str, tuple] = {}
-    for h in snap.hosts:
-        name = h.name
-        if h.reachable is False:
-            rows[f"{name}/x"] = (name, "—", Text("UNKNOWN: host unreachable", "magenta"), "—", "—", "—",
-                                 _num(h.last_seen_age_s, "s"))
-            continue
-        if h.reachable is None:
-            rows[f"{name}/x"] = (name, "—", Text("connecting…", "dim"), "—", "—", "—", "—")
-            continue
-        if not h.gpus:
-            rows[f"{name}/x"] = (name, "—", Text("no GPU telemetry", "dim"), "—", "—", "—", "—")
-            continue
-        age_s = h.gpu_age_s
-        age = Text(f"stale {age_s:.0f}s", "yellow") if age_s is not None and age_s > 3 else "live"
-        for g in h.gpus:
-            if g.lost:
-                rows[f"{name}/{g.index}"] = (name, str(g.index), Text("GPU is lost", "red"), "—", "—", "—", age)
-                continue
-            used, total = g.mem_used, g.mem_total
-            frac = used / total if used is not None and total else 0.0
-            mem = f"{bar(frac, 12)} {human_bytes(used)}/{human_bytes(total)}"
-            if frac >= 0.95:
-                mem = Text(mem, "red")                   # colour only where it says something
-            rows[f"{name}/{g.index}"] = (name, str(g.index), mem, _num(g.util, "%"),
-                                         _num(g.temp, "°C"), _num(g.power_w, " W"), age)
-    return rows
+COLUMNS = [
+    Column("name", "host / gpu", 12, 0),
+    Column("mem", "memory GiB", 17, 1),
+    Column("util", "util", 10, 2),
+    Column("hist", "history", 10, 6),
+    Column("temp", "temp", 4, 3, "right"),
+    Column("power", "power", 5, 4, "right"),
+    Column("cost", "$/h  spent", 13, 5, "right"),
+    Column("age", "reading", 8, 7),
+]
 
 
-class GpuTable(KeyedTable):
+def _num(v, unit: str) -> str:
+    return "—" if v is None else f"{v:.0f}{unit}"
+
+
+def _styled(text: str, level: str, no_color: bool) -> tuple:
+    return ((text, level_style(level, no_color) or None),)
+
+
+def meter(fraction: float | None, width: int, label: str, level: str, no_color: bool) -> tuple:
+    if fraction is None:
+        return (("—", None),)
+    return ((bar(fraction, width), level_style(level, no_color) or None), (" " + label, None))
+
+
+def cost_cell(h: HostStatus) -> str:
+    if h.usd_per_hour is None:
+        return ""
+    return f"{usd(h.usd_per_hour)}/h {usd(h.usd_spent)}"
+
+
+class GpuTable(LineTable):
+    BINDINGS = [Binding("enter", "toggle", "expand host", tooltip="expand or fold the selected host's GPUs")]
+
     def __init__(self, **kw):
         super().__init__(COLUMNS, **kw)
+        self.expanded: set[str] = set()
+        self.folded: set[str] = set()
+        self.history: dict[str, deque] = {}
+        self._hosts: dict[str, HostStatus] = {}
 
-    def show(self, snap: FleetSnapshot) -> int:
-        rows = gpu_rows(snap)
-        return self.sync(list(rows), rows.__getitem__)
+    def is_expanded(self, host: str, rows_if_all: int) -> bool:
+        if host in self.expanded:
+            return True
+        return rows_if_all <= EXPAND_ALL_UP_TO and host not in self.folded
+
+    def observe(self, snap: FleetSnapshot) -> None:
+        """A new snapshot: add each GPU's utilisation to its history (a redraw adds nothing)."""
+        for h in snap.hosts:
+            for g in h.gpus or []:
+                if g.util is not None and h.gpu_age_s is not None:
+                    self.history.setdefault(f"g:{h.name}:{g.index}", deque(maxlen=HISTORY)).append(g.util)
+
+    def show(self, snap: FleetSnapshot, selected: tuple[str, tuple[int, ...]] | None,
+             no_color: bool = False) -> None:
+        """`selected`: the selected shard's host and GPUs (several for a multi-GPU shard)."""
+        keys: list[str] = []
+        rows: dict[str, tuple] = {}
+        highlight: set[str] = set()
+        rows_if_all = sum(1 + len(h.gpus or []) for h in snap.hosts)
+        self._hosts = {h.name: h for h in snap.hosts}
+        for h in snap.hosts:
+            hkey = f"h:{h.name}"
+            keys.append(hkey)
+            open_ = self.is_expanded(h.name, rows_if_all) and bool(h.gpus)
+            rows[hkey] = (h, None, open_)
+            if selected and selected[0] == h.name and not open_:
+                highlight.add(hkey)
+            if not open_:
+                continue
+            for g in h.gpus or []:
+                gkey = f"g:{h.name}:{g.index}"
+                keys.append(gkey)
+                rows[gkey] = (h, g, open_)
+                if selected and selected[0] == h.name and g.index in selected[1]:
+                    highlight.add(gkey)
+
+        def make(key: str) -> tuple:
+            h, g, open_ = rows[key]
+            if g is None:
+                return self.host_cells(h, open_, no_color)
+            return self.gpu_cells(h, g, self.history.get(key, ()), no_color)
+        self.set_rows(keys, make, highlight)
+
+    def host_cells(self, h: HostStatus, open_: bool, no_color: bool) -> tuple:
+        arrow = "▾" if open_ else "▸"
+        if h.reachable is False:
+            return (f"{arrow} {h.name}", (("? UNKNOWN: unreachable", "bold" if no_color else "magenta"),),
+                    h.error or "", "", "", "", cost_cell(h), _num(h.last_seen_age_s, "s ago"))
+        if h.reachable is None:
+            return (f"{arrow} {h.name}", (("connecting…", "italic"),), "", "", "", "", cost_cell(h), "")
+        gpus = [g for g in (h.gpus or []) if not g.lost]
+        if not gpus:
+            return (f"{arrow} {h.name}", (("no GPU telemetry", "italic"),), "", "", "", "", cost_cell(h), "")
+        used = sum(g.mem_used or 0 for g in gpus)
+        total = sum(g.mem_total or 0 for g in gpus)
+        utils = [g.util for g in gpus if g.util is not None]
+        util = sum(utils) / len(utils) if utils else None
+        temps = [g.temp for g in gpus if g.temp is not None]
+        power = sum(g.power_w or 0 for g in gpus)
+        frac = used / total if total else None
+        lost = len(h.gpus or []) - len(gpus)
+        hist = [sum(x) / len(x) for x in zip(*(self.history.get(f"g:{h.name}:{g.index}", ()) for g in gpus))]
+        return (f"{arrow} {h.name} {len(h.gpus)}×",
+                meter(frac, 6, f"{gib(used, 0)}/{gib(total, 0)}", memory_level(frac or 0), no_color),
+                meter(util / 100 if util is not None else None, 4, _num(util, "%"), util_level(util or 0), no_color),
+                spark(hist, 10, 100),
+                _styled(_num(max(temps), "°"), temp_level(max(temps)), no_color) if temps else "—",
+                f"{power / 1000:.1f}k" if power >= 1000 else _num(power, "W"),
+                cost_cell(h), self.age(h) if not lost else (("GPU lost", "bold red"),))
+
+    def gpu_cells(self, h: HostStatus, g, hist, no_color: bool) -> tuple:
+        name = f"  {g.index} {(g.name or '').removeprefix('NVIDIA ')}"
+        if g.lost:
+            return (name, (("GPU is lost", "bold" if no_color else "bold red"),), "", "", "", "", "", self.age(h))
+        frac = g.mem_used / g.mem_total if g.mem_used is not None and g.mem_total else None
+        return (name,
+                meter(frac, 6, f"{gib(g.mem_used)}/{gib(g.mem_total)}", memory_level(frac or 0), no_color),
+                meter(g.util / 100 if g.util is not None else None, 4, _num(g.util, "%"),
+                      util_level(g.util or 0), no_color),
+                spark(hist, 10, 100),
+                _styled(_num(g.temp, "°"), temp_level(g.temp), no_color) if g.temp is not None else "—",
+                _styled(_num(g.power_w, "W"), power_level(g.power_w, g.power_limit_w), no_color)
+                if g.power_w is not None else "—",
+                "", self.age(h))
+
+    @staticmethod
+    def age(h: HostStatus):
+        if h.gpu_age_s is not None and h.gpu_age_s > 3:
+            return ((f"stale {h.gpu_age_s:.0f}s", "yellow"),)
+        return "live"
+
+    def action_toggle(self) -> None:
+        key = self.selected_key or ""
+        host = key.split(":")[1] if ":" in key else None
+        if host is None:
+            return
+        rows_if_all = sum(1 + len(h.gpus or []) for h in self._hosts.values())
+        if self.is_expanded(host, rows_if_all):
+            self.expanded.discard(host)
+            self.folded.add(host)
+            self.move_to_key(f"h:{host}")
+        else:
+            self.folded.discard(host)
+            self.expanded.add(host)
+        self.post_message(self.Toggled())
+
+    class Toggled(Message):
+        """A host was expanded or folded: the rows change."""
+
+    def on_line_table_row_activated(self, event: LineTable.RowActivated) -> None:
+        event.stop()
+        self.action_toggle()
+
+
+def telemetry_line(snap: FleetSnapshot) -> str | None:
+    """One line for the pane when no host reports a GPU (a CPU run, no NVML and no nvidia-smi)."""
+    if any(h.gpus for h in snap.hosts):
+        return None
+    parts = []
+    for h in snap.hosts:
+        state = ("unreachable" if h.reachable is False else "connecting…" if h.reachable is None
+                 else "no GPU telemetry")
+        parts.append(f"{h.name}: {state}" + (f" ({cost_cell(h)})" if h.usd_per_hour is not None else ""))
+    return "GPUs  " + " · ".join(parts)
+
+
+class GpuPane(Vertical):
+    def compose(self) -> ComposeResult:
+        yield Static("GPUs", classes="title", id="gpus-title")
+        yield GpuTable(id="gpu-table")
+
+    def show(self, snap: FleetSnapshot, selected: tuple[str, tuple[int, ...]] | None, no_color: bool) -> None:
+        line = telemetry_line(snap)
+        self.set_class(line is not None, "-oneline")
+        title = self.query_one("#gpus-title", Static)
+        table = self.query_one(GpuTable)
+        if line is not None:
+            show_text(title, line)
+            table.display = False
+            return
+        table.display = True
+        n = sum(len(h.gpus or []) for h in snap.hosts)
+        show_text(title, f"GPUs ({n} on {len(snap.hosts)} host(s))  enter expands a host")
+        table.show(snap, selected, no_color)

@@ -1,64 +1,196 @@
-"""Shards pane: state in colour, progress, rates, restarts, last event, reason; marks, filter, sort."""
+"""Shards pane: one line per shard, columns chosen by the width (id, state, progress and rate
+first; the reason gets what is left), a live regex filter, a sort by any column, marks; and the
+selected shard's details underneath (so at 80 columns its whole reason is still readable).
+
+What a cell says comes computed in the snapshot (state, reason, rates, ETA, restarts); this module
+only formats it, filters and orders rows for the view.
+"""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
+
 from rich.text import Text
+from textual.widgets import Static
 
-from ...render import rate_text
+from ...render import human_duration
 from ...snapshot import FleetSnapshot, ShardStatus
-from ..style import STATE_STYLE, bar
-from .keyed_table import KeyedTable
+from ...state import MEASURED
+from ..style import GLYPH, bar, si, state_style
+from .lines import Column, LineTable, show_text
 
-COLUMNS = [(" ", "mark"), ("shard", "id"), ("host:gpu", "where"), ("state", "state"),
-           ("progress", "progress"), ("samples/s", "sps"), ("tokens/s", "tps"), ("restarts", "restarts"),
-           ("last event", "event"), ("reason", "reason")]
-SORTS = ("shard", "state", "progress", "rate")
+COLUMNS = [
+    Column("id", "shard", 6, 0, "right"),
+    Column("where", "host:gpu", 9, 5),
+    Column("state", "state", 13, 1),
+    Column("progress", "progress", 13, 2),
+    Column("tps", "tok/s", 7, 3, "right"),
+    Column("sps", "smp/s", 6, 8, "right"),
+    Column("eta", "ETA", 7, 6, "right"),
+    Column("restarts", "rst", 5, 7, "right"),
+    Column("event", "last event", 14, 10),
+    Column("reason", "reason", 26, 4, flex=True),
+    Column("failure", "last failure", 28, 9),
+]
+COLUMN_KEYS = [c.key for c in COLUMNS]
+SEVERITY = ["FATAL", "FAILED", "STALLED", "UNKNOWN", "BACKOFF", "STARTING", "LOADING", "DEPLOYING",
+            "RUNNING", "PENDING", "STOPPED", "DONE"]
 
 
-def _sort_key(mode: str):
-    if mode == "state":
-        order = ["FATAL", "FAILED", "STALLED", "UNKNOWN", "BACKOFF", "STARTING", "LOADING", "RUNNING",
-                 "PENDING", "STOPPED", "DONE"]
-        return lambda s: (order.index(s.state.value) if s.state.value in order else 99, s.id)
-    if mode == "progress":
-        return lambda s: (s.progress if s.progress is not None else -1, s.id)
-    if mode == "rate":
-        return lambda s: (-(s.samples_per_s or 0.0), s.id)
-    return lambda s: s.id
+@dataclass
+class View:
+    """How the shard list is looked at: filters and order (the screen's state, not the fleet's)."""
+    query: str = ""                       # regex over id, host:gpu, state, reason; "!" negates
+    faulty_only: bool = False
+    host: str | None = None               # :host NAME
+    states: frozenset[str] = frozenset()  # :state failed,backoff
+    sort: str = "id"
+    reverse: bool = False
+    marked: set[int] = field(default_factory=set)
+
+    def describe(self) -> list[str]:
+        out = []
+        if self.query:
+            out.append(f"/{self.query}")
+        if self.faulty_only:
+            out.append("faulty only")
+        if self.host:
+            out.append(f"host {self.host}")
+        if self.states:
+            out.append("state " + ",".join(sorted(self.states)))
+        if self.marked:
+            out.append(f"{len(self.marked)} marked")
+        return out
 
 
-def visible_shards(snap: FleetSnapshot, text_filter: str, faulty_only: bool, sort: str) -> list[ShardStatus]:
+def matcher(query: str):
+    """A predicate over a row's text: a case-insensitive regex (a bad one is taken literally);
+    a leading "!" negates it."""
+    negate = query.startswith("!")
+    pattern = query[1:] if negate else query
+    if not pattern:
+        return lambda text: True
+    try:
+        rx = re.compile(pattern, re.IGNORECASE)
+    except re.error:
+        rx = re.compile(re.escape(pattern), re.IGNORECASE)
+    return (lambda text: rx.search(text) is None) if negate else (lambda text: rx.search(text) is not None)
+
+
+def _missing_last(x, reverse: bool):
+    """Sort key part that keeps unmeasured values (None) at the end in either direction."""
+    return (1, 0) if x is None else (0, -x if reverse else x)
+
+
+SORT_KEYS = {
+    "id": lambda s: s.id,
+    "where": lambda s: (s.host, s.gpu),
+    "state": lambda s: SEVERITY.index(s.state.value) if s.state.value in SEVERITY else 99,
+    "progress": lambda s: s.progress if s.progress is not None else -1.0,
+    "restarts": lambda s: (s.auto_attempts, s.restarts),
+    "event": lambda s: s.last_event or "",
+    "reason": lambda s: s.reason or "",
+    "failure": lambda s: s.last_failure or "",
+}
+MEASURES = {"tps": "tokens_per_s", "sps": "samples_per_s", "eta": "eta_s"}
+
+
+def visible_shards(snap: FleetSnapshot, view: View) -> list[ShardStatus]:
     rows = snap.shards
-    if faulty_only:
+    if view.faulty_only:
         rows = [s for s in rows if s.faulty]
-    if text_filter:
-        needle = text_filter.lower()
-        rows = [s for s in rows if needle in f"{s.id} {s.host}:{s.gpu} {s.state.value} "
-                                              f"{s.reason or ''}".lower()]
-    return sorted(rows, key=_sort_key(sort))
+    if view.host:
+        rows = [s for s in rows if s.host == view.host]
+    if view.states:
+        rows = [s for s in rows if s.state.value in view.states]
+    if view.query:
+        match = matcher(view.query)
+        rows = [s for s in rows if match(f"{s.id} {where(s)} {s.state.value} {s.reason or ''} "
+                                         f"{s.last_failure or ''}")]
+    if view.sort in MEASURES:              # unmeasured rows stay last whichever way
+        name = MEASURES[view.sort]
+        return sorted(rows, key=lambda s: (_missing_last(getattr(s, name), view.reverse), s.id))
+    key = SORT_KEYS.get(view.sort, SORT_KEYS["id"])
+    return sorted(rows, key=lambda s: (key(s), s.id), reverse=view.reverse)
 
 
-def shard_cells(s: ShardStatus, marked: bool) -> tuple:
-    progress = f"{bar(s.progress or 0.0, 10)} {s.done + s.skipped}/{s.total}"
-    age = f" {s.last_event_age_s:.0f}s ago" if s.last_event_age_s is not None else ""
-    reason = s.reason or s.warning or ""
-    return ("●" if marked else " ", str(s.id), f"{s.host}:{s.gpu}",
-            Text(s.state.value, STATE_STYLE.get(s.state.value, "")), progress,
-            rate_text(s.samples_per_s), rate_text(s.tokens_per_s, 0), str(s.restarts),
-            f"{s.last_event or '—'}{age}", reason[:80])
+def where(s: ShardStatus) -> str:
+    """host:gpu, or host:0,1 for a shard over several GPUs."""
+    return f"{s.host}:{','.join(map(str, s.gpus))}" if len(s.gpus) > 1 else f"{s.host}:{s.gpu}"
 
 
-class ShardTable(KeyedTable):
+def state_cell(s: ShardStatus, no_color: bool, replaying: bool) -> tuple:
+    if replaying:
+        return (("… replaying", "italic"),)
+    text = f"{GLYPH.get(s.state.value, ' ')} {s.state.value}"
+    if s.backoff_s is not None and s.state.value in ("BACKOFF", "STALLED"):
+        text += f" {s.backoff_s:.0f}s"             # counting down to the restart
+    return ((text, state_style(s.state.value, no_color)),)
+
+
+def shard_cells(s: ShardStatus, marked: bool, no_color: bool = False, replaying: bool = False) -> tuple:
+    if replaying:
+        blank = ""
+        return (("●" if marked else " ") + str(s.id), where(s), state_cell(s, no_color, True),
+                blank, blank, blank, blank, blank, blank, blank, blank)
+    pct = f"{s.progress:4.0%}" if s.progress is not None else "   ?"
+    unmeasured = "?" if s.state in MEASURED else "—"      # not yet measured / not applicable
+    progress = f"{bar(s.progress or 0.0, 8)} {pct}"
+    event = f"{s.last_event or '—'} {human_duration(s.last_event_age_s)}" if s.last_event_age_s is not None \
+        else (s.last_event or "—")
+    reason = s.reason or (f"⚠ {s.warning}" if s.warning else "")
+    return (("●" if marked else " ") + str(s.id), where(s), state_cell(s, no_color, False),
+            progress, si(s.tokens_per_s) if s.tokens_per_s is not None else unmeasured,
+            si(s.samples_per_s) if s.samples_per_s is not None else unmeasured,
+            human_duration(s.eta_s) if s.eta_s is not None else unmeasured,
+            f"{s.auto_attempts}/{s.max_restarts}", event, reason, s.last_failure or "")
+
+
+class ShardTable(LineTable):
     def __init__(self, **kw):
         super().__init__(COLUMNS, **kw)
-        self.marked: set[int] = set()
+        self.empty_text = "  no shard matches (esc clears the filter)"
 
-    def show(self, snap: FleetSnapshot, text_filter: str = "", faulty_only: bool = False,
-             sort: str = "shard") -> int:
-        rows = {str(s.id): s for s in visible_shards(snap, text_filter, faulty_only, sort)}
-        return self.sync(list(rows), lambda key: shard_cells(rows[key], rows[key].id in self.marked))
+    def show(self, snap: FleetSnapshot, view: View, no_color: bool = False) -> None:
+        waiting = {h.name for h in snap.hosts if not h.replayed and h.reachable is not False}
+        rows = {str(s.id): s for s in visible_shards(snap, view)}
+        self.sort_column, self.sort_reverse = view.sort, view.reverse
+        self.set_rows(list(rows), lambda key: shard_cells(rows[key], rows[key].id in view.marked, no_color,
+                                                          rows[key].host in waiting))
 
     @property
     def selected_shard(self) -> int | None:
         key = self.selected_key
         return int(key) if key is not None else None
+
+
+def detail(s: ShardStatus | None, no_color: bool = False) -> Text:
+    """The selected shard in full: where, state, counts, rates, ETA, restarts, and its reason."""
+    if s is None:
+        return Text("no shard selected", style="italic")
+    t = Text()
+    t.append(f"shard {s.id} ", "bold")
+    t.append(f"{where(s)}  ")
+    t.append(f"{GLYPH.get(s.state.value, '')} {s.state.value}", state_style(s.state.value, no_color))
+    tokens = f"  {si(s.tokens)}/{si(s.total_tokens)} tok" if s.total_tokens else f"  {si(s.tokens)} tok"
+    t.append(f"  {s.done + s.skipped:,}/{s.total:,} samples" + (f" ({s.skipped} skipped)" if s.skipped else "")
+             + tokens)
+    if s.tokens_per_s is not None:
+        t.append(f"  {s.tokens_per_s:,.0f} tok/s ({s.samples_per_s:,.1f} smp/s)")
+    if s.eta_s is not None:
+        t.append(f"  ETA {human_duration(s.eta_s)}")
+    t.append(f"  restarts {s.auto_attempts}/{s.max_restarts}" + (f" ({s.restarts} in all)" if s.restarts else ""))
+    if s.pid:
+        t.append(f"  pid {s.pid}")
+    why = s.reason or (f"⚠ {s.warning}" if s.warning else None)
+    t.append("\n")
+    t.append(why or "no problem", "bold" if s.faulty else "italic")
+    if s.last_failure and s.last_failure != s.reason:
+        t.append(f"   last failure: {s.last_failure}", "italic")
+    return t
+
+
+class ShardDetail(Static):
+    def show(self, s: ShardStatus | None, no_color: bool = False) -> None:
+        show_text(self, detail(s, no_color))

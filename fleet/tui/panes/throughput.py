@@ -1,41 +1,156 @@
-"""Throughput over time: aggregate samples/s as a sparkline, against the expected figure."""
+"""Throughput over time, a chart with axes: the fleet's tokens/s (samples/s for a [job] that
+reports no tokens) per 10 s column, the value axis on the left from a zero baseline, a time axis
+under it, and the expected rate as a dotted line.
+
+On attach the past is rebuilt from the records (`source.history()`, computed by
+`fleet.judge.throughput_history`), so a re-attached view starts with the run's curve, not a blank;
+from then on each redraw adds the snapshot's figure. Points are capped to an hour.
+"""
 
 from __future__ import annotations
 
 from collections import deque
 
-from textual.app import ComposeResult
-from textual.containers import Vertical
-from textual.widgets import Sparkline, Static
+from rich.segment import Segment
+from rich.style import Style
+from textual.strip import Strip
+from textual.widget import Widget
 
-HISTORY = 240                     # points kept (capped: memory stays flat over a long run)
+from ...render import human_duration
+from ...snapshot import FleetSnapshot
+from ..style import si
+
+BUCKET_S = 10.0                      # one column of the chart
+HISTORY_S = 3600.0                   # what is kept
+MARGIN = 7                           # the value axis labels
+_BLOCKS = " ▁▂▃▄▅▆▇█"
 
 
-class ThroughputPane(Vertical):
-    DEFAULT_CSS = """
-    ThroughputPane { height: 5; }
-    ThroughputPane Sparkline { height: 3; }
-    ThroughputPane #tp-label { height: 1; }
-    """
+def nice_top(x: float) -> float:
+    """A round value at or above x for the top of the axis (1, 2, 2.5, 5 x 10^n)."""
+    if x <= 0:
+        return 1.0
+    import math
+    exp = 10 ** math.floor(math.log10(x))
+    for m in (1, 2, 2.5, 5, 10):
+        if m * exp >= x:
+            return m * exp
+    return 10 * exp
 
+
+def columns(points, now: float, width: int, bucket: float = BUCKET_S) -> list[float | None]:
+    """The mean value in each of `width` buckets ending at `now` (None where nothing was seen)."""
+    sums = [0.0] * width
+    counts = [0] * width
+    start = now - width * bucket
+    for t, v in points:
+        if t <= start or t > now + bucket:
+            continue
+        i = min(int((t - start) / bucket), width - 1)
+        sums[i] += v
+        counts[i] += 1
+    return [sums[i] / counts[i] if counts[i] else None for i in range(width)]
+
+
+class ThroughputChart(Widget):
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.history: deque[float] = deque(maxlen=HISTORY)
+        self.points: deque[tuple[float, float]] = deque()
+        self.unit = "tokens"
+        self.expected: float | None = None
+        self.now = 0.0
+        self.title = "throughput: waiting for the first reading"
+        self.rebuilt = False
+        self._lines: list[Strip] | None = None
 
-    def compose(self) -> ComposeResult:
-        yield Static("throughput: not measured yet", id="tp-label")
-        yield Sparkline([], summary_function=max, id="tp-spark")
+    def fill(self, history: list[tuple[float, float, float]], unit: str) -> None:
+        """The past, rebuilt from the records: (time, tokens/s, samples/s)."""
+        self.rebuilt = True
+        self.points.extendleft(reversed([(t, tok if unit == "tokens" else smp) for t, tok, smp in history]))
+        self._lines = None
 
-    def add(self, snap) -> None:
+    def add(self, snap: FleetSnapshot) -> None:
         t = snap.totals
-        value = t.samples_per_s
-        if value is None:
-            return
-        self.history.append(value)
-        expected = t.expected_per_s
-        unit = t.expected_unit or "samples"
-        exp = f", expected {expected:,.1f} {unit}/s" if expected else ""
-        peak = max(self.history)
-        self.query_one("#tp-label", Static).update(
-            f"throughput (samples/s, last {len(self.history)} readings): now {value:,.1f}, peak {peak:,.1f}{exp}")
-        self.query_one("#tp-spark", Sparkline).data = list(self.history)
+        self.unit = "tokens" if t.tokens or t.total_tokens else "samples"
+        value = t.tokens_per_s if self.unit == "tokens" else t.samples_per_s
+        self.now = snap.time
+        if t.replayed and not t.settled:
+            self.points.append((snap.time, value or 0.0))
+        while self.points and self.points[0][0] < snap.time - HISTORY_S:
+            self.points.popleft()
+        self.expected = t.expected_tokens_per_s if self.unit == "tokens" else (
+            t.expected_per_s if t.expected_unit == "samples" else None)
+        label = "tok/s" if self.unit == "tokens" else "samples/s"
+        if t.finished or t.settled:
+            avg = t.avg_tokens_per_s if self.unit == "tokens" else t.avg_samples_per_s
+            per_gpu = f" ({si(t.avg_tokens_per_s_per_gpu)}/GPU)" if self.unit == "tokens" and \
+                t.avg_tokens_per_s_per_gpu is not None else ""
+            self.title = f"throughput {label}: run average {si(avg)}{per_gpu} over {human_duration(t.elapsed_s)}"
+        else:
+            now = si(value) if value is not None else "not measured"
+            exp = f" · expected {si(self.expected)} ┈" if self.expected else ""
+            secondary = f" · {t.samples_per_s:,.1f} samples/s" if self.unit == "tokens" and \
+                t.samples_per_s is not None else ""
+            self.title = f"throughput {label}: now {now}{secondary}{exp}"
+        self._lines = None
+        self.refresh()
+
+    def on_resize(self) -> None:
+        self._lines = None
+
+    def render_line(self, y: int) -> Strip:
+        if self._lines is None or len(self._lines) != self.size.height:
+            self._lines = self._draw(self.size.width, self.size.height)
+        return self._lines[y] if y < len(self._lines) else Strip.blank(self.size.width)
+
+    def _draw(self, width: int, height: int) -> list[Strip]:
+        base = self.rich_style
+        axis = base + Style(dim=True)
+        bars = base + Style(color="green") if not self.app.no_color else base
+        exp_style = base + (Style(color="yellow") if not self.app.no_color else Style(bold=True))
+        lines = [Strip([Segment(self.title[:width].ljust(width), base + Style(bold=True))])]
+        rows = height - 3
+        plot = width - MARGIN - 1
+        if rows < 1 or plot < 10:
+            return (lines + [Strip.blank(width, base)] * height)[:height]
+        values = columns(self.points, self.now, plot)
+        seen = [v for v in values if v is not None]
+        top = nice_top(max(seen + ([self.expected] if self.expected else []) + [1e-9]) * 1.05)
+        exp_row = None
+        if self.expected:
+            exp_row = rows - 1 - min(int(self.expected / top * rows), rows - 1)
+        for r in range(rows):
+            label = si(top * (rows - r) / rows) if r == 0 or (rows >= 4 and r == rows // 2) else ""
+            segments = [Segment(label.rjust(MARGIN - 1)[: MARGIN - 1] + " ", axis), Segment("┤" if label else "│", axis)]
+            level_lo = (rows - 1 - r) * 8              # eighths below this row
+            cells = []
+            for v in values:
+                e = 0 if v is None else int(round(v / top * rows * 8))
+                fill = min(max(e - level_lo, 0), 8)
+                if fill:
+                    cells.append(("█" if fill == 8 else _BLOCKS[fill], bars))
+                elif r == exp_row:
+                    cells.append(("┈", exp_style))
+                else:
+                    cells.append((" ", base))
+            segments += [Segment(c, s) for c, s in cells]
+            lines.append(Strip(segments).adjust_cell_length(width, base))
+        # The zero baseline, with ticks, and the time labels under it.
+        ticks = {}
+        span = plot * BUCKET_S
+        step = next((s for s in (60, 120, 300, 600, 900, 1800, 3600) if span / s <= 6), 3600)
+        for k in range(0, int(span // step) + 1):
+            x = plot - 1 - int(k * step / BUCKET_S)
+            if x >= 0:
+                ticks[x] = "now" if k == 0 else f"-{k * step // 3600}h" if k * step % 3600 == 0 \
+                    else f"-{k * step // 60}m"
+        baseline = "".join("┴" if x in ticks else "─" for x in range(plot))
+        lines.append(Strip([Segment("0".rjust(MARGIN - 1) + " └", axis), Segment(baseline, axis)])
+                     .adjust_cell_length(width, base))
+        labels = [" "] * plot
+        for x, text in sorted(ticks.items()):
+            start = min(max(x - len(text) + 1 if text == "now" else x - len(text) // 2, 0), plot - len(text))
+            if all(c == " " for c in labels[max(start - 1, 0):start + len(text) + 1]):
+                labels[start:start + len(text)] = list(text)
+        lines.append(Strip([Segment(" " * (MARGIN + 1) + "".join(labels), axis)]).adjust_cell_length(width, base))
+        return lines[:height]

@@ -1,35 +1,113 @@
-"""Top bar: run, hosts, shards by state, throughput against expected, ETA, bytes, disk-full time."""
+"""Top bar: the run, hosts, shards by state; throughput against expected (in tokens when known,
+samples/s secondary) and the ETA; progress, bytes, disk, money. A finished run says so in a banner
+with what it took and cost, and points at `fleet verify`. Parts that do not fit the width are
+dropped, least useful first.
+"""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.widgets import Static
 
-from ...render import human_bytes, human_duration, rate_text
+from ...render import human_bytes, human_duration
 from ...snapshot import FleetSnapshot
-from ..style import ALERT_STYLE, STATE_STYLE, bar
+from ..style import ALERT, GLYPH, bar, si, state_style, usd
+from .lines import show_text
+
+
+def fit(parts: list[tuple[int, Text]], width: int, sep: str = "  ") -> Text:
+    """Join parts in order, dropping the highest-numbered priorities until the line fits."""
+    parts = list(parts)
+    while parts:
+        line = Text(sep).join(t for _, t in parts)
+        if line.cell_len <= width or len(parts) == 1:
+            line.truncate(width, overflow="ellipsis")
+            return line
+        worst = max(range(len(parts)), key=lambda i: (parts[i][0], i))
+        parts.pop(worst)
+    return Text()
+
+
+def state_counts(snap: FleetSnapshot, no_color: bool) -> list[tuple[int, Text]]:
+    order = ["FATAL", "FAILED", "STALLED", "UNKNOWN", "BACKOFF", "STARTING", "LOADING", "DEPLOYING",
+             "RUNNING", "PENDING", "STOPPED", "DONE"]
+    out = []
+    for i, state in enumerate(order):
+        n = snap.totals.by_state.get(state)
+        if n:
+            out.append((2 + i // 6, Text(f"{GLYPH[state]} {state} {n}", state_style(state, no_color))))
+    return out
+
+
+def lines(snap: FleetSnapshot, width: int, no_color: bool = False) -> list[Text]:
+    t = snap.totals
+    up = sum(1 for h in snap.hosts if h.reachable)
+    head: list[tuple[int, Text]] = [
+        (0, Text.assemble(("fleet ", "bold"), (snap.run, "bold" if no_color else "bold cyan"))),
+        (1, Text(f"hosts {up}/{len(snap.hosts)}"))]
+    if not t.replayed:
+        waiting = sum(1 for h in snap.hosts if not h.replayed and h.reachable is not False)
+        head.append((0, Text(f"replaying {waiting} host record(s)…", "italic")))
+    head += state_counts(snap, no_color)
+
+    money = []
+    if t.usd_spent is not None:
+        money = [(4, Text(f"{usd(t.usd_spent)} spent")),
+                 (5, Text(f"{usd(t.usd_projected)} projected" if t.usd_projected is not None and not t.settled
+                          else "")),
+                 (5, Text(f"{usd(t.usd_per_million_tokens)}/Mtok" if t.usd_per_million_tokens is not None
+                          else ""))]
+        money = [m for m in money if m[1].plain]
+    tokens = Text(f"{si(t.tokens)}/{si(t.total_tokens)} tokens" if t.total_tokens else f"{si(t.tokens)} tokens")
+    facts = [(0, Text(f"{t.done:,}/{t.total:,} samples")), (2, tokens),
+             (1, Text(f"elapsed {human_duration(t.elapsed_s)}")),
+             (3, Text(f"written {human_bytes(t.bytes_written)}"))]
+    if t.disk_full_eta_s:
+        facts.append((3, Text(f"disk full in {human_duration(t.disk_full_eta_s)}",
+                              "bold" if t.eta_s and t.disk_full_eta_s < t.eta_s else "")))
+    facts += money
+
+    if t.finished:
+        per_gpu = f" · avg {t.avg_tokens_per_s_per_gpu:,.0f} tok/s/GPU" if t.avg_tokens_per_s_per_gpu else ""
+        cost = f" · {usd(t.usd_spent)}" if t.usd_spent is not None else ""
+        banner = Text(f"✓ {t.shards}/{t.shards} DONE in {human_duration(t.elapsed_s)}{per_gpu} · "
+                      f"{human_bytes(t.bytes_written)}{cost} → fleet verify",
+                      "bold reverse" if no_color else "bold white on dark_green")
+        return [fit(head, width), fit([(0, banner)], width), fit(facts, width)]
+    if t.settled:
+        counts = ", ".join(f"{n} {s}" for s, n in t.by_state.items())
+        banner = Text(f"nothing is running: {counts} · r restarts the selected, R every failed one",
+                      "bold reverse" if no_color else "bold black on yellow")
+        return [fit(head, width), fit([(0, banner)], width), fit(facts, width)]
+
+    level = t.alert_level
+    style = ALERT[no_color][level]
+    unit = t.ratio_unit or "samples"
+    rate: list[tuple[int, Text]] = []
+    if t.tokens_per_s is not None and (t.tokens or t.total_tokens):
+        rate.append((0, Text(f"{si(t.tokens_per_s)} tok/s", "bold")))
+        rate.append((3, Text(f"({t.samples_per_s:,.1f} samples/s)")))
+    else:
+        rate.append((0, Text(f"{si(t.samples_per_s)} samples/s", "bold")))
+    expected = t.expected_tokens_per_s if unit == "tokens" else t.expected_per_s
+    if expected:
+        rate.append((2, Text(f"expected {si(expected)} {'tok' if unit == 'tokens' else 'samples'}/s"
+                             f" ({t.gpus_expected} GPUs)")))
+        if t.ratio is not None:
+            rate.append((1, Text.assemble((bar(min(t.ratio, 1.0), 12), style), (f" {t.ratio:.0%}", style))))
+        else:
+            rate.append((1, Text("not measured yet", "italic")))
+    eta_unit = f" ({t.eta_unit})" if t.eta_unit else ""
+    rate.append((0, Text(f"ETA {human_duration(t.eta_s)}" + eta_unit if t.eta_s is not None else "ETA ?")))
+    return [fit(head, width), fit(rate, width), fit(facts, width)]
 
 
 class TopBar(Static):
-    DEFAULT_CSS = "TopBar { height: 3; padding: 0 1; }"
+    def show(self, snap: FleetSnapshot, no_color: bool = False) -> None:
+        self._last = (snap, no_color)
+        width = max(self.content_region.width, 20)
+        show_text(self, Text("\n").join(lines(snap, width, no_color)))
 
-    def show(self, snap: FleetSnapshot) -> None:
-        t = snap.totals
-        up = sum(1 for h in snap.hosts if h.reachable)
-        line1 = Text.assemble(("fleet ", "bold"), (snap.run, "bold cyan"),
-                              f"   hosts {up}/{len(snap.hosts)}   ")
-        for state, n in t.by_state.items():
-            line1.append(f"{state} {n}  ", STATE_STYLE.get(state, ""))
-        style = ALERT_STYLE[t.alert_level]
-        unit = t.expected_unit or "samples"
-        line2 = Text.assemble(
-            f"{rate_text(t.samples_per_s)} samples/s   {rate_text(t.tokens_per_s, 0)} tokens/s   ",
-            ("expected " if t.expected_per_s else ""),
-            (f"{t.expected_per_s:,.1f} {unit}/s " if t.expected_per_s else ""))
-        if t.expected_per_s:
-            line2.append(bar(min(t.ratio or 0.0, 1.0), 20), style)
-            line2.append(f" {t.ratio:.0%}" if t.ratio is not None else " not measured", style)
-        line3 = Text(f"{t.done:,}/{t.total:,} samples   ETA {human_duration(t.eta_s)}   "
-                     f"elapsed {human_duration(t.elapsed_s)}   written {human_bytes(t.bytes_written)}   "
-                     f"disk full in {human_duration(t.disk_full_eta_s) if t.disk_full_eta_s else '—'}")
-        self.update(Text("\n").join([line1, line2, line3]))
+    def on_resize(self) -> None:
+        if getattr(self, "_last", None):
+            self.show(*self._last)

@@ -1,0 +1,346 @@
+"""The main screen: top bar, GPUs, shards (with the selected shard's details), throughput, the
+selected shard's log; its keys act on shards and live here, not on the app, so they never leak
+into the log view.
+
+Layout by size (Textual breakpoints set the classes, app.tcss places the panes): from 140 columns
+the GPU pane sits left of the shards, below it stacks above them; below 30 rows the chart and the
+log pane give their rows to the shards. Keys redraw from the last snapshot at once; new snapshots
+arrive on the app's timer.
+"""
+
+from __future__ import annotations
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.suggester import SuggestFromList
+from textual.widgets import Footer, Input, Static
+
+from .. import notify
+from ..snapshot import FleetSnapshot
+from ..state import RESTARTABLE
+from .commands import COMMANDS, CommandError, parse
+from .panes.gpus import GpuPane, GpuTable
+from .panes.lines import LineTable, show_text
+from .panes.log import LogView
+from .panes.shards import COLUMN_KEYS, ShardDetail, ShardTable, View
+from .panes.throughput import BUCKET_S, ThroughputChart
+from .panes.topbar import TopBar
+from .screens import ConfirmScreen, LogScreen
+
+def gpus_of(s) -> tuple[str, tuple[int, ...]] | None:
+    """The host and GPUs of a shard, for the GPU pane to highlight."""
+    return (s.host, tuple(s.gpus or (s.gpu,))) if s is not None else None
+
+
+TOLD = {"FAILED", "FATAL", "finished"}        # what a toast (and the bell) tells while you watch
+
+
+class MainScreen(Screen):
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (140, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall"), (50, "-taller")]
+    BINDINGS = [
+        Binding("r", "restart", "restart", tooltip="restart the selected (or marked) shards; asks first"),
+        Binding("R", "restart_failed", "restart failed",
+                tooltip="restart every FAILED / BACKOFF / FATAL shard; asks first"),
+        Binding("space", "mark", "mark", tooltip="mark or unmark the selected shard for r and k"),
+        Binding("k", "stop", "stop", tooltip="stop the selected (or marked) shards: STOPPED; asks first"),
+        Binding("l,enter", "log", "log", tooltip="the selected shard's log, full screen"),
+        Binding("slash", "filter", "filter", tooltip="filter as you type: a regex (!regex hides the matches)"),
+        Binding("colon", "command", "command", tooltip=":restart 17  :stop 3-5  :host box05  :state failed  …"),
+        Binding("f", "faulty", "faulty", tooltip="only faulty shards (STALLED FAILED BACKOFF FATAL UNKNOWN)"),
+        Binding("s", "sort_next", "sort", tooltip="sort by the next column (the header marks it ▲ / ▼)"),
+        Binding("S", "sort_reverse", "reverse", show=False, tooltip="reverse the sort"),
+        *[Binding(str(n + 1), f"sort_column({n})", f"sort {n + 1}", show=False) for n in range(9)],
+        Binding("D", "stop_all", "stop run", tooltip="stop the whole run, every shard on every host; asks"),
+        Binding("escape", "clear", "clear", show=False, tooltip="clear filters and marks, close the input"),
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self.view = View()
+        self.snap: FleetSnapshot | None = None
+        self.seen: notify.Seen | None = None
+        self._keys_shown: tuple | None = None
+
+    @property
+    def no_color(self) -> bool:
+        return self.app.no_color
+
+    def compose(self) -> ComposeResult:
+        yield TopBar(id="top")
+        with Horizontal(id="middle"):
+            yield GpuPane(id="gpus")
+            with Vertical(id="right"):
+                yield Static("shards", classes="title", id="shards-title")
+                yield ShardTable(id="shards")
+                yield ShardDetail(id="detail")
+        yield ThroughputChart(id="throughput")
+        yield Static("log", classes="title", id="log-title")
+        yield LogView(id="log")
+        yield Input(placeholder="filter: regex on id, host:gpu, state, reason — !negates · enter keeps · esc clears",
+                    id="filter")
+        yield Input(placeholder=":restart 17 · :stop 3-5 · :log 17 · :host box05 · :state failed · :sort eta",
+                    id="command", suggester=SuggestFromList([f"{c} " for c in COMMANDS]))
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#filter", Input).display = False
+        self.query_one("#command", Input).display = False
+        self.query_one(ShardTable).focus()
+        if self.snap is not None:
+            snap, self.snap = self.snap, None
+            self.draw(snap)
+
+    # --- drawing ----------------------------------------------------------------------------------
+    def draw(self, snap: FleetSnapshot) -> None:
+        """A new snapshot: redraw, and tell (toast and bell) failures that happen while watching."""
+        first = self.snap is None or not self.snap.totals.replayed
+        self.snap = snap
+        if not self.query(ShardTable):
+            return                                  # not composed yet: on_mount draws it
+        if snap.totals.replayed:
+            chart = self.query_one(ThroughputChart)
+            if first and not chart.rebuilt:
+                history = getattr(self.app.source, "history", None)
+                if history is not None:
+                    width = max(chart.size.width, 60)
+                    chart.fill(history(BUCKET_S, width), "tokens" if snap.totals.tokens else "samples")
+            told, self.seen = notify.notices(self.seen, snap)
+            for n in told:
+                if n.event in TOLD:
+                    self.notify(n.message, severity="information" if n.event == "finished" else "error",
+                                timeout=8)
+                    if n.event != "finished":
+                        self.app.bell()
+        self.query_one(ThroughputChart).add(snap)
+        self.query_one(GpuTable).observe(snap)
+        self.redraw()
+
+    def redraw(self) -> None:
+        """Draw the last snapshot as the view says (a keypress needs no new snapshot)."""
+        snap = self.snap
+        if snap is None or not self.query(ShardTable):
+            return                                  # not composed yet: on_mount draws it
+        with self.app.batch_update():
+            self.query_one(TopBar).show(snap, self.no_color)
+            table = self.query_one(ShardTable)
+            table.show(snap, self.view, self.no_color)
+            selected = self.selected_status()
+            self.query_one(ShardDetail).show(selected, self.no_color)
+            self.query_one(GpuPane).show(snap, gpus_of(selected),
+                                         self.no_color)
+            self.query_one("#middle").set_class(not any(h.gpus for h in snap.hosts), "-no-telemetry")
+            sort = f"sort {self.view.sort}{'▼' if self.view.reverse else '▲'}"
+            show_text(self.query_one("#shards-title", Static),
+                f"shards ({table.row_count}/{len(snap.shards)})  " + " · ".join([sort] + self.view.describe()))
+        log = self.query_one("#log", LogView)
+        log.follow(self.app.source, table.selected_shard)
+        messages = getattr(self.app.source, "messages", None)
+        last = f" · supervisor: {messages[-1]}" if messages else ""
+        show_text(self.query_one("#log-title", Static),
+            f"log of shard {table.selected_shard} ({log.status}){last}" if table.selected_shard is not None
+            else "log")
+        keys = self._key_state()
+        if keys != self._keys_shown:                # the footer is rebuilt on each refresh: only on a change
+            self._keys_shown = keys
+            self.refresh_bindings()
+
+    def selected_status(self):
+        k = self.query_one(ShardTable).selected_shard
+        if self.snap is None or k is None:
+            return None
+        return next((s for s in self.snap.shards if s.id == k), None)
+
+    @on(LineTable.CursorMoved, "#shards")
+    def _cursor_moved(self) -> None:
+        if self.snap is not None:
+            selected = self.selected_status()
+            self.query_one(ShardDetail).show(selected, self.no_color)
+            self.query_one(GpuPane).show(self.snap, gpus_of(selected),
+                                         self.no_color)
+            self.query_one("#log", LogView).follow(self.app.source, self.query_one(ShardTable).selected_shard)
+
+    @on(GpuTable.Toggled)
+    def _gpus_toggled(self) -> None:
+        self.redraw()
+
+    @on(LineTable.HeaderClicked, "#shards")
+    def _header_clicked(self, event: LineTable.HeaderClicked) -> None:
+        self.sort_by(event.column)
+
+    @on(LineTable.RowActivated, "#shards")
+    def _row_activated(self) -> None:
+        self.action_log()
+
+    # --- keys -------------------------------------------------------------------------------------
+    def _key_state(self) -> tuple:
+        """What check_action's answers depend on."""
+        return (bool(self.snap and self.snap.totals.finished),
+                self.query_one(ShardTable).selected_shard is not None, bool(self._restartable()))
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """Keys that cannot apply now are hidden (a finished run has nothing to restart or stop)."""
+        finished = bool(self.snap and self.snap.totals.finished)
+        if action in ("restart", "restart_failed", "stop", "stop_all") and finished:
+            return False
+        if action in ("restart", "stop", "log", "mark"):
+            return self.query_one(ShardTable).selected_shard is not None or None
+        if action == "restart_failed":
+            return bool(self._restartable()) or None
+        return True
+
+    def _targets(self) -> list[int]:
+        if self.view.marked:
+            return sorted(self.view.marked)
+        k = self.query_one(ShardTable).selected_shard
+        return [k] if k is not None else []
+
+    def _restartable(self) -> list[int]:
+        return [s.id for s in self.snap.shards if s.state in RESTARTABLE] if self.snap else []
+
+    def _confirm_then(self, question: str, job) -> None:
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.app.run_action_job(job)
+        self.app.push_screen(ConfirmScreen(question), answered)
+
+    def restart(self, ids: list[int]) -> None:
+        if ids:
+            self._confirm_then(f"Restart shard(s) {', '.join(map(str, ids))}? They resume where they stopped.",
+                               lambda: self.app.source.restart(ids))
+
+    def stop(self, ids: list[int]) -> None:
+        if ids:
+            self._confirm_then(f"Stop shard(s) {', '.join(map(str, ids))}? They show STOPPED and are not "
+                               f"restarted until you say so. Output already written stays.",
+                               lambda: self.app.source.stop(ids))
+
+    def action_restart(self) -> None:
+        self.restart(self._targets())
+
+    def action_restart_failed(self) -> None:
+        ids = self._restartable()
+        if ids:
+            self._confirm_then(f"Restart {len(ids)} FAILED/BACKOFF/FATAL shard(s): {', '.join(map(str, ids))}?",
+                               lambda: self.app.source.restart(ids))
+
+    def action_stop(self) -> None:
+        self.stop(self._targets())
+
+    def action_stop_all(self) -> None:
+        self._confirm_then("Stop the WHOLE run (every shard on every host)?", self.app.source.stop_all)
+
+    def action_mark(self) -> None:
+        table = self.query_one(ShardTable)
+        k = table.selected_shard
+        if k is not None:
+            self.view.marked.symmetric_difference_update({k})
+            table.action_cursor(1)
+            self.redraw()
+
+    def action_log(self, shard: int | None = None) -> None:
+        k = self.query_one(ShardTable).selected_shard if shard is None else shard
+        if k is not None:
+            self.app.push_screen(LogScreen(self.app.source, k))
+
+    def action_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        self.query_one("#command", Input).display = False
+        box.display = True
+        box.value = self.view.query
+        box.focus()
+
+    def action_command(self) -> None:
+        box = self.query_one("#command", Input)
+        self.query_one("#filter", Input).display = False
+        box.display = True
+        box.value = ""
+        box.focus()
+
+    @on(Input.Changed, "#filter")
+    def _filter_changed(self, event: Input.Changed) -> None:
+        self.view.query = event.value.strip()
+        self.redraw()
+
+    @on(Input.Submitted, "#filter")
+    def _filter_submitted(self, event: Input.Submitted) -> None:
+        self.view.query = event.value.strip()
+        self._close_inputs()
+
+    @on(Input.Submitted, "#command")
+    def _command_submitted(self, event: Input.Submitted) -> None:
+        self._close_inputs()
+        self.run_command(event.value)
+
+    def _close_inputs(self) -> None:
+        for box in self.query(Input):
+            box.display = False
+        self.query_one(ShardTable).focus()
+        if self.snap is not None:
+            snap, self.snap = self.snap, None
+            self.draw(snap)
+
+    def run_command(self, line: str) -> None:
+        snap = self.snap
+        if snap is None or not line.strip():
+            return
+        try:
+            cmd = parse(line, {s.id for s in snap.shards}, {s.id: s.state.value for s in snap.shards},
+                        {h.name for h in snap.hosts}, COLUMN_KEYS)
+        except CommandError as e:
+            self.notify(str(e), severity="error")
+            return
+        if cmd.name == "restart":
+            self.restart(list(cmd.shards))
+        elif cmd.name == "stop":
+            self.stop(list(cmd.shards))
+        elif cmd.name == "log":
+            self.action_log(cmd.shards[0])
+        elif cmd.name == "host":
+            self.view.host = cmd.arg or None
+        elif cmd.name == "state":
+            self.view.states = frozenset(cmd.arg.split(",")) if cmd.arg else frozenset()
+        elif cmd.name == "sort":
+            self.view.sort, self.view.reverse = cmd.arg, cmd.reverse
+        elif cmd.name == "filter":
+            self.view.query = cmd.arg
+        elif cmd.name == "clear":
+            self.action_clear()
+        elif cmd.name == "help":
+            self.app.action_help()
+        elif cmd.name == "quit":
+            self.app.action_quit_fleet()
+        self.redraw()
+
+    def action_clear(self) -> None:
+        self.view = View(sort=self.view.sort, reverse=self.view.reverse)
+        self._close_inputs()
+
+    def action_faulty(self) -> None:
+        self.view.faulty_only = not self.view.faulty_only
+        self.redraw()
+
+    def sort_by(self, column: str) -> None:
+        if self.view.sort == column:
+            self.view.reverse = not self.view.reverse
+        else:
+            self.view.sort, self.view.reverse = column, False
+        self.redraw()
+
+    def action_sort_next(self) -> None:
+        shown = self.query_one(ShardTable).visible_columns()
+        i = shown.index(self.view.sort) if self.view.sort in shown else -1
+        self.view.sort, self.view.reverse = shown[(i + 1) % len(shown)], False
+        self.redraw()
+
+    def action_sort_reverse(self) -> None:
+        self.view.reverse = not self.view.reverse
+        self.redraw()
+
+    def action_sort_column(self, n: int) -> None:
+        shown = self.query_one(ShardTable).visible_columns()
+        if n < len(shown):
+            self.sort_by(shown[n])

@@ -1,0 +1,318 @@
+"""Every key and mouse action of the live view, with Textual's pilot on the synthetic fleet (real
+records, the real judge and snapshot; made-up events): what each one changes on screen."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.synthetic_fleet import SyntheticFleet
+from fleet.state import State
+from fleet.tui.app import FleetApp, QUIT_MESSAGE, Refresh
+from fleet.tui.commands import CommandError, parse
+from fleet.tui.main import MainScreen
+from fleet.tui.panes.gpus import GpuTable
+from fleet.tui.panes.lines import cell_text, fit_columns
+from fleet.tui.panes.log import LogView, shape
+from fleet.tui.panes.shards import COLUMN_KEYS, COLUMNS, ShardTable
+from fleet.tui.screens import HelpScreen, LogScreen, help_text
+
+
+def fleet(**kw) -> SyntheticFleet:
+    kw.setdefault("failed", (3,))
+    kw.setdefault("backoff", (5,))
+    f = SyntheticFleet(**{"hosts": 2, "gpus": 4, "seed": 1, **kw})
+    for _ in range(5):
+        f.tick(1.0)
+    return f
+
+
+def cell(table, row: str, column: str) -> str:
+    return cell_text(table.cells_of(row)[COLUMN_KEYS.index(column)])
+
+
+def question(app) -> str:
+    return str(app.screen.query_one("#question").render())
+
+
+async def started(app, size=(120, 40)):
+    ctx = app.run_test(size=size)
+    pilot = await ctx.__aenter__()
+    await pilot.pause(0.2)
+    return ctx, pilot
+
+
+@pytest.fixture
+async def ui():
+    f = fleet()
+    app = FleetApp(f, interval=3600)            # keys redraw at once; actions ask for a snapshot
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause(0.3)
+        yield f, app, pilot, app.main.query_one(ShardTable)
+
+
+async def test_space_marks_k_stops_marked_as_stopped_and_R_skips_them(ui):
+    f, app, pilot, table = ui
+    await pilot.press("space", "space")                          # mark 0 and 1, cursor moves down
+    assert app.main.view.marked == {0, 1} and table.selected_shard == 2
+    assert cell(table, "0", "id").startswith("●")
+    await pilot.press("k")
+    assert "Stop shard(s) 0, 1?" in question(app)
+    await pilot.press("y")
+    await pilot.pause(0.3)
+    assert [(s.state, s.reason) for s in app.snap.shards[:2]] == [(State.STOPPED, "stopped")] * 2
+    assert cell(table, "0", "state") == "■ STOPPED" and app.main.view.marked == set()
+    await pilot.press("R")                                       # stopped shards are not failures
+    assert "Restart 2 FAILED/BACKOFF/FATAL shard(s): 3, 5?" in question(app)
+    await pilot.press("n")
+    assert app.snap.shards[3].state == State.FATAL
+
+
+async def test_r_restarts_the_selected_shard_after_asking(ui):
+    f, app, pilot, table = ui
+    table.move_to_key("3")
+    await pilot.pause(0.1)
+    await pilot.press("r")
+    assert "Restart shard(s) 3?" in question(app)
+    await pilot.press("y")
+    await pilot.pause(0.3)
+    assert app.snap.shards[3].state == State.RUNNING and f.shards[3][2].launches == 2
+
+
+async def test_D_stops_the_whole_run_after_asking(ui):
+    f, app, pilot, table = ui
+    await pilot.press("D")
+    assert "Stop the WHOLE run" in question(app)
+    await pilot.press("escape")                                  # no
+    assert app.snap.shards[0].state == State.RUNNING
+    await pilot.press("D", "y")
+    await pilot.pause(0.3)
+    assert {s.state for s in app.snap.shards} == {State.STOPPED, State.FATAL, State.BACKOFF}
+
+
+async def test_slash_filters_live_as_typed_regex_and_negation_escape_clears(ui):
+    f, app, pilot, table = ui
+    await pilot.press("slash", *"box01")
+    assert table.row_count == 4                                  # no enter needed
+    await pilot.press(*":[13]")
+    assert table.keys == ["5", "7"]
+    await pilot.press("enter")
+    assert not app.main.query_one("#filter").display and table.has_focus
+    await pilot.press("slash", *"!box01:[13]", "enter")        # typing replaces the last filter
+    assert app.main.view.query == "!box01:[13]" and len(table.keys) == 6
+    await pilot.press("slash", "left_square_bracket", "enter")   # a bad regex is taken literally
+    assert table.row_count == 0 and "no shard matches" in table.empty_text
+    await pilot.press("escape")
+    assert table.row_count == 8 and app.main.view.query == ""
+
+
+async def test_f_shows_only_faulty_shards(ui):
+    f, app, pilot, table = ui
+    await pilot.press("f")
+    assert table.keys == ["3", "5"] and "faulty only" in str(app.main.query_one("#shards-title").render())
+    await pilot.press("f")
+    assert table.row_count == 8
+
+
+async def test_sort_keys_marker_reverse_number_keys_and_header_click(ui):
+    f, app, pilot, table = ui
+    await pilot.press("s")                                       # next column after shard: host:gpu
+    assert app.main.view.sort == table.visible_columns()[1]
+    await pilot.press("3")                                       # the third column on screen: state
+    assert app.main.view.sort == "state" and table.keys[0] == "3"      # FATAL first
+    assert "state▲" in table.render_line(0).text
+    await pilot.press("3")                                       # again: reversed
+    assert app.main.view.reverse and table.keys[-1] == "3" and "state▼" in table.render_line(0).text
+    await pilot.press("S")
+    assert not app.main.view.reverse
+    x = table.render_line(0).text.index("tok/s")
+    await pilot.click(ShardTable, offset=(x + 1, 0))             # a header click sorts by it
+    assert app.main.view.sort == "tps"
+    rates = [app.snap.shards[int(k)].tokens_per_s for k in table.keys]
+    measured = [r for r in rates if r is not None]
+    assert measured == sorted(measured) and rates[-2:] == [None, None]   # unmeasured stay last
+    await pilot.click(ShardTable, offset=(x + 1, 0))
+    assert app.main.view.reverse
+    rates = [app.snap.shards[int(k)].tokens_per_s for k in table.keys]
+    assert [r for r in rates if r is not None] == sorted(measured, reverse=True) and rates[-1] is None
+
+
+async def test_enter_l_and_double_click_open_the_log_with_its_own_keys(ui):
+    f, app, pilot, table = ui
+    table.move_to_key("2")
+    await pilot.press("enter")
+    assert isinstance(app.screen, LogScreen) and app.screen.shard == 2
+    view = app.screen.query_one(LogView)
+    await pilot.pause(0.3)
+    # 30 progress lines of one loop collapse into one updating line; the warning stays its own.
+    assert len(view.lines) == 3 and view.lines[1][2] == 29 and "done=1015" in view.lines[1][0]
+    # Main-screen keys do not leak: l, f, / and : act on the log (or not at all), not the shards.
+    await pilot.press("l", "f", "r")
+    assert isinstance(app.screen, LogScreen) and len(app.screen_stack) == 2 and not app.main.view.faulty_only
+    await pilot.press("escape")
+    assert isinstance(app.screen, MainScreen)
+    await pilot.press("l")
+    assert app.screen.shard == 2
+    await pilot.press("q")                                       # q leaves the log, like less
+    assert isinstance(app.screen, MainScreen)
+    await pilot.click(ShardTable, offset=(3, 4), times=2)        # double click on the 4th row
+    assert isinstance(app.screen, LogScreen) and app.screen.shard == 3
+
+
+async def test_log_view_search_n_N_g_G_copy_autoscroll_and_wrap():
+    f = fleet(log_lines=3)
+    app = FleetApp(f, interval=3600)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.2)
+        app.push_screen(LogScreen(f, 0))
+        await pilot.pause(0.3)
+        view = app.screen.query_one(LogView)
+        for i in range(40):
+            view.write(f"step {i} {'ERROR disk' if i in (7, 30) else 'ok'}")
+        view.write("x" * 200)
+        assert view.cursor == len(view.lines) - 1                # autoscroll follows the end
+        await pilot.press("g")
+        assert view.cursor == 0 and not view.auto_scroll
+        await pilot.press("slash", *"error")                     # incremental: jumps while typing
+        assert "ERROR" in view.line_text(view.cursor) and "step 7" in view.line_text(view.cursor)
+        await pilot.press("enter", "n")
+        assert "step 30" in view.line_text(view.cursor)
+        await pilot.press("n")                                   # wraps around
+        assert "step 7" in view.line_text(view.cursor)
+        await pilot.press("N")
+        assert "step 30" in view.line_text(view.cursor)
+        await pilot.press("y")
+        assert app.clipboard == "step 30 ERROR disk"
+        await pilot.press("G")
+        assert view.cursor == len(view.lines) - 1 and view.auto_scroll
+        rows = len(view._visual_rows())
+        await pilot.press("w")
+        assert view.wrap and len(view._visual_rows()) > rows       # the long line wraps
+        await pilot.press("a")
+        assert not view.auto_scroll
+        assert "autoscroll off" in str(app.screen.query_one("#log-title").render())
+        await pilot.press("escape")
+        assert isinstance(app.screen, MainScreen)
+
+
+async def test_colon_commands(ui):
+    f, app, pilot, table = ui
+    await pilot.press("colon", *"host box01", "enter")
+    assert table.keys == ["4", "5", "6", "7"]
+    await pilot.press("colon", *"state backoff,fatal", "enter")
+    assert table.keys == ["5"]
+    await pilot.press("colon", *"clear", "enter")
+    assert table.row_count == 8
+    await pilot.press("colon", *"sort -eta", "enter")
+    assert (app.main.view.sort, app.main.view.reverse) == ("eta", True)
+    await pilot.press("colon", *"restart 3,5", "enter")
+    assert "Restart shard(s) 3, 5?" in question(app)
+    await pilot.press("n")
+    await pilot.press("colon", *"log 6", "enter")
+    assert isinstance(app.screen, LogScreen) and app.screen.shard == 6
+    await pilot.press("escape", "colon", *"frobnicate", "enter")
+    assert isinstance(app.screen, MainScreen)
+
+
+def test_command_parser_names_what_is_wrong():
+    states = {0: "RUNNING", 1: "FATAL", 2: "BACKOFF", 3: "STOPPED"}
+    known = set(states)
+    p = lambda line: parse(line, known, states, {"box00"}, COLUMN_KEYS)
+    assert p(":restart 0-2").shards == (0, 1, 2) and p("r failed").shards == (1, 2)
+    assert p("stop 3").shards == (3,) and p("sort -tps").reverse and p("host").arg == ""
+    for line, why in [("restart 9", "no shard 9"), ("restart x", "not a shard id"), ("log 0,1", "one shard"),
+                      ("host box99", "no host 'box99'"), ("state sleepy", "no state 'SLEEPY'"),
+                      ("sort colour", "no column 'colour'"), ("dance", "unknown command 'dance'")]:
+        with pytest.raises(CommandError, match=why):
+            p(line)
+
+
+async def test_question_mark_help_is_generated_from_every_binding_and_never_wraps():
+    app = FleetApp(fleet(), interval=3600)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.2)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        text = help_text(app)
+        for b in MainScreen.BINDINGS + LogScreen.BINDINGS + LogView.BINDINGS + GpuTable.BINDINGS:
+            if b.tooltip and not b.action.startswith("sort_column"):
+                assert b.tooltip in text, b
+        for key in ("tab", "ctrl+p", "click a header", "1 … 9", "q / ^c", "y ", "n ", "N "):
+            assert key in text, key
+        assert max(len(line) for line in text.replace("[b]", "").replace("[/b]", "").splitlines()) <= 76
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, MainScreen)
+
+
+async def test_q_and_ctrl_c_quit_with_a_message_true_to_what_is_left(ui):
+    f, app, pilot, table = ui
+    await pilot.press("ctrl+c")
+    assert app.return_value == QUIT_MESSAGE
+    f2 = fleet(failed=(), backoff=())
+    f2.finish()
+    app2 = FleetApp(f2, interval=3600)
+    async with app2.run_test(size=(100, 30)) as pilot2:
+        await pilot2.pause(0.2)
+        await pilot2.press("q")
+    assert app2.return_value.startswith("fleet: run synthetic is finished: 8/8 shards DONE in")
+    assert "fleet verify" in app2.return_value
+
+
+async def test_tab_moves_between_panes_and_enter_expands_a_gpu_host():
+    f = SyntheticFleet(hosts=6, gpus=8, seed=2)                  # 54 rows: hosts start folded
+    app = FleetApp(f, interval=3600)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await pilot.pause(0.2)
+        gpus = app.main.query_one(GpuTable)
+        assert gpus.keys == [f"h:box0{i}" for i in range(6)]
+        assert "h:box00" in gpus.highlight                       # the selected shard's host
+        await pilot.press("tab")
+        assert app.main.query_one("#log", LogView).has_focus
+        await pilot.press("tab")
+        assert gpus.has_focus
+        await pilot.press("down", "enter")
+        assert gpus.keys[:3] == ["h:box00", "h:box01", "g:box01:0"] and len(gpus.keys) == 14
+        await pilot.press("enter")                               # folds again
+        assert len(gpus.keys) == 6
+        await pilot.press("tab")
+        assert app.main.query_one(ShardTable).has_focus
+        # Select shard 9 (box01 GPU 1): its host unfolds? no: the host row is highlighted.
+        app.main.query_one(ShardTable).move_to_key("9")
+        await pilot.pause(0.1)
+        assert gpus.highlight == {"h:box01"}
+        gpus.expanded.add("box01")
+        app.main.redraw()
+        assert gpus.highlight == {"g:box01:1"}
+
+
+async def test_a_failure_while_watching_is_toasted_with_the_bell():
+    f = fleet()
+    bells = []
+
+    class App(FleetApp):
+        def bell(self):
+            bells.append(1)
+    app = App(f, interval=3600)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause(0.3)
+        assert bells == []                                       # failures before watching: silent
+        f._end(6, None, code=-9)                                 # killed: a restart is due (BACKOFF)
+        app.post_message(Refresh())
+        await pilot.pause(0.3)
+        assert bells == [1]
+        messages = [n.message for n in app._notifications]
+        assert any("shard 6" in m and "RUNNING -> BACKOFF: killed by signal 9" in m for m in messages), messages
+        app.post_message(Refresh())
+        await pilot.pause(0.3)
+        assert bells == [1]                                      # told once
+
+
+def test_columns_fit_the_width_by_priority_and_the_reason_takes_the_rest():
+    keys = lambda w: [c.key for c, _ in fit_columns(COLUMNS, w)]
+    assert keys(60) == ["id", "state", "progress", "tps", "reason"]
+    assert keys(80) == ["id", "where", "state", "progress", "tps", "reason"]
+    assert set(keys(220)) == set(COLUMN_KEYS)
+    for width in (60, 80, 120, 220):
+        widths = dict((c.key, w) for c, w in fit_columns(COLUMNS, width))
+        assert sum(widths.values()) + len(widths) - 1 == width
+        assert widths["reason"] >= (26 if width >= 80 else 8)
+    assert shape("processed 812/1500 (3.2 it/s)") == shape("processed 813/1500 (3.4 it/s)")
