@@ -188,6 +188,67 @@ def reference_error(lm, base, samples, plan) -> float:
     return worst
 
 
+def profile_forward(base, n: int, vocab: int, rows: int = 16, width: int = 1024) -> dict:
+    """Where a forward's GPU time goes: kernels by total time (top 30), and the time in each
+    family (matmuls, flash-linear-attention's Triton kernels, convolutions, attention, the rest)."""
+    from torch.profiler import ProfilerActivity, profile
+    ids = torch.randint(0, vocab, (rows, width), device=DEVICE)
+    with torch.inference_mode():
+        for _ in range(3):
+            base(input_ids=ids, use_cache=False)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU]) as prof:
+            for _ in range(n):
+                base(input_ids=ids, use_cache=False)
+            sync()
+    field = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    kernels = [(e.key, getattr(e, field, 0) or getattr(e, "self_cuda_time_total", 0), e.count)
+               for e in prof.key_averages()]
+    kernels = [k for k in kernels if k[1] > 0]
+    total = sum(t for _, t, _ in kernels)
+    families = {"matmul": ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas"), "conv": ("conv",),
+                "attention": ("flash", "fmha", "attention", "sdpa"),
+                "fla": ("chunk", "recompute", "fwd_kernel", "l2norm", "delta", "solve_tril", "cumsum")}
+    by_family = {f: 0.0 for f in (*families, "other")}
+    for name, t, _ in kernels:
+        low = name.lower()
+        fam = next((f for f, keys in families.items() if any(k in low for k in keys)), "other")
+        by_family[fam] += t
+    top = sorted(kernels, key=lambda k: -k[1])[:30]
+    return {"forwards": n, "tokens": rows * width * n, "gpu_ms_per_forward": round(total / n / 1e3, 2),
+            "share": {f: round(t / total, 3) for f, t in by_family.items()},
+            "top": [{"kernel": name[:120], "ms": round(t / 1e3, 2), "calls": c, "share": round(t / total, 3)}
+                    for name, t, c in top]}
+
+
+def check_fla_conv(base) -> dict:
+    """Swap in fla's convolution (worker.model.use_fla_conv) and compare one layer's short
+    convolution with transformers' reference on the same input."""
+    import torch.nn.functional as F
+
+    from worker.model import fla_causal_conv1d, use_fla_conv
+    layer = next(m for m in base.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    conv = layer.conv1d
+    x = torch.randn(4, conv.weight.shape[0], 777, device=DEVICE, dtype=torch.bfloat16)
+    want = F.silu(F.conv1d(x, conv.weight, conv.bias, padding=conv.weight.shape[-1] - 1,
+                           groups=conv.weight.shape[0])[:, :, :x.shape[-1]])
+    fn = fla_causal_conv1d()
+    got = fn(x, conv.weight.squeeze(1), conv.bias, activation="silu") if fn else None
+    err = float((got.float() - want.float()).norm() / want.float().norm()) if fn else None
+    return {"available": fn is not None, "rel_err_vs_reference": err, "took": use_fla_conv(base)}
+
+
+def conv_source(base) -> list[str]:
+    """How this transformers' linear-attention layer runs its short convolution (the lines of its
+    module that name it): which kernel a hybrid model gets here."""
+    import inspect
+    layer = next((m for m in base.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    if layer is None:
+        return []
+    src = inspect.getsource(inspect.getmodule(type(layer)))
+    return [f"{i}: {l.strip()}" for i, l in enumerate(src.splitlines(), 1) if "conv1d" in l][:60]
+
+
 def rate(r: dict, params: int, peak: float) -> dict:
     tps = r["tokens"] / r["seconds"]
     return dict(r, tokens_per_s=round(tps), samples_per_s=round(r["samples"] / r["seconds"], 2),
@@ -214,6 +275,12 @@ def main() -> None:
                                                               "default for hybrid models on a GPU)")
     p.add_argument("--warm", action="store_true", help="before timing, one small batch per row bucket, as "
                                                        "the worker's load does for hybrid models")
+    p.add_argument("--fla-conv", action="store_true",
+                   help="hybrid without causal-conv1d: run the short convolution on fla's Triton kernel "
+                        "(worker.model.use_fla_conv), after checking it against transformers' own")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N forward passes of 16 x 1024 tokens (after a warm-up) and report the "
+                        "GPU kernels by time, then exit")
     p.add_argument("--skip-warmup-pass", action="store_true",
                    help="time the first pass itself (no untimed warm-up pass): a shard's first minutes")
     args = p.parse_args()
@@ -243,7 +310,17 @@ def main() -> None:
               "mean_tokens": round(sum(s.length for s in samples) / len(samples), 1)}
     fla = __import__("importlib.util").util.find_spec("fla") is not None
     result["fla"] = fla
+    if args.fla_conv:
+        result["fla_conv"] = check_fla_conv(base)
     result["ref_rel_err"] = reference_error(lm, base, warm, plan)
+
+    if args.profile:
+        result["profile"] = profile_forward(base, args.profile, vocab)
+        result["conv_source"] = conv_source(base)
+        print(json.dumps(result, indent=1))
+        if args.json:
+            json.dump(result, open(args.json, "w"), indent=1)
+        return
 
     def scratch(root):
         d = tempfile.mkdtemp(dir=root, prefix="fleet-bench-")

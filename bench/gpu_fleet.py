@@ -62,7 +62,7 @@ def make_data(path: str, n: int, seed: int) -> int:
 
 
 def write_config(path: str, work: str, data: str, output: str, gpus: list[int], name: str,
-                 gpus_per_shard: int = 1) -> str:
+                 gpus_per_shard: int = 1, extra: tuple[str, ...] = ()) -> str:
     with open(path, "w") as f:
         f.write(f"""
 [run]
@@ -73,7 +73,7 @@ output = "{output}"
 layers = "speculators"
 max_tokens_per_batch = 16384
 device = "cuda"
-extra_args = ["--random-weights"]
+extra_args = {json.dumps(["--random-weights", *extra])}
 gpus_per_shard = {gpus_per_shard}
 
 [expected]
@@ -127,21 +127,24 @@ def steady_rate(events: list[dict]) -> dict:
     return {"launches": out}
 
 
-def compare_outputs(a: str, b: str, n: int = 16) -> float | None:
-    """Largest relative error between the same samples written by two runs (bf16 files)."""
+def compare_outputs(a: str, b: str, n: int = 16) -> dict:
+    """The same samples written by two runs (bf16 files): how many, how many bit-identical, and
+    the largest relative error."""
     import glob
 
+    import torch
     from safetensors.torch import load_file
-    worst = None
+    worst, files, identical = None, 0, 0
     for path in sorted(glob.glob(os.path.join(a, "hs_*.safetensors")))[:n]:
         other = os.path.join(b, os.path.basename(path))
         if not os.path.exists(other):
             continue
-        x = load_file(path)["hidden_states"].float()
-        y = load_file(other)["hidden_states"].float()
-        err = float((x - y).norm() / y.norm())
+        x, y = load_file(path)["hidden_states"], load_file(other)["hidden_states"]
+        files += 1
+        identical += bool(torch.equal(x, y))
+        err = float((x.float() - y.float()).norm() / y.float().norm())
         worst = err if worst is None else max(worst, err)
-    return worst
+    return {"files": files, "identical": identical, "max_rel_err": worst}
 
 
 def run_headless(config: str, log_path: str, kill: dict | None = None, status_path: str | None = None):
@@ -197,7 +200,10 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--scale-samples", type=int, default=600)
     p.add_argument("--split-only", action="store_true",
-                   help="only the shard spanning every GPU (and its exactness against one GPU's run)")
+                   help="only the shard spanning every GPU: against one shard per GPU, and its files "
+                        "against one GPU's run of the same batches")
+    p.add_argument("--micro-batches", default="2",
+                   help="comma list: the spanning shard is run once per value (worker --micro-batches)")
     args = p.parse_args()
     import torch
     ngpu = torch.cuda.device_count()
@@ -223,7 +229,7 @@ def main() -> None:
     scale_data = f"{work}/scale.jsonl"
     result["scale_tokens"] = make_data(scale_data, args.scale_samples, 1)
     result["scaling"] = {}
-    for n in ([] if args.split_only else sorted({1, ngpu})):
+    for n in ([ngpu] if args.split_only else sorted({1, ngpu})):
         name = f"scale{n}"
         cfg = write_config(f"{work}/{name}.toml", work, scale_data, f"{work}/out-{name}", list(range(n)), name)
         t0 = time.time()
@@ -233,24 +239,39 @@ def main() -> None:
         result["scaling"][n] = {"rc": rc, "wall_s": round(time.time() - t0, 1), "per_gpu": per,
                                 "aggregate_tokens_per_s": sum(rates),
                                 "mfu_per_gpu": [round(2 * params * r / peak, 3) for r in rates]}
-        if n == 1:
-            shutil.rmtree(f"{work}/out-{name}", ignore_errors=True)
+        shutil.rmtree(f"{work}/out-{name}", ignore_errors=True)
         print(json.dumps({f"scale{n}": result["scaling"][n]}), flush=True)
-    # 1b. one shard spanning every GPU (gpus_per_shard), the same samples: against one shard per GPU
+        json.dump(result, open(f"{args.out}/result.json", "w"), indent=2)   # kept if a later step dies
+    # 1b. one shard spanning every GPU (gpus_per_shard), the same samples: against one shard per
+    # GPU; its files against one GPU running the very same batches and row groups (the same
+    # shapes, so the same kernels: any difference is the split's)
     if ngpu > 1:
-        name = "split"
-        cfg = write_config(f"{work}/{name}.toml", work, scale_data, f"{work}/out-{name}", list(range(ngpu)),
-                           name, gpus_per_shard=ngpu)
-        rc, lines, _ = run_headless(cfg, f"{args.out}/split.log")
-        per = steady_rate(shard_events(work, name, 0))
-        rate = per["launches"][-1]["tokens_per_s"]
-        result["split"] = {"rc": rc, "per_shard": per, "tokens_per_s": rate,
-                           "mfu_of_all_gpus": round(2 * params * rate / peak / ngpu, 3)}
-        if not args.split_only:
-            result["split"]["vs_one_shard_per_gpu"] = round(rate / result["scaling"][ngpu]["aggregate_tokens_per_s"], 3)
-            result["split"]["max_rel_err_vs_one_gpu"] = compare_outputs(f"{work}/out-{name}", f"{work}/out-scale{ngpu}")
-        print(json.dumps({"split": result["split"]}), flush=True)
-        for d in (f"{work}/out-{name}", f"{work}/out-scale{ngpu}"):
+        result["split"] = {}
+        micro = [int(m) for m in args.micro_batches.split(",")]
+        for m in micro:
+            name = f"split{m}"
+            cfg = write_config(f"{work}/{name}.toml", work, scale_data, f"{work}/out-{name}", list(range(ngpu)),
+                               name, gpus_per_shard=ngpu, extra=("--micro-batches", str(m)))
+            rc, lines, _ = run_headless(cfg, f"{args.out}/{name}.log")
+            per = steady_rate(shard_events(work, name, 0))
+            rate = per["launches"][-1]["tokens_per_s"]
+            result["split"][m] = {"rc": rc, "micro_batches": m, "per_shard": per, "tokens_per_s": rate,
+                                  "mfu_of_all_gpus": round(2 * params * rate / peak / ngpu, 3),
+                                  "vs_one_shard_per_gpu": round(rate / result["scaling"][ngpu]["aggregate_tokens_per_s"], 3)}
+            print(json.dumps({name: result["split"][m]}), flush=True)
+            json.dump(result, open(f"{args.out}/result.json", "w"), indent=2)   # kept if a later step dies
+            if m != micro[0]:
+                shutil.rmtree(f"{work}/out-{name}", ignore_errors=True)
+        name, m = "ref1", micro[0]
+        cfg = write_config(f"{work}/{name}.toml", work, scale_data, f"{work}/out-{name}", [0], name,
+                           extra=("--micro-batches", str(m)))
+        rc, lines, _ = run_headless(cfg, f"{args.out}/{name}.log")
+        result["exactness"] = {"rc": rc, "micro_batches": m,
+                               "max_rel_err_split_vs_one_gpu_same_batches":
+                                   compare_outputs(f"{work}/out-split{m}", f"{work}/out-{name}", n=64)}
+        print(json.dumps({"exactness": result["exactness"]}), flush=True)
+        json.dump(result, open(f"{args.out}/result.json", "w"), indent=2)   # kept if a later step dies
+        for d in (f"{work}/out-split{m}", f"{work}/out-{name}"):
             shutil.rmtree(d, ignore_errors=True)
     if args.split_only:
         json.dump(result, open(f"{args.out}/result.json", "w"), indent=2)

@@ -38,7 +38,8 @@ from .identity import (IdentityError, differences, model_shape, output_identity,
                        upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers
 from .model import (Capture, ModelError, compile_layers, find_decoder, is_hybrid, load_model,
-                    missing_fast_kernels, model_devices, text_config, uncompile_layers)
+                    missing_fast_kernels, model_devices, move, text_config, uncompile_layers,
+                    use_fla_conv)
 from .writer import (BackgroundWriter, DiskFullError, Manifest, Stats, load_finished, manifest_path,
                      write_json_atomic)
 
@@ -96,6 +97,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--devices", default=None,
                    help="the devices to spread the layers over, as a comma list (overrides "
                         "--device and --gpus-per-shard; e.g. cpu,cpu tests the split without GPUs)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="split each batch into this many row groups issued back to back, so the GPUs "
+                        "of a spread model work on different groups at once (default: one per GPU "
+                        "of the shard; 1 when it has one GPU)")
     p.add_argument("--dtype", choices=("bf16", "fp8", "fp32"), default="bf16",
                    help="hidden states as stored: bf16 (default) or fp8 (float8_e4m3fn + a float32 "
                         "scale per token per layer, quantised on the GPU; format speculators). "
@@ -125,8 +130,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--random-weights", action="store_true",
                    help="initialise from config.json with random weights (benchmarks, dry runs)")
     args = p.parse_args(argv)
-    if min(args.max_tokens_per_batch, args.writer_queue, args.writer_threads, args.pad_multiple or 1) < 1:
-        p.error("--max-tokens-per-batch, --writer-queue, --writer-threads and --pad-multiple must be positive")
+    if min(args.max_tokens_per_batch, args.writer_queue, args.writer_threads, args.pad_multiple or 1,
+           args.micro_batches or 1) < 1:
+        p.error("--max-tokens-per-batch, --writer-queue, --writer-threads, --pad-multiple and "
+                "--micro-batches must be positive")
     if not 0 <= args.shard_index < args.num_shards:
         p.error(f"--shard-index {args.shard_index} out of range for --num-shards {args.num_shards}")
     if args.dtype == "fp32":               # --dtype used to be the model's dtype
@@ -150,6 +157,7 @@ class Options:
     max_positions: int | None = None     # the model's longest sequence; longer rows are skipped
     bucket_rows: bool = False            # batch row counts from a few buckets (batching.row_bucket)
     dtype: str = "bf16"                  # hidden states as stored: bf16 | fp8
+    micro_batches: int | None = None     # row groups per batch (None: one per GPU of the shard)
 
 
 def gpu_memory(devices: torch.device | list[torch.device]) -> dict:
@@ -254,7 +262,7 @@ class Extractor:
             self.model(input_ids=ids, use_cache=False)
             hidden = self.capture.take(self.out_device)          # [B, S, n, H] bf16
             out = self.out_device
-            valid = torch.arange(width, device=out)[None, :] < lengths.to(out, non_blocking=True)[:, None]
+            valid = torch.arange(width, device=out)[None, :] < move(lengths, out)[:, None]
             bad = ~torch.isfinite(hidden).flatten(2).all(-1)     # [B, S]
             finite = ~(bad & valid).any(1)
         return hidden, finite
@@ -307,7 +315,8 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
         depth=options.writer_queue, file_threads=options.writer_threads, device=devices[-1],
         on_skip=lambda index, reason: log.emit(protocol.SampleSkipped(index=index, reason=reason)),
         reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0, layout=layout)
-    extractor = Extractor(model, plan, device, writer, options.pad_multiple, len(devices))
+    extractor = Extractor(model, plan, device, writer, options.pad_multiple,
+                          options.micro_batches or len(devices))
     stop_ticker = threading.Event()
 
     def tick() -> None:
@@ -438,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         options = Options(args.max_tokens_per_batch, args.max_length, args.too_long,
                           args.writer_queue, args.writer_threads, args.sort_window,
                           pad_multiple=pad, loss_mask=args.loss_mask, format=args.format,
-                          max_positions=shape.max_positions, bucket_rows=few_shapes, dtype=args.dtype)
+                          max_positions=shape.max_positions, bucket_rows=few_shapes, dtype=args.dtype,
+                          micro_batches=args.micro_batches)
         items = iter_shard(dataset, start, stop, set(finished), vocab_size, tokenizer, options)
         sizing.start(log, dataset, start, stop, vocab_size, args.model, options)  # total_tokens
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
@@ -515,10 +525,11 @@ def warm_hybrid(model: torch.nn.Module, device: torch.device, args: argparse.Nam
     at full speed; the tuning results land in the run's Triton cache for the next process."""
     if device.type != "cuda" or missing_fast_kernels(model):
         return "eager (hybrid model" + (": fast kernels missing)" if missing_fast_kernels(model) else ")")
+    conv = ", fla's causal conv" if use_fla_conv(model) else ""
     buckets = row_buckets(args.max_tokens_per_batch, pad)
     log.emit(protocol.Loading(model=args.model, detail=f"tuning fla's kernels for {len(buckets)} batch shapes"))
     seconds = warm_rows(model, device, buckets, pad)
-    return f"eager with fla's kernels ({len(buckets)} batch shapes tuned in {seconds:.0f} s)"
+    return f"eager with fla's kernels{conv} ({len(buckets)} batch shapes tuned in {seconds:.0f} s)"
 
 
 def row_buckets(budget: int, pad: int) -> list[int]:

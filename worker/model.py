@@ -100,8 +100,7 @@ class Capture:
         over several GPUs hands in the last one); releases the references the hooks held."""
         if any(s is None for s in self.slots):
             raise RuntimeError("a hooked layer did not run")
-        stacked = torch.stack([s.to(device or s.device, torch.bfloat16, non_blocking=True)
-                               for s in self.slots], dim=2)
+        stacked = torch.stack([move(s.to(torch.bfloat16), device or s.device) for s in self.slots], dim=2)
         self.slots = [None] * len(self.slots)
         return stacked
 
@@ -156,16 +155,39 @@ def _load(path: str, device: str, dtype: torch.dtype, random_weights: bool) -> t
     return model.eval()
 
 
+_copy_streams: dict[torch.device, Any] = {}
+
+
+def move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`, asynchronously. Between two GPUs torch's copy is a two-way barrier between
+    the source's and the destination's *current* streams: copying straight into the next stage
+    would make the previous stage wait for everything the next one has queued, so the GPUs would
+    take turns. The destination's current stream is a copy stream for the copy, and the
+    destination's compute stream waits only for the copy."""
+    if t.device == device:
+        return t
+    if t.device.type != "cuda" or device.type != "cuda":
+        return t.to(device, non_blocking=True)
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        moved = t.to(device, non_blocking=True)
+    consumer = torch.cuda.current_stream(device)
+    consumer.wait_stream(stream)
+    moved.record_stream(consumer)               # made on the copy stream, used on the compute one
+    return moved
+
+
 def _to(value: Any, device: torch.device, memo: dict) -> Any:
-    """Tensors in `value` moved to `device`, each at most once per forward: a copy between GPUs
-    makes the two streams wait for each other, so moving the rotary tables again for every layer
-    would serialize the GPUs; `memo` holds what this forward already moved."""
+    """Tensors in `value` moved to `device`, each at most once per forward (the rotary tables
+    would otherwise cross again for every layer); `memo` holds what this forward already moved."""
     if isinstance(value, torch.Tensor):
         if value.device == device:
             return value
         key = (id(value), device)
         if key not in memo:
-            memo[key] = (value, value.to(device, non_blocking=True))    # keep the source alive
+            memo[key] = (value, move(value, device))     # keep the source alive
         return memo[key][1]
     if isinstance(value, (tuple, list)):
         return type(value)(_to(v, device, memo) for v in value)
@@ -177,8 +199,9 @@ def _to(value: Any, device: torch.device, memo: dict) -> Any:
 def spread(model: torch.nn.Module, devices: list[str]) -> None:
     """Split the decoder layers over `devices` in order (contiguous, balanced by count), the final
     norm on the last, everything else (embeddings, rotary tables) on the first. A pre-hook moves
-    each layer's tensor inputs to its device; the copies are asynchronous, so the next batch's
-    first stage runs while this one's last stage does, and every GPU stays busy."""
+    each layer's tensor inputs to its device (`move`: asynchronous, and no stage waits for the
+    next one's queue), so the next micro-batch's first stage runs while this one's last stage
+    does, and every GPU stays busy."""
     decoder = find_decoder(model)
     targets = [torch.device(d) for d in devices]
     n, k = len(decoder.layers), len(targets)
@@ -248,12 +271,51 @@ def text_config(model: torch.nn.Module) -> Any:
     return getattr(config, "text_config", None) or config
 
 
+def fla_causal_conv1d():
+    """flash-linear-attention's Triton causal convolution in causal-conv1d's calling convention
+    (x [B, D, T] -> [B, D, T]), or None without fla. The causal-conv1d package builds from CUDA
+    source at install; fla ships the same operation as a Triton kernel."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except Exception:                            # absent, or an fla without it
+        return None
+
+    def conv(x=None, weight=None, bias=None, activation=None, hidden_states=None, seq_idx=None, **_):
+        x = hidden_states if x is None else x
+        y = causal_conv1d(x.transpose(1, 2), weight, bias, activation=activation)
+        return (y[0] if isinstance(y, tuple) else y).transpose(1, 2)
+    return conv
+
+
+def use_fla_conv(model: torch.nn.Module) -> bool:
+    """A hybrid model without causal-conv1d on a GPU: its linear-attention layers' short
+    convolution runs fla's Triton kernel instead of transformers' reference conv. transformers
+    reads it from the layer (`self.causal_conv1d_fn`, up to 4.x) or from its module's
+    `causal_conv1d_fn` (5.x); both are set. True when it took."""
+    import inspect
+    if not is_hybrid(model) or importlib.util.find_spec("causal_conv1d") is not None:
+        return False
+    conv = fla_causal_conv1d()
+    layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    if conv is None or not layers:
+        return False
+    took = False
+    for layer in layers:
+        if hasattr(layer, "causal_conv1d_fn"):
+            layer.causal_conv1d_fn, took = conv, True
+    module = inspect.getmodule(type(layers[0]))
+    if module is not None and hasattr(module, "causal_conv1d_fn"):
+        module.causal_conv1d_fn, took = conv, True
+    return took
+
+
 def missing_fast_kernels(model: torch.nn.Module) -> str | None:
     """For hybrid Gated DeltaNet models, which fast-kernel packages are absent (None: all there)."""
     if not is_hybrid(model):
         return None
     missing = [pkg for pkg, mod in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))
-               if importlib.util.find_spec(mod) is None]
+               if importlib.util.find_spec(mod) is None
+               and not (mod == "causal_conv1d" and fla_causal_conv1d() is not None)]   # fla's stands in
     if not missing:
         return None
     return (f"fast Gated DeltaNet kernels missing ({', '.join(missing)}): transformers falls back "

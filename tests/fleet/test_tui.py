@@ -185,6 +185,8 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
             await confirm(pilot, app, ["r"], "Restart shard(s) 0?")
             await until(pilot, lambda: cell(shards, "0", "state") == "▶ RUNNING", what="shard 0 running again")
             assert cell(shards, "0", "reason") == "" and cell(shards, "0", "restarts") == "0/0"
+            # measured again (two progress points in the new attempt): the chart's past has data
+            await until(pilot, lambda: app.snap.shards[0].tokens_per_s, what="shard 0 measured again")
             await pilot.press("q")
         assert app.return_value == QUIT_MESSAGE                      # shard 0 still runs
         os.kill(pid_of(tmp_path, 0), 0)
