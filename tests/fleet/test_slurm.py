@@ -286,40 +286,38 @@ async def test_the_tuis_keys_k_cancels_a_task_for_good_r_resubmits_its_index_and
         tmp_path, slurm):
     """The live TUI on a Slurm run, keys pressed as a user presses them: its panes show the node,
     the log of the task on the shared filesystem; `k`, `r`, `D` mean what they mean on SSH hosts."""
-    from fleet.tui.app import QUIT_MESSAGE
-    from fleet.tui.panes.gpus import GpuTable
-    from fleet.tui.panes.log import ShardLog
+    from fleet.tui.panes.log import LogView
     from fleet.tui.panes.shards import ShardTable
-    from tests.fleet.test_tui import cell_text, supervised_app, until
+    from tests.fleet.test_tui import cell, supervised_app, until
 
     script = {"0": [[["progress", 1, 3], ["hang"]], [["progress", 2, 3], ["hang"]]], "1": [[["progress", 1, 3], ["hang"]]]}
     app = supervised_app(await deployed(slurm_toml(tmp_path, script=script)))
     async with app.run_test(size=(170, 48)) as pilot:
-        shards = app.query_one(ShardTable)
+        shards = app.main.query_one(ShardTable)
         await until(pilot, lambda: app.snap and [s.done for s in app.snap.shards] == [1, 1], what="both running")
-        assert [cell_text(shards, k, "state") for k in "01"] == ["RUNNING", "RUNNING"]
-        assert cell_text(shards, "0", "where") == "localhost:0"              # the node it runs on
-        gpus = app.query_one(GpuTable)
-        await until(pilot, lambda: gpus.row_count == 2, what="the login node and the compute node")
-        assert cell_text(gpus, "localhost/x", "mem") == "no GPU telemetry"   # what the task reported
-        await until(pilot, lambda: any("processed 1/3" in l.text for l in app.query_one(ShardLog).lines),
+        await until(pilot, lambda: [cell(shards, k, "state") for k in "01"] == ["▶ RUNNING"] * 2,
+                    what="both drawn RUNNING")
+        assert cell(shards, "0", "where") == "localhost:0"                   # the node it runs on
+        gpus_line = str(app.main.query_one("#gpus-title").render())
+        assert "slurm: no GPU telemetry" in gpus_line, gpus_line             # what the task reported
+        await until(pilot, lambda: any("processed 1/3" in text for text, _, _ in app.main.query_one("#log", LogView).lines),
                     what="the task's log")
-        shards.move_cursor(row=1)
+        shards.move_to_key("1")
         await pilot.press("k", "y")                                          # k: cancel that task
-        await until(pilot, lambda: cell_text(shards, "1", "state") == "STOPPED", what="shard 1 STOPPED")
+        await until(pilot, lambda: cell(shards, "1", "state").endswith("STOPPED"), what="shard 1 STOPPED")
         await asyncio.sleep(3)                                               # 6x the backoff
-        assert cell_text(shards, "1", "state") == "STOPPED" and cell_text(shards, "1", "restarts") == "0"
-        shards.move_cursor(row=0)
+        assert cell(shards, "1", "state").endswith("STOPPED") and app.snap.shards[1].restarts == 0
+        shards.move_to_key("0")
         await pilot.press("r", "y")                                          # r: resubmit its index
         await until(pilot, lambda: app.snap.shards[0].done == 2, what="shard 0 resubmitted and running")
-        assert cell_text(shards, "0", "restarts") == "1"
+        assert app.snap.shards[0].restarts == 1
         subs = of(protocol.Submitted, events(tmp_path, 0))
         assert len(subs) == 2 and subs[1].job.split("_")[0] != subs[0].job.split("_")[0]
         assert slurm.run("scontrol", "show", "job", subs[1].job).stdout.count("ArrayTaskId=") == 1  # index 0 alone
         await pilot.press("D", "y")                                          # D: cancel the run
-        await until(pilot, lambda: cell_text(shards, "0", "state") == "STOPPED", what="shard 0 STOPPED")
+        await until(pilot, lambda: cell(shards, "0", "state").endswith("STOPPED"), what="shard 0 STOPPED")
         await pilot.press("q")
-    assert app.return_value == QUIT_MESSAGE
+    assert app.return_value.startswith("fleet: nothing of run t is running (2 STOPPED)."), app.return_value
     assert slurm.live_jobs() == []
     evs0, evs1 = events(tmp_path, 0), events(tmp_path, 1)
     assert [(e.why, e.launch) for e in of(protocol.StopRequested, evs0)] == [("restart", 1), ("user", 2)]
