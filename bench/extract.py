@@ -238,6 +238,19 @@ def check_fla_conv(base) -> dict:
     return {"available": fn is not None, "rel_err_vs_reference": err, "took": use_fla_conv(base)}
 
 
+def check_fla_norms(base, vocab: int) -> dict:
+    """Swap in fla's fused RMS norms (worker.model.use_fla_norms) and compare the whole model's
+    hidden states with its own norms', on the same 2 x 1,000 tokens."""
+    from worker.model import use_fla_norms
+    ids = torch.randint(0, vocab, (2, 1000), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(5))
+    with torch.inference_mode():
+        before = [h.float() for h in base(input_ids=ids, output_hidden_states=True).hidden_states]
+        took = use_fla_norms(base)
+        after = [h.float() for h in base(input_ids=ids, output_hidden_states=True).hidden_states]
+    errs = [float((a - b).norm() / b.norm()) for a, b in zip(after, before)]
+    return {"took": took, "max_rel_err_vs_own_norms": max(errs), "last_layer_rel_err": errs[-1]}
+
+
 def conv_source(base) -> list[str]:
     """How this transformers' linear-attention layer runs its short convolution (the lines of its
     module that name it): which kernel a hybrid model gets here."""
@@ -278,6 +291,9 @@ def main() -> None:
     p.add_argument("--fla-conv", action="store_true",
                    help="hybrid without causal-conv1d: run the short convolution on fla's Triton kernel "
                         "(worker.model.use_fla_conv), after checking it against transformers' own")
+    p.add_argument("--fla-norms", action="store_true",
+                   help="hybrid: run the RMS norms on fla's fused kernels (worker.model.use_fla_norms), "
+                        "after comparing the model's hidden states with its own norms'")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N forward passes of 16 x 1024 tokens (after a warm-up) and report the "
                         "GPU kernels by time, then exit")
@@ -312,6 +328,8 @@ def main() -> None:
     result["fla"] = fla
     if args.fla_conv:
         result["fla_conv"] = check_fla_conv(base)
+    if args.fla_norms:
+        result["fla_norms"] = check_fla_norms(base, vocab)
     result["ref_rel_err"] = reference_error(lm, base, warm, plan)
 
     if args.profile:

@@ -3,10 +3,12 @@
 Three figures, in one headless Textual app (the same FleetApp `fleet up` opens):
   cpu    : CPU seconds used by the process (snapshot maths + drawing) per second of wall time,
            while the synthetic fleet ticks every 0.25 s and the screen redraws at its default 1.5 s;
-  latency: keypress to screen: from sending the key until Textual has processed it and updated
-           the screen (sort by the next column, faulty-only toggle, cursor down, filter typed),
-           median and max of 40 presses, and the median CPU time of a press (what a busy
-           machine's other processes cannot inflate);
+  latency: keypress to screen, two ways, over the same 40 keys (sort by the next column,
+           faulty-only toggle, cursor down, filter typed): `key_to_frame_ms`, from the key entering
+           the app's input queue to the first frame composed after the redraw it caused (what the
+           user waits for); and `keypress_to_screen_ms`, Pilot's press (which adds its own
+           idle-detection sleeps, `unbound_key_ms_median` shows how much), with the median CPU
+           time of a press (what a busy machine's other processes cannot inflate);
   memory : resident memory after an hour of updates (14,400 ticks, 2,400 redraws, run as fast
            as the machine allows), against the start. Keypresses redraw at once.
 
@@ -51,8 +53,35 @@ class TimedMain(MainScreen):
 
 
 class TimedApp(FleetApp):
+    """Also records when each frame was composed for the terminal (headless, nothing is written;
+    the frame is composed all the same)."""
+
+    last_frame = 0.0
+
     def get_default_screen(self) -> MainScreen:
         return TimedMain()
+
+    def _display(self, screen, renderable) -> None:
+        if renderable is not None:
+            self.last_frame = time.perf_counter()
+        super()._display(screen, renderable)
+
+
+async def key_to_frame(app, key: str, redraws: bool) -> float:
+    """Milliseconds from the key entering the app's input queue (where the terminal driver puts it)
+    to the first frame composed after the redraw it caused: what the user waits for, without
+    Pilot's own idle-detection sleeps (2 x 20 ms at least per press)."""
+    from textual import events
+    before = getattr(app, "last_draw", 0.0)
+    t0 = time.perf_counter()
+    app._driver.send_message(events.Key(key, key if len(key) == 1 else None))
+    deadline = t0 + 5
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(0.0005)
+        drawn = getattr(app, "last_draw", 0.0)
+        if (drawn > before or not redraws) and app.last_frame > max(drawn, t0):
+            return (app.last_frame - t0) * 1000
+    raise AssertionError(f"no frame after {key!r}")
 
 
 def lines_built(app) -> int:
@@ -79,15 +108,22 @@ async def measure(seconds: float, hour_ticks: int) -> dict:
         out["lines_built_per_s"] = round((lines_built(app) - lines0) / (wall1 - wall0))
         latencies, cpu = [], []
         keys = ["s", "f", "down", "f", "slash", "b", "escape", "s"]
+        table = app.main.query_one(ShardTable)
+
+        def moving(key: str) -> str:
+            """The cursor key that moves the cursor (down on the last row changes nothing to draw)."""
+            if key == "down" and table.cursor_row >= table.row_count - 1:
+                return "up"
+            return key
         for i in range(40):
-            key = keys[i % len(keys)]
+            key = moving(keys[i % len(keys)])
             before = getattr(app, "last_draw", 0)
             t0, c0 = time.perf_counter(), time.process_time()
             await pilot.press(key)                    # returns once the screen is updated
             redrawn = getattr(app, "last_draw", 0) > before
             latencies.append((time.perf_counter() - t0) * 1000)
             cpu.append((time.process_time() - c0) * 1000)
-            assert redrawn or key in ("down", "slash"), key
+            assert redrawn or key in ("down", "up", "slash"), key
             await pilot.pause(0.1)
         idle = []
         for _ in range(10):                           # a key bound to nothing: what Pilot's own waits cost
@@ -95,6 +131,16 @@ async def measure(seconds: float, hour_ticks: int) -> dict:
             await pilot.press("x")
             idle.append((time.perf_counter() - t0) * 1000)
         out["unbound_key_ms_median"] = round(statistics.median(idle), 1)
+        direct: list[tuple[str, float]] = []
+        for i in range(40):
+            key = moving(keys[i % len(keys)])
+            direct.append((key, await key_to_frame(app, key, key not in ("down", "up", "slash"))))
+            await pilot.pause(0.1)
+        ms = [m for _, m in direct]
+        out["key_to_frame_ms"] = {"median": round(statistics.median(ms), 1), "max": round(max(ms), 1),
+                                  "presses": len(ms),
+                                  "max_by_key": {k: round(max(m for kk, m in direct if kk == k), 1)
+                                                 for k in dict.fromkeys(k for k, _ in direct)}}
         out["keypress_to_screen_ms"] = {"median": round(statistics.median(latencies), 1),
                                         "max": round(max(latencies), 1), "presses": len(latencies),
                                         "cpu_median": round(statistics.median(cpu), 1)}

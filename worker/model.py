@@ -309,6 +309,87 @@ def use_fla_conv(model: torch.nn.Module) -> bool:
     return took
 
 
+def fla_norm_kernels():
+    """flash-linear-attention's fused RMS norm kernels (plain, gated), or None without fla on a GPU.
+    fla 0.6 keeps them under fla.modules.norm, earlier releases under fla.modules."""
+    if not torch.cuda.is_available():
+        return None
+    for base in ("fla.modules.norm", "fla.modules"):
+        try:
+            plain = importlib.import_module(f"{base}.layernorm").rms_norm
+            gated = importlib.import_module(f"{base}.fused_norm_gate").rms_norm_gated
+            return plain, gated
+        except Exception:
+            continue
+    return None
+
+
+NORM_WIDTH_MIN = 513   # below this fla's plain norm tunes per token count (per batch shape): kept as is
+
+
+def use_fla_norms(model: torch.nn.Module, kernels=None, min_width: int = NORM_WIDTH_MIN) -> int:
+    """Hybrid models run eager, and their RMS norms cost a sixth of the GPU's time as chains of
+    fp32 elementwise kernels (profiled in docs/benchmarks.md). Each kind of RMS norm (the decoder's,
+    `…RMSNorm`; the linear-attention layers' `…RMSNormGated`) runs fla's fused kernel instead, once
+    checked against its own forward on a probe input, with the weight convention (`w` or `1 + w`,
+    which Qwen3.5 uses) found by that check; a kind that matches neither keeps its own forward.
+    `kernels` = (rms_norm, rms_norm_gated) in fla's calling convention (tests pass their own).
+    Returns how many modules took. Not yet on in the worker: on a cold Triton cache the first
+    forwards with these kernels stalled for minutes on the H200 (docs/benchmarks.md)."""
+    kernels = kernels or fla_norm_kernels()
+    if kernels is None:
+        return 0
+    plain, gated = kernels
+    chosen: dict[type, int | None] = {}      # kind -> weight offset (0 or 1), None: keep its own
+    took = 0
+    for module in list(model.modules()):
+        kind = type(module)
+        name = kind.__name__
+        is_gated = name.endswith("RMSNormGated")
+        weight = getattr(module, "weight", None)
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if not (is_gated or name.endswith("RMSNorm")) or not isinstance(weight, torch.Tensor) \
+                or weight.dim() != 1 or not isinstance(eps, float) or "forward" in module.__dict__:
+            continue
+        if not is_gated and weight.numel() < min_width:
+            continue
+        if kind not in chosen:
+            chosen[kind] = _norm_offset(module, plain, gated, is_gated, float(eps))
+        if chosen[kind] is None:
+            continue
+        module.forward = _fused_norm(module, plain, gated, is_gated, float(eps), chosen[kind])
+        took += 1
+    return took
+
+
+def _fused_norm(module, plain, gated, is_gated: bool, eps: float, offset: int):
+    weight = (module.weight.detach().float() + offset).contiguous()
+    activation = getattr(module, "activation", "silu")
+    if is_gated:
+        return lambda x, gate, *_, **__: gated(x, gate, weight, None, activation=activation, eps=eps)
+    return lambda x, *_, **__: plain(x, weight, None, eps=eps)
+
+
+def _norm_offset(module, plain, gated, is_gated: bool, eps: float) -> int | None:
+    """Which weight convention makes fla's kernel agree with this norm's own forward, if any."""
+    weight = module.weight
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    shape = (64, weight.numel())
+    dtype = weight.dtype if weight.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    x = torch.randn(shape, generator=g, device=weight.device).mul_(3).to(dtype)
+    gate = torch.randn(shape, generator=g, device=weight.device).to(dtype)
+    try:
+        with torch.inference_mode():
+            want = (module(x, gate) if is_gated else module(x)).float()
+            for offset in (0, 1):
+                got = _fused_norm(module, plain, gated, is_gated, eps, offset)(x, gate)
+                if float((got.float() - want).norm() / want.norm().clamp_min(1e-12)) < 1e-2:
+                    return offset
+    except Exception:
+        return None
+    return None
+
+
 def missing_fast_kernels(model: torch.nn.Module) -> str | None:
     """For hybrid Gated DeltaNet models, which fast-kernel packages are absent (None: all there)."""
     if not is_hybrid(model):

@@ -85,3 +85,54 @@ def test_missing_model_folder_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelError, match="no config.json"):
         load_model(str(tmp_path / "empty"), "cpu", torch.float32)
+
+
+def torch_norm_kernels(scale: float = 1.0):
+    """fla's two RMS norm kernels as fla computes them (all in fp32, one cast at the end), written
+    in torch so the swap runs on the CPU; `scale` != 1 makes a kernel that disagrees."""
+    import torch.nn.functional as F
+
+    def plain(x, weight, bias, eps=1e-5):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight * scale).to(x.dtype)
+
+    def gated(x, g, weight, bias, activation="swish", eps=1e-6):
+        return (plain(x, weight, bias, eps).float() * F.silu(g.float())).to(x.dtype)
+    return plain, gated
+
+
+def norm_modules(model) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for m in model.modules():
+        if type(m).__name__.endswith(("RMSNorm", "RMSNormGated")):
+            kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
+    return kinds
+
+
+def test_fused_norms_are_swapped_in_only_where_they_agree_with_the_models_own(models):
+    """worker.model.use_fla_norms on the hybrid: Qwen3.5's decoder norms scale by 1 + w, its gated
+    norms by w; the probe finds each convention, and the model's hidden states are unchanged. A
+    kernel that disagrees is never swapped in; narrow plain norms are left alone by default."""
+    from worker.model import use_fla_norms
+    torch.manual_seed(0)
+    hybrid = load_model(models["qwen3_5_text"], "cpu", torch.float32)
+    for m in hybrid.modules():                        # weights that tell w from 1 + w apart
+        if type(m).__name__.endswith(("RMSNorm", "RMSNormGated")):
+            m.weight.data.normal_(0.3, 0.2)
+    kinds = norm_modules(hybrid)
+    assert kinds["Qwen3_5RMSNorm"] > 0 and kinds["Qwen3_5RMSNormGated"] > 0, kinds
+    ids = torch.randint(0, 500, (2, 33))
+    with torch.inference_mode():
+        want = hybrid(input_ids=ids, output_hidden_states=True).hidden_states
+    assert use_fla_norms(hybrid, kernels=torch_norm_kernels(1.5), min_width=1) == 0
+    assert use_fla_norms(hybrid, kernels=torch_norm_kernels()) == kinds["Qwen3_5RMSNormGated"]  # hidden 64 < 513
+    assert use_fla_norms(hybrid, kernels=torch_norm_kernels(), min_width=1) == kinds["Qwen3_5RMSNorm"]
+    assert use_fla_norms(hybrid, kernels=torch_norm_kernels(), min_width=1) == 0      # once only
+    with torch.inference_mode():
+        got = hybrid(input_ids=ids, output_hidden_states=True).hidden_states
+    assert max(rel_err(g, w) for g, w in zip(got, want)) < 1e-5
+    final = find_decoder(hybrid).norm
+    assert "forward" in final.__dict__                # swapped, and scaling by 1 + w:
+    x = torch.randn(3, final.weight.numel())
+    with torch.inference_mode():
+        assert rel_err(final(x), torch_norm_kernels()[0](x, final.weight + 1, None, final.eps)) < 1e-6
