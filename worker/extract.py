@@ -405,13 +405,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ModelError(f"--gpus-per-shard {len(devices)}: only {torch.cuda.device_count()} GPU(s) "
                              f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')})")
         model = load_model(args.model, devices, dtype, args.random_weights)
+        shard_gpus = model_devices(model, device)
         vocab_size = model.get_input_embeddings().num_embeddings
         config = text_config(model)
         # Hybrid models on a GPU: coarser widths and row buckets keep fla's kernel shapes few.
         few_shapes = is_hybrid(model) and device.type == "cuda"
         pad = args.pad_multiple or (1 if device.type != "cuda" else 64 if few_shapes else 8)
         path = choose_path(model, device, args, log, max(8, pad))
-        log.emit(protocol.Loaded(seconds=round(time.perf_counter() - t0, 2), **gpu_memory(device),
+        log.emit(protocol.Loaded(seconds=round(time.perf_counter() - t0, 2), **gpu_memory(shard_gpus),
                                  layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm,
                                  path=path))
         if warning := missing_fast_kernels(model):
@@ -456,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem := too_many_skipped(args.out, start, stop, args.max_skip_fraction):
             raise NotRetryable(problem)
         log.emit(protocol.Done(**stats.snapshot(), total=stop - start,
-                               host_peak_bytes=host_peak_bytes(), **gpu_memory(device)))
+                               host_peak_bytes=host_peak_bytes(), **gpu_memory(shard_gpus)))
         return 0
     except NotRetryable as e:
         return fail(log, str(e), EXIT_FAILED, fatal=True)
