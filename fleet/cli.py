@@ -1,7 +1,8 @@
 """`fleet`: the command line (click). Every command takes -c/--config (default ./fleet.toml).
 
-Exit codes: 0 healthy or done, 1 a shard FAILED/FATAL/STALLED (or verify found a problem),
-2 a config error, 3 a host unreachable.
+Exit codes: 0 healthy or done, 1 a shard FAILED/FATAL/STALLED (or verify found a problem, or
+the command was refused), 2 a config or usage error (a shard that is not in the run), 3 a host
+unreachable.
 """
 
 from __future__ import annotations
@@ -236,12 +237,19 @@ def status(config_path: str, as_json: bool, as_schema: bool) -> None:
 def down(config_path: str, yes: bool, timeout: float) -> None:
     """Stop every shard of the run (SIGTERM, then SIGKILL). Output already written stays."""
     config = load(config_path)
-    if not yes and not click.confirm(f"stop every shard of run {config.run.name}?", default=False):
-        fail("not confirmed; nothing stopped", EXIT_FAULT)
 
     async def go() -> int:
         sup = Supervisor(config)
         try:
+            try:
+                snap = await sup.read_once()
+            except PlanError as e:
+                fail(str(e), EXIT_CONFIG)
+            if not any(s.alive for s in snap.shards) and all(h.reachable for h in snap.hosts):
+                click.echo(f"run {config.run.name}: nothing is running; nothing to stop")
+                return 0
+            if not yes and not click.confirm(f"stop every shard of run {config.run.name}?", default=False):
+                fail("not confirmed; nothing stopped", EXIT_FAULT)
             results = await sup.stop_all(timeout)
         finally:
             await sup.close()
@@ -270,7 +278,7 @@ async def find_shard(sup: Supervisor, ref: str) -> int:
         down = [link.host for link in sup.links.values() if link.host.reachable is False]
         if down:                                 # its shard may be on a host not read: say why
             fail("; ".join(h.error or f"{h.name}: unreachable" for h in down), EXIT_UNREACHABLE)
-        fail(str(e.args[0]), EXIT_FAULT)
+        fail(str(e.args[0]), EXIT_CONFIG)
     host = sup.links[sup.shards[k].placement.host].host
     if host.reachable is False:
         fail(host.error or f"{host.name}: unreachable", EXIT_UNREACHABLE)
@@ -294,6 +302,9 @@ def restart(config_path: str, shard: str) -> None:
             k = await find_shard(sup, shard)
             if sup.plan and (diffs := differences(sup.plan.get("spec", {}), spec_of(config))):
                 fail(refusal(sup.plan, diffs), EXIT_FAULT)
+            if next(s for s in sup.snapshot().shards if s.id == k).state == State.DONE:
+                fail(f"shard {k} is DONE: nothing to redo (`fleet verify` checks its files, "
+                     f"`fleet verify --repair` reopens the samples that are bad)", EXIT_FAULT)
             result = await sup.relaunch(k, by="manual")
         finally:
             await sup.close()

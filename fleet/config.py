@@ -324,12 +324,18 @@ class NotifySpec(Strict):
     @classmethod
     def _command(cls, v: str) -> str:
         import shlex
+        import shutil
         try:
-            if shlex.split(v):
-                return v
+            argv = shlex.split(v)
         except ValueError as e:
             raise ValueError(f"cannot split command: {e}") from None
-        raise ValueError("empty command")
+        if not argv:
+            raise ValueError("empty command")
+        program = os.path.expanduser(argv[0])
+        relative = "/" in program and not os.path.isabs(program)     # to fleet.toml's folder: run there
+        if not relative and shutil.which(program) is None:           # it runs here, by the supervisor
+            raise ValueError(f"{argv[0]}: not found here, or not executable")
+        return v
 
     @field_validator("alert_after", "timeout", mode="before")
     @classmethod

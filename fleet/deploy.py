@@ -149,8 +149,9 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec,
     model = config.host_path(host, run.model) if run.model else ""
     data = config.host_path(host, run.data) if run.data else ""
     if run.demo:
-        step(f"{host.name}: making the demo model and data (first use only)")
-        await run_demo_assets(t, config, host, model, data)
+        step(f"{host.name}: the demo model and data")
+        made = await run_demo_assets(t, config, host, model, data)
+        step(f"{host.name}: " + ("; ".join(made) if made else "demo model and data already there"))
     step(f"{host.name}: preflight: python, GPUs, model, data, layers, free disk")
     gpus, device, k = "all" if host.gpus == "all" else ",".join(map(str, host.gpus)), run.device, run.gpus_per_shard
     if config.slurm is not None:          # the login node's GPUs are not the run's: Slurm allocates them
@@ -180,16 +181,20 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec,
         report["slurm"] = {k: v for k, v in more.items() if k != "checks"}
     for c in report.get("checks", []):
         (result.errors if c["level"] == "error" else result.warnings).append(c["message"])
-    step(f"{host.name}: preflight " + (f"refused: {result.errors[0]}" if result.errors else
-                                       f"ok ({len(result.gpus)} GPU(s))"))
+    where = ("Slurm allocates the GPUs" if config.slurm is not None
+             else f"{len(result.gpus)} shard(s) on the CPU" if run.device == "cpu" or not report.get("gpu_count")
+             else f"{len(result.gpus)} GPU(s)")
+    step(f"{host.name}: preflight " + (f"refused: {result.errors[0]}" if result.errors else f"ok ({where})"))
     return result
 
 
-async def run_demo_assets(t: Transport, config: Config, host: HostSpec, model: str, data: str) -> None:
+async def run_demo_assets(t: Transport, config: Config, host: HostSpec, model: str, data: str) -> list[str]:
+    """Make the demo's model and data where absent; what was made (worker.demo says)."""
     r = await t.run(python_argv(config, host, "demo", "--model", model, "--data", data), timeout=900)
     if r.rc != 0:
         raise HostUnusable(_python_missing(config, host, r.stderr) or
                         f"{host.name}: making the demo model failed: {last_line(r.stderr)}")
+    return [line for line in r.stdout.splitlines() if line.startswith("made demo ")]
 
 
 def format_preflight(results: list[Preflight], failures: dict[str, HostError],

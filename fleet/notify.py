@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .render import finished_summary, human_duration
 from .snapshot import FleetSnapshot, ShardStatus, Totals
 from .state import State
 
@@ -59,9 +60,6 @@ class Seen:
     finished: bool = False
 
 
-def _duration(s: float | None) -> str:
-    from .render import human_duration
-    return human_duration(s)
 
 
 def notices(seen: Seen | None, snap: FleetSnapshot, alert_after: float = 0.0) -> tuple[list[Notice], Seen]:
@@ -99,12 +97,10 @@ def notices(seen: Seen | None, snap: FleetSnapshot, alert_after: float = 0.0) ->
     if held and ALERT_RANK[t.alert_level] > ALERT_RANK[seen.alert]:
         unit = t.ratio_unit or "samples"
         notice("alert", f"{snap.run}: throughput {t.ratio:.0%} of expected in {unit} ({t.alert_level}) "
-                        f"for {_duration(snap.time - now.low_since)}", previous=seen.alert or "ok")
+                        f"for {human_duration(snap.time - now.low_since)}", previous=seen.alert or "ok")
         now.alert = t.alert_level
     if t.finished and not seen.finished:
-        cost = f" · ${t.usd_spent:,.2f}" if t.usd_spent is not None else ""
-        notice("finished", f"{snap.run}: {t.shards}/{t.shards} DONE in {_duration(t.elapsed_s)}{cost}"
-                           f" → fleet verify")
+        notice("finished", f"{snap.run}: {finished_summary(snap, ' · ')} → fleet verify")
     return out, now
 
 

@@ -34,17 +34,42 @@ def rate_text(x: float | None, digits: int = 1) -> str:
     return "?" if x is None else f"{x:,.{digits}f}"
 
 
+def finished_summary(snap: FleetSnapshot, sep: str = ", ") -> str:
+    """A finished run in one line, as status, the quit message, the live view's banner and the
+    finished notice all say it: '2/2 shards DONE in 1m17s, avg 1,433 tok/s/GPU, 456.7 MB, $0.12'."""
+    t = snap.totals
+    parts = [f"{t.shards}/{t.shards} shards DONE in {human_duration(t.elapsed_s)}"]
+    if t.avg_tokens_per_s_per_gpu:
+        parts.append(f"avg {t.avg_tokens_per_s_per_gpu:,.0f} tok/s/GPU")
+    parts.append(human_bytes(t.bytes_written))
+    if t.usd_spent is not None:
+        parts.append(f"${t.usd_spent:,.2f}")
+    return sep.join(parts)
+
+
+def restarts_text(s) -> str:
+    """Automatic restarts against the policy's maximum, and every relaunch when manual ones add to
+    them: '1/3', '0/3 (2 in all)'. The live view's `rst` column says the same."""
+    return f"{s.auto_attempts}/{s.max_restarts}" + (f" ({s.restarts} in all)" if s.restarts != s.auto_attempts
+                                                   else "")
+
+
 def format_status(snap: FleetSnapshot) -> str:
     t = snap.totals
     cost = (f", ${t.usd_spent:,.2f} spent" + (f" (${t.usd_projected:,.2f} projected)"
                                               if t.usd_projected is not None and not t.settled else "")
             if t.usd_spent is not None else "")
-    lines = [f"run {snap.run}: {t.done}/{t.total} samples, "
-             f"{rate_text(t.tokens_per_s, 0)} tokens/s, {rate_text(t.samples_per_s)} samples/s"
-             + (f" ({t.ratio:.0%} of expected in {t.ratio_unit})" if t.ratio is not None else "")
-             + f", ETA {human_duration(t.eta_s)}" + (f" ({t.eta_unit})" if t.eta_unit else "")
-             + f", written {human_bytes(t.bytes_written)}{cost}"]
-    lines.append("states: " + ", ".join(f"{k} {v}" for k, v in t.by_state.items()))
+    if t.finished:
+        lines = [f"run {snap.run}: finished, {finished_summary(snap)}; check the output: fleet verify"]
+    else:
+        lines = [f"run {snap.run}: {t.done}/{t.total} samples, "
+                 f"{rate_text(t.tokens_per_s, 0)} tokens/s, {rate_text(t.samples_per_s)} samples/s"
+                 + (f" ({t.ratio:.0%} of expected in {t.ratio_unit})" if t.ratio is not None else "")
+                 + (f", ETA {human_duration(t.eta_s)}" + (f" ({t.eta_unit})" if t.eta_unit else "")
+                    if not t.settled else ", nothing running")
+                 + f", written {human_bytes(t.bytes_written)}{cost}"]
+    if t.by_state:
+        lines.append("states: " + ", ".join(f"{k} {v}" for k, v in t.by_state.items()))
     for h in snap.hosts:
         if h.reachable is False:
             lines.append(f"host {h.name}: UNKNOWN ({h.error})")
@@ -52,12 +77,15 @@ def format_status(snap: FleetSnapshot) -> str:
         tele = "no GPU telemetry" if not h.gpus else ", ".join(
             f"gpu{g.index} {human_bytes(g.mem_used)}/{human_bytes(g.mem_total)}" for g in h.gpus)
         lines.append(f"host {h.name}: {tele}; disk free {human_bytes(h.disk.free if h.disk else None)}")
+    if not snap.shards:
+        lines.append("shards: unknown (no reachable host holds the run's plan or records)")
+        return "\n".join(lines)
     lines.append(f"{'shard':>5}  {'where':<14}{'state':<9}{'progress':>16}{'samples/s':>11}"
-                 f"{'restarts':>9}  reason")
+                 f"  {'restarts':<15}reason")
     for s in snap.shards:
         prog = f"{s.done + s.skipped}/{s.total}"
         lines.append(f"{s.id:>5}  {s.host + ':' + str(s.gpu):<14}{s.state.value:<9}{prog:>16}"
-                     f"{rate_text(s.samples_per_s):>11}{s.restarts:>9}  {s.reason or ''}")
+                     f"{rate_text(s.samples_per_s):>11}  {restarts_text(s):<15}{s.reason or ''}")
     return "\n".join(lines)
 
 
@@ -85,10 +113,7 @@ def quit_message(snap: FleetSnapshot | None) -> str:
         return QUIT_MESSAGE
     t = snap.totals
     if t.finished:
-        per_gpu = f", avg {t.avg_tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if t.avg_tokens_per_s_per_gpu else ""
-        cost = f", ${t.usd_spent:,.2f}" if t.usd_spent is not None else ""
-        return (f"fleet: run {snap.run} is finished: {t.shards}/{t.shards} shards DONE in "
-                f"{human_duration(t.elapsed_s)}{per_gpu}{cost}. Check the output: fleet verify")
+        return f"fleet: run {snap.run} is finished: {finished_summary(snap)}. Check the output: fleet verify"
     counts = ", ".join(f"{n} {s}" for s, n in t.by_state.items())
     return (f"fleet: nothing of run {snap.run} is running ({counts}). `fleet up` launches every shard "
             f"that is not DONE; `fleet status` shows them.")

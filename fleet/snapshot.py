@@ -84,7 +84,9 @@ class ShardStatus(BaseModel):
     done: int = 0
     skipped: int = 0
     total: int = 0
-    progress: Optional[float] = Field(None, description="(done + skipped) / total")
+    progress: Optional[float] = Field(None, description="the share of the shard's work done: in tokens "
+                                                        "once total_tokens is known (as its ETA), else "
+                                                        "(done + skipped) / total; 1 when DONE")
     tokens: int = 0
     total_tokens: Optional[int] = Field(None, description="tokens of every row of the shard the worker "
                                                           "will extract (done or not), sent once it has "
@@ -152,8 +154,10 @@ class Totals(BaseModel):
     alert: bool = False
     alert_level: Optional[AlertLevel] = Field(None, description="ok; low: under alert_ratio; "
                                                                 "critical: under half of it")
-    eta_s: Optional[float] = Field(None, description="remaining work at the fleet's current rate, in "
-                                                     "eta_unit; 0 when finished")
+    eta_s: Optional[float] = Field(None, description="when the last shard that will finish does: each "
+                                                     "at its own rate (one not measured now at the "
+                                                     "mean rate of those that are), in eta_unit; 0 "
+                                                     "when finished")
     eta_unit: Optional[Literal["samples", "tokens"]] = Field(
         None, description="tokens once every shard not DONE has a total_tokens, else samples")
     elapsed_s: Optional[float] = Field(None, description="since the run's first launch; once settled, "
@@ -310,6 +314,42 @@ def shard_eta(r: ShardRecord, state: State, rate: Rates | None) -> float | None:
     return eta(max(r.total - r.done - r.skipped, 0), rate.samples_per_s)
 
 
+def shard_progress(r: ShardRecord, state: State) -> float | None:
+    """Done, in the unit of the shard's ETA: samples are length-sorted, so a shard a quarter
+    through its samples can be half through its tokens."""
+    if state == State.DONE:
+        return 1.0
+    if r.total_tokens:
+        return _finite(min(r.tokens / r.total_tokens, 1.0), 4)
+    return _finite((r.done + r.skipped) / r.total, 4) if r.total else None
+
+
+def last_shard_eta(rows: list[ShardStatus], views: list[ShardView],
+                   measured: list[tuple[ShardView, Rates]]) -> float | None:
+    """When the run ends: when its last shard does (shards cannot lend each other work). A shard
+    not measured now (BACKOFF, LOADING, queued, host down) is counted at the mean rate of the
+    shards that are; FATAL and STOPPED shards will not finish and are left out. None when nothing
+    is measured."""
+    if not measured:
+        return None
+    mean_tps = sum(x.tokens_per_s for _, x in measured) / len(measured)
+    mean_sps = sum(x.samples_per_s for _, x in measured) / len(measured)
+    ends = []
+    for row, v in zip(rows, views):
+        if row.state in (State.DONE, State.FATAL, State.STOPPED):
+            continue
+        if row.eta_s is not None:
+            ends.append(row.eta_s)
+            continue
+        r = v.record
+        end = eta(max(r.total_tokens - r.tokens, 0), mean_tps) if r.total_tokens is not None \
+            else eta(max(r.total - r.done - r.skipped, 0), mean_sps)
+        if end is None:
+            return None
+        ends.append(end)
+    return max(ends) if ends else None
+
+
 def disk_full_eta(records: list[ShardRecord], tokens_per_s: float, free: int) -> float | None:
     """Seconds until a host's disk is full at its current tokens/s and the bytes per token its
     shards actually wrote (fp8 or bf16, layers, file overhead: as measured); None when nothing is
@@ -349,7 +389,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), slurm=v.slurm, state=state,
             reason=f"host unreachable: {host.error}" if state == State.UNKNOWN else v.verdict.reason,
             faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
-            progress=_finite((r.done + r.skipped) / r.total, 4) if r.total else None,
+            progress=shard_progress(r, state),
             tokens=r.tokens, total_tokens=r.total_tokens, bytes=r.bytes,
             samples_per_s=_finite(rate.samples_per_s) if rate else None,
             tokens_per_s=_finite(rate.tokens_per_s, 1) if rate else None,
@@ -391,10 +431,10 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
     tokens = sum(v.record.tokens for v in views)
     open_ = [v.record for v, st in zip(views, states) if st != State.DONE]
     if open_ and all(r.total_tokens is not None for r in open_):
-        eta_unit, remaining, rate_now = "tokens", sum(max(r.total_tokens - r.tokens, 0) for r in open_), tps
+        eta_unit, remaining = "tokens", sum(max(r.total_tokens - r.tokens, 0) for r in open_)
     else:
-        eta_unit, remaining, rate_now = "samples", max(total - finished_samples, 0), sps
-    run_eta = 0.0 if finished or (total and remaining == 0) else eta(remaining, rate_now)
+        eta_unit, remaining = "samples", max(total - finished_samples, 0)
+    run_eta = 0.0 if finished or (total and remaining == 0) else last_shard_eta(rows, views, measured)
     all_sized = bool(views) and all(v.record.total_tokens is not None for v in views)
 
     # Elapsed on the supervisor's clock: from the first launch; once settled, to the last end.

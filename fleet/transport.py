@@ -159,9 +159,11 @@ class SSHTransport(Transport):
             return
         h = self.host
         known_hosts = os.path.expanduser(h.known_hosts)
-        kwargs = dict(port=h.port, username=h.user, connect_timeout=self.supervise.connect_timeout,
+        kwargs = dict(port=h.port, connect_timeout=self.supervise.connect_timeout,
                       keepalive_interval=self.supervise.keepalive_interval,
                       keepalive_count_max=self.supervise.keepalive_count_max)
+        if h.user:
+            kwargs["username"] = h.user                   # else asyncssh's default: the local user
         if h.identity_file:
             key = os.path.expanduser(h.identity_file)
             if not os.path.exists(key):
@@ -169,21 +171,7 @@ class SSHTransport(Transport):
             kwargs["client_keys"] = [key]
         async with self.slots:
             try:
-                if not os.path.exists(known_hosts):
-                    raise asyncssh.HostKeyNotVerifiable("no known_hosts file")
-                self.conn = await asyncssh.connect(h.address, known_hosts=known_hosts, **kwargs)
-            except asyncssh.HostKeyNotVerifiable:
-                if self._key_is_known(known_hosts):
-                    raise HostError(
-                        f"{self.where}: host key does not match {h.known_hosts} — it CHANGED; if "
-                        f"that is expected, remove the old entry (ssh-keygen -R '[{h.address}]:{h.port}' "
-                        f"-f {h.known_hosts}) and connect again") from None
-                if not h.accept_new:
-                    raise HostError(
-                        f"{self.where}: host key unknown (not in {h.known_hosts}); to trust it run "
-                        f"ssh-keyscan -p {h.port} {h.address} >> {h.known_hosts}, or set "
-                        f"accept_new = true for this host") from None
-                self.conn = await self._connect_accept_new(known_hosts, kwargs)
+                self.conn = await self._open(known_hosts, kwargs)
             except asyncssh.KeyImportError as e:
                 raise HostError(f"{self.where}: identity_file {h.identity_file} cannot be used: {e} "
                                 f"(an encrypted key: add it to the SSH agent with ssh-add and leave "
@@ -201,6 +189,31 @@ class SSHTransport(Transport):
                 raise HostError(f"{self.where}: SSH error: {e.reason}") from None
             except OSError as e:
                 raise HostError(f"{self.where}: {e.strerror or e}") from None
+
+    async def _open(self, known_hosts: str, kwargs: dict):
+        """Connect, checking the host key against known_hosts. A key never seen is trusted only
+        with accept_new; otherwise the host is reached once for its key alone (no login), so a
+        dead host reads as unreachable and a live one names the key to trust."""
+        import asyncssh
+        h = self.host
+        if os.path.exists(known_hosts):
+            try:
+                return await asyncssh.connect(h.address, known_hosts=known_hosts, **kwargs)
+            except asyncssh.HostKeyNotVerifiable:
+                if self._key_is_known(known_hosts):
+                    raise HostError(
+                        f"{self.where}: host key does not match {h.known_hosts} — it CHANGED; if "
+                        f"that is expected, remove the old entry (ssh-keygen -R '[{h.address}]:{h.port}' "
+                        f"-f {h.known_hosts}) and connect again") from None
+        if h.accept_new:
+            return await self._connect_accept_new(known_hosts, kwargs)
+        key = await asyncio.wait_for(asyncssh.get_server_host_key(h.address, h.port),
+                                     self.supervise.connect_timeout)
+        offered = f"{key.get_algorithm()} {key.get_fingerprint()}" if key is not None else "none offered"
+        raise HostError(
+            f"{self.where}: host key unknown (not in {h.known_hosts}; it offers {offered}); to "
+            f"trust it run ssh-keyscan -p {h.port} {h.address} >> {h.known_hosts}, or set "
+            f"accept_new = true for this host")
 
     def _key_is_known(self, known_hosts: str) -> bool:
         import asyncssh

@@ -39,3 +39,12 @@ class EventLog:
             print(f"[shard {self.shard}] {event.KIND} " + " ".join(f"{k}={v}" for k, v in fields.items()),
                   file=sys.stdout, flush=True)
         return event
+
+    def stop_requested(self) -> protocol.StopRequested | None:
+        """The stop `hostctl stop` recorded for this launch before it signalled, if any: a SIGTERM
+        that was asked for (k, D, fleet down, a restart) is a stop, not a failure."""
+        if not self.path or self.launch is None:
+            return None
+        asked = [e for e in protocol.read_events(self.path)
+                 if isinstance(e, protocol.StopRequested) and e.launch == self.launch]
+        return asked[-1] if asked else None

@@ -466,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     except DiskFullError as e:
         return fail(log, str(e), EXIT_FAILED)
     except Terminated as e:
+        if asked := log.stop_requested():
+            print(f"stopped: {e} ({'a restart' if asked.why == 'restart' else 'asked by the user'}); "
+                  f"what was written stays, the next launch resumes", file=sys.stderr, flush=True)
+            return EXIT_TERMINATED
         return fail(log, str(e), EXIT_TERMINATED)
     except KeyboardInterrupt:
         return fail(log, "interrupted", EXIT_TERMINATED)

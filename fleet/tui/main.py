@@ -25,7 +25,7 @@ from .commands import COMMANDS, CommandError, parse
 from .panes.gpus import GpuPane, GpuTable
 from .panes.lines import LineTable, show_text
 from .panes.log import LogView
-from .panes.shards import COLUMN_KEYS, ShardDetail, ShardTable, View
+from .panes.shards import COLUMN_KEYS, COLUMNS as SHARD_COLUMNS, ShardDetail, ShardTable, View
 from .panes.throughput import BUCKET_S, ThroughputChart
 from .panes.topbar import TopBar
 from .screens import ConfirmScreen, LogScreen
@@ -68,6 +68,15 @@ class MainScreen(Screen):
     @property
     def no_color(self) -> bool:
         return self.app.no_color
+
+    FIRST_KEYS = ("help", "quit_fleet")       # the footer cuts what does not fit: these never
+
+    @property
+    def active_bindings(self):
+        """Screen's own, with help and quit first: the footer shows keys in this order."""
+        bindings = super().active_bindings
+        first = {k: v for k, v in bindings.items() if v.binding.action in self.FIRST_KEYS}
+        return {**first, **{k: v for k, v in bindings.items() if k not in first}}
 
     def compose(self) -> ComposeResult:
         yield TopBar(id="top")
@@ -133,7 +142,10 @@ class MainScreen(Screen):
             self.query_one(GpuPane).show(snap, gpus_of(selected),
                                          self.no_color)
             self.query_one("#middle").set_class(not any(h.gpus for h in snap.hosts), "-no-telemetry")
-            sort = f"sort {self.view.sort}{'▼' if self.view.reverse else '▲'}"
+            header = next((c.label for c in SHARD_COLUMNS if c.key == self.view.sort), self.view.sort)
+            hidden = " (column off screen)" if table.size.width > 1 and \
+                self.view.sort not in table.visible_columns() else ""
+            sort = f"sort {header}{'▼' if self.view.reverse else '▲'}{hidden}"
             show_text(self.query_one("#shards-title", Static),
                 f"shards ({table.row_count}/{len(snap.shards)})  " + " · ".join([sort] + self.view.describe()))
         log = self.query_one("#log", LogView)

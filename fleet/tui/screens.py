@@ -124,6 +124,8 @@ class LogScreen(Screen[None]):
         view = self.query_one(LogView)
         view.follow(self.source, self.shard)
         view.focus()
+        for name in ("status", "auto_scroll", "wrap", "search"):     # the title follows the view
+            self.watch(view, name, lambda _value: self._title(), init=False)
         self._title()
 
     def _title(self) -> None:

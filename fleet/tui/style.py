@@ -111,7 +111,9 @@ def si(x: float | None, digits: int = 1) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(x) >= scale:
             return f"{x / scale:.{digits}f}{unit}"
-    return f"{x:.{digits}f}" if x < 100 else f"{x:.0f}"
+    if x == int(x) or x >= 100:
+        return f"{x:.0f}"                       # counts and large figures: no ".0"
+    return f"{x:.{digits}f}"
 
 
 def usd(x: float | None) -> str:

@@ -163,3 +163,11 @@ def test_shard_command_carries_format_layers_and_mask(tmp_path):
     c = load_config(write(tmp_path, GOOD.replace('layers = "speculators"', 'format = "eagle"')))
     argv = shard_command(c, c.hosts[0], Placement(0, "box1", 0), 2).argv
     assert "--layers" not in argv and argv[argv.index("--format") + 1] == "eagle"   # the worker picks "eagle"
+
+
+def test_python_dash_m_fleet_is_the_fleet_command():
+    """`python -m fleet` for hosts where the `fleet` script is not on PATH: the same commands."""
+    from tests.conftest import REPO
+    r = subprocess.run([sys.executable, "-m", "fleet", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert all(cmd in r.stdout for cmd in ("up", "status", "down", "restart", "logs", "verify"))

@@ -58,7 +58,7 @@ async def test_notify_runs_the_command_on_chosen_transitions_with_the_event_on_s
     assert "ERROR: disk quota exceeded" in failed["message"]
     assert failed["previous"] in ("PENDING", "STARTING", "RUNNING")   # as last seen, 0.25 s apart
     finished = next(r["notice"] for r in records if r["notice"]["event"] == "finished")
-    assert finished["totals"]["finished"] and "2/2 DONE" in finished["message"]
+    assert finished["totals"]["finished"] and "2/2 shards DONE" in finished["message"]
 
 
 async def test_a_failing_notify_command_is_logged_and_supervision_goes_on(tmp_path, monkeypatch):
@@ -81,11 +81,13 @@ async def test_a_failing_notify_command_is_logged_and_supervision_goes_on(tmp_pa
 
 
 @pytest.mark.parametrize("section, expected", [
-    ('[notify]\ncommand = "notify-send fleet"\non = ["FAILED", "broken"]\n', ":29: notify.on.1: Input should be"),
+    ('[notify]\ncommand = "true fleet"\non = ["FAILED", "broken"]\n', ":29: notify.on.1: Input should be"),
     ('[notify]\ncommand = "notify-send \'fleet"\n', ":28: notify.command: cannot split command"),
     ('[notify]\ncommand = "  "\n', ":28: notify.command: empty command"),
-    ('[notify]\ncommand = "x"\nalert_after = "later"\n', ":29: notify.alert_after: not a duration"),
-    ('[notify]\ncommand = "x"\nwhen = ["DONE"]\n', ":29: unknown key 'when' in [notify]"),
+    ('[notify]\ncommand = "true"\nalert_after = "later"\n', ":29: notify.alert_after: not a duration"),
+    ('[notify]\ncommand = "true"\nwhen = ["DONE"]\n', ":29: unknown key 'when' in [notify]"),
+    ('[notify]\ncommand = "/nonexistent/notify-me --x"\n',
+     ":28: notify.command: /nonexistent/notify-me: not found here, or not executable"),
 ])
 def test_notify_and_price_errors_name_file_and_line(tmp_path, section, expected):
     from tests.fleet.test_config import GOOD, error_of
@@ -98,9 +100,9 @@ def test_notify_and_price_errors_name_file_and_line(tmp_path, section, expected)
 def test_notify_and_price_defaults(tmp_path):
     from tests.fleet.test_config import GOOD, write
     c = load_config(write(tmp_path, GOOD.replace('root = "/workspace/fleet"', "usd_per_hour = 21.5")
-                          + '\n[notify]\ncommand = "ntfy publish fleet"\n'))
+                          + '\n[notify]\ncommand = "echo publish fleet"\n'))
     assert c.hosts[0].usd_per_hour == 21.5 and c.hosts[1].usd_per_hour is None
     n = c.spec.notify
-    assert (n.argv, n.on, n.alert_after, n.timeout) == (["ntfy", "publish", "fleet"],
+    assert (n.argv, n.on, n.alert_after, n.timeout) == (["echo", "publish", "fleet"],
                                                          ["FAILED", "FATAL", "alert", "finished"], 120.0, 30.0)
     assert load_config(write(tmp_path, GOOD)).spec.notify is None

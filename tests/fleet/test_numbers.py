@@ -93,6 +93,10 @@ def test_tokens_once_known_ratio_eta_and_per_shard_eta():
     snap = build_snapshot("r", [a, b], h, 10, EXP)
     assert snap.totals.eta_unit == "samples" and snap.totals.total_tokens is None
     assert snap.shards[1].eta_s == 90.0 and snap.shards[0].eta_s == 140.0
+    # The run ends when its last shard does: 140 s here, not the 90 s of the fleet's pooled rate.
+    c = view(1, "a", running(total_tokens=4000), 10)
+    snap = build_snapshot("r", [a, c], h, 10, EXP)
+    assert [x.eta_s for x in snap.shards] == [140, 30] and snap.totals.eta_s == 140
     # A configured tokens figure is compared as it is.
     t = build_snapshot("r", [b], h, 10, ExpectedSpec(tokens_per_s_per_gpu=200)).totals
     assert (t.ratio_unit, t.expected_per_s, t.expected_tokens_per_s, t.ratio) == ("tokens", 200.0, 200.0, 0.5)
@@ -185,7 +189,7 @@ def test_notices_tell_changes_seen_while_watching_once_each():
                                               p.Exited(t=15, launch=1, code=0)], 15, alive=False) for k in range(2)]
     told, seen = notices(seen, build_snapshot("r", done, h, 16, NOEXP))
     assert [n.event for n in told] == ["DONE", "DONE", "finished"]
-    assert "2/2 DONE" in told[-1].message and "fleet verify" in told[-1].message
+    assert "2/2 shards DONE" in told[-1].message and "fleet verify" in told[-1].message
 
 
 def test_an_alert_is_told_only_once_it_has_held():
@@ -248,3 +252,35 @@ def test_id_and_state_always_fit_and_the_columns_fill_the_width_exactly(width):
         assert {"progress", "tps", "reason"} <= set(keys)
     ranks = sorted(c.priority for c, _ in layout)
     assert ranks == list(range(len(ranks)))                             # none skipped for a lesser one
+
+
+def test_a_shard_waiting_to_restart_counts_at_the_mean_rate_and_one_given_up_not_at_all():
+    """The run's ETA while a shard is in BACKOFF (killed, restart pending): its work is still to do,
+    at the rate the measured shards make each; a FATAL or STOPPED shard will not finish."""
+    h = hosts()
+    fast = view(0, "a", running(total_tokens=3000), 10)                   # 20 s left at 100 tok/s
+    killed = view(1, "a", running(total_tokens=30000) + [p.Exited(t=10, launch=1, code=-9)], 10,
+                  alive=False)
+    snap = build_snapshot("r", [fast, killed], h, 10, EXP)
+    assert [x.state for x in snap.shards] == [State.RUNNING, State.BACKOFF]
+    assert snap.shards[1].eta_s is None
+    assert snap.totals.eta_s == (30000 - 1000) / 100                      # not (2000 + 29000) / 100
+    fatal = view(1, "a", running(total_tokens=30000) + [p.Failed(t=10, launch=1, reason="x", fatal=True),
+                                                        p.Exited(t=10, launch=1, code=1)], 10, alive=False)
+    snap = build_snapshot("r", [fast, fatal], h, 10, EXP)
+    assert snap.shards[1].state == State.FATAL and snap.totals.eta_s == 20
+    assert build_snapshot("r", [killed], h, 10, EXP).totals.eta_s is None  # nothing measured: unknown
+
+
+def test_the_chart_fills_its_width_with_a_short_run_and_bridges_only_short_gaps():
+    """A 40 s run gets 1 s columns (not a sliver of 10 s ones at the right edge); an hour gets
+    the widest; a reading missing between two others is drawn at the earlier one, the time
+    before the first reading and after the last stays empty."""
+    from fleet.tui.panes.throughput import bucket_for, columns
+    short = [(t, 100.0) for t in (0.0, 1.5, 3.0, 4.5, 40.0)]
+    assert bucket_for(short, 40.0, 100) == 1.0
+    assert bucket_for([(0.0, 1.0)], 3600.0, 100) == 60.0
+    cols = columns(short, 40.0, 100, 1.0)
+    assert cols[:60] == [None] * 60                          # before the run
+    assert cols[60:65] == [100.0] * 5                        # 1.5 s apart: column 62 bridged
+    assert cols[65:99] == [None] * 34 and cols[99] == 100.0  # 35 s apart: a gap, not a line

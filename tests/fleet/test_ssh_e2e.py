@@ -82,6 +82,8 @@ def test_up_headless_to_done_then_status_and_verify(tmp_path, sshd, dense_model,
         assert host["gpus"] == []
     text = fleet("status", "-c", config)
     assert "DONE 2" in text.stdout and ("no GPU telemetry" in text.stdout or "gpu0" in text.stdout)
+    assert text.stdout.startswith("run t: finished, 2/2 shards DONE in ") and "fleet verify" in text.stdout
+    assert text.returncode == 0 and "ETA" not in text.stdout.splitlines()[0]
     v = fleet("verify", "-c", config)
     assert v.returncode == 0 and "120 written" in v.stdout and "verify: OK" in v.stdout
     # The deployed worker is content-hashed: a second up uploads nothing and starts nothing.
@@ -158,7 +160,7 @@ def test_restart_logs_and_down_commands(tmp_path, sshd, dense_model, token_rows)
         assert rs.returncode == 0 and "shard 0: started" in rs.stdout, rs.stdout + rs.stderr
         assert [e["by"] for e in launches(tmp_path, 0)] == ["manual", "manual"]
         bad = fleet("restart", "7", "-c", config)
-        assert bad.returncode == 1 and "no shard '7'" in bad.stderr
+        assert bad.returncode == 2 and "no shard '7'" in bad.stderr
         no = fleet("down", "-c", config, input="n\n")
         assert no.returncode == 1 and "nothing stopped" in no.stderr
         down = fleet("down", "--yes", "-c", config)
@@ -169,6 +171,8 @@ def test_restart_logs_and_down_commands(tmp_path, sshd, dense_model, token_rows)
         assert snap["shards"][0]["reason"] == "stopped" and snap["shards"][0]["state"] == "STOPPED"
         assert snap["shards"][1]["state"] in ("DONE", "STOPPED")
         assert all(s["alive"] is False for s in snap["shards"]) and st.returncode == 0   # stopped: not a fault
+        again = fleet("down", "-c", config)                 # nothing live: nothing to ask
+        assert again.returncode == 0 and "nothing is running; nothing to stop" in again.stdout, again.stderr
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -184,6 +188,9 @@ def test_host_key_unknown_changed_accept_new_and_closed_port(tmp_path, sshd, den
     r = fleet("status", "-c", config)
     assert r.returncode == 3
     assert "host key unknown" in r.stdout + r.stderr and "ssh-keyscan -p" in r.stdout + r.stderr
+    import asyncssh
+    fingerprint = asyncssh.import_public_key(sshd.host_pub).get_fingerprint()
+    assert fingerprint in r.stdout + r.stderr                                # the key it offers, named
     r = fleet("up", "--headless", "-c", config)
     assert r.returncode == 3 and "host key unknown" in r.stderr and "Traceback" not in r.stderr
 
@@ -208,6 +215,28 @@ def test_host_key_unknown_changed_accept_new_and_closed_port(tmp_path, sshd, den
                         known_hosts=sshd.known_hosts)
     r = fleet("status", "--json", "-c", config)
     assert r.returncode == 3 and "connection refused" in json.loads(r.stdout)["hosts"][0]["error"]
+    r = fleet("status", "-c", config)                 # no host to read the plan from: says so
+    assert r.returncode == 3 and "host box: UNKNOWN" in r.stdout and "shards: unknown" in r.stdout, r.stdout
+    # A closed port is a closed port, whatever the known_hosts file says or whether it exists.
+    closed = free_port()
+    for known, extra in ((tmp_path / "absent_known_hosts", ""), (tmp_path / "absent2", "accept_new = true"),
+                         (empty, "accept_new = true")):
+        config = fleet_toml(tmp_path, model=dense_model, data=data, port=closed, client_key=sshd.client_key,
+                            known_hosts=str(known), extra_host=extra)
+        r = fleet("up", "--headless", "-c", config)
+        assert r.returncode == 3 and "connection refused" in r.stderr, (extra, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr and "host key" not in r.stderr
+
+
+def test_a_host_without_user_logs_in_as_the_local_user(tmp_path, sshd, dense_model, token_rows):
+    """`user` left out means what it means to ssh: the local user name."""
+    config = cfg(tmp_path, sshd, dense_model, token_rows(10))
+    text = open(config).read()
+    assert 'user = "root"\n' in text
+    open(config, "w").write(text.replace('user = "root"\n', ""))
+    r = fleet("status", "--json", "-c", config, env={**os.environ, "USER": "root", "LOGNAME": "root"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["hosts"][0]["reachable"] is True
 
 
 def test_preflight_refuses_missing_paths(tmp_path, sshd, dense_model):
@@ -242,6 +271,8 @@ progress = "processed (?P<done>\\\\d+)/(?P<total>\\\\d+)"
     st = json.loads(fleet("status", "--json", "-c", config).stdout)
     assert [s["state"] for s in st["shards"]] == ["DONE", "FATAL"]
     assert st["shards"][1]["restarts"] == 2 and st["shards"][1]["done"] == 9
+    done = fleet("restart", "0", "-c", config)                        # DONE: nothing to redo
+    assert done.returncode == 1 and "shard 0 is DONE: nothing to redo" in done.stderr, done.stdout + done.stderr
     marker.unlink()                                                   # the cause removed
     rs = fleet("restart", "1", "-c", config)
     assert rs.returncode == 0 and "shard 1: started" in rs.stdout, rs.stdout + rs.stderr

@@ -180,6 +180,11 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
             seen1 = [f[1].get("1") for f in app.frames if f[0]]
             assert not {"✗ FAILED", "↻ BACKOFF", "✖ FATAL"} & set(seen1), seen1
             assert cell(shards, "1", "state") == "■ STOPPED" and cell(shards, "1", "reason") == "stopped"
+            # The worker took the SIGTERM it was sent as the stop it was: no failure recorded.
+            from worker import protocol
+            shard1 = protocol.read_events(str(tmp_path / "fleet" / "tui" / "shards" / "1" / "events.jsonl"))
+            assert [type(e).__name__ for e in shard1 if isinstance(e, (protocol.Failed, protocol.StopRequested))] \
+                == ["StopRequested"]
 
             shards.move_to_key("0")
             await confirm(pilot, app, ["r"], "Restart shard(s) 0?")
@@ -207,10 +212,10 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
             await until(pilot, lambda: again.snap.totals.finished, timeout=300, what="both DONE")
             await pilot.pause(0.5)
             top = str(again.main.query_one(TopBar).render())
-            assert "✓ 2/2 DONE in" in top and "→ fleet verify" in top
+            assert "✓ 2/2 shards DONE in" in top and "→ fleet verify" in top
             keys = {b.binding.key for b in again.screen.active_bindings.values() if b.enabled}
             assert not {"r", "R", "k", "D"} & keys                  # nothing left to restart or stop
-            assert any("2/2 DONE" in m and "fleet verify" in m for m in again.toasts), again.toasts
+            assert any("2/2 shards DONE" in m and "fleet verify" in m for m in again.toasts), again.toasts
             final = again.snap
             await pilot.press("q")
         assert again.return_value.startswith("fleet: run tui is finished: 2/2 shards DONE in")

@@ -182,8 +182,12 @@ async def test_log_view_search_n_N_g_G_copy_autoscroll_and_wrap():
         assert "step 30" in view.line_text(view.cursor)
         await pilot.press("y")
         assert app.clipboard == "step 30 ERROR disk"
+        await pilot.press("g")
+        assert "autoscroll off" in str(app.screen.query_one("#log-title").render())
         await pilot.press("G")
         assert view.cursor == len(view.lines) - 1 and view.auto_scroll
+        title = str(app.screen.query_one("#log-title").render())   # the title says so at once
+        assert "autoscroll on" in title and "search 'error'" in title and "starting" not in title, title
         rows = len(view._visual_rows())
         await pilot.press("w")
         assert view.wrap and len(view._visual_rows()) > rows       # the long line wraps

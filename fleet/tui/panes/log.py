@@ -46,14 +46,14 @@ class LogView(ScrollView, can_focus=True):
 
     auto_scroll: reactive[bool] = reactive(True)
     wrap: reactive[bool] = reactive(False)
+    status: reactive[str] = reactive("idle", layout=False)      # idle | starting | following | dropped
+    search: reactive[str | None] = reactive(None, layout=False)
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.lines: list[tuple[str, str | None, int]] = []      # text, kind (None|note|bad), updates
         self.cursor = 0
-        self.search: str | None = None
         self.shard: int | None = None
-        self.status = "idle"
         self._rows: list[tuple[int, int, int]] | None = None   # (line, start, end) when wrapping
         self._width = 0
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from rich.text import Text
 from textual.widgets import Static
 
-from ...render import human_duration
+from ...render import human_duration, restarts_text
 from ...snapshot import FleetSnapshot, ShardStatus
-from ...state import MEASURED
+from ...state import MEASURED, State
 from ..style import GLYPH, bar, si, state_style
 from .lines import Column, LineTable, show_text
 
@@ -143,7 +143,7 @@ def shard_cells(s: ShardStatus, marked: bool, no_color: bool = False, replaying:
     return (("●" if marked else " ") + str(s.id), where(s), state_cell(s, no_color, False),
             progress, si(s.tokens_per_s) if s.tokens_per_s is not None else unmeasured,
             si(s.samples_per_s) if s.samples_per_s is not None else unmeasured,
-            human_duration(s.eta_s) if s.eta_s is not None else unmeasured,
+            "—" if s.state == State.DONE else human_duration(s.eta_s) if s.eta_s is not None else unmeasured,
             f"{s.auto_attempts}/{s.max_restarts}", event, reason, s.last_failure or "")
 
 
@@ -178,9 +178,9 @@ def detail(s: ShardStatus | None, no_color: bool = False) -> Text:
              + tokens)
     if s.tokens_per_s is not None:
         t.append(f"  {s.tokens_per_s:,.0f} tok/s ({s.samples_per_s:,.1f} smp/s)")
-    if s.eta_s is not None:
+    if s.eta_s is not None and s.state != State.DONE:
         t.append(f"  ETA {human_duration(s.eta_s)}")
-    t.append(f"  restarts {s.auto_attempts}/{s.max_restarts}" + (f" ({s.restarts} in all)" if s.restarts else ""))
+    t.append(f"  restarts {restarts_text(s)}")
     if s.pid:
         t.append(f"  pid {s.pid}")
     why = s.reason or (f"⚠ {s.warning}" if s.warning else None)

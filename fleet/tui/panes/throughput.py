@@ -1,6 +1,6 @@
 """Throughput over time, a chart with axes: the fleet's tokens/s (samples/s for a [job] that
-reports no tokens) per 10 s column, the value axis on the left from a zero baseline, a time axis
-under it, and the expected rate as a dotted line.
+reports no tokens) per column of 1 to 60 s (the finest that shows all that is kept), the value
+axis on the left from a zero baseline, a time axis under it, and the expected rate as a dotted line.
 
 On attach the past is rebuilt from the records (`source.history()`, computed by
 `fleet.judge.throughput_history`), so a re-attached view starts with the run's curve, not a blank;
@@ -38,8 +38,19 @@ def nice_top(x: float) -> float:
     return 10 * exp
 
 
+BUCKETS_S = (1, 2, 5, 10, 20, 30, 60)   # seconds a column can stand for
+CARRY_S = 10.0                           # a gap this short between readings is drawn at the last one
+
+
+def bucket_for(points, now: float, width: int) -> float:
+    """The finest column width that shows everything kept: a 40 s run fills the chart too."""
+    span = now - points[0][0] if points else 0.0
+    return next((float(b) for b in BUCKETS_S if b * width >= span), float(BUCKETS_S[-1]))
+
+
 def columns(points, now: float, width: int, bucket: float = BUCKET_S) -> list[float | None]:
-    """The mean value in each of `width` buckets ending at `now` (None where nothing was seen)."""
+    """The mean value in each of `width` buckets ending at `now` (None where nothing was seen;
+    a column between two readings less than CARRY_S apart shows the earlier one)."""
     sums = [0.0] * width
     counts = [0] * width
     start = now - width * bucket
@@ -49,7 +60,12 @@ def columns(points, now: float, width: int, bucket: float = BUCKET_S) -> list[fl
         i = min(int((t - start) / bucket), width - 1)
         sums[i] += v
         counts[i] += 1
-    return [sums[i] / counts[i] if counts[i] else None for i in range(width)]
+    out = [sums[i] / counts[i] if counts[i] else None for i in range(width)]
+    seen = [i for i in range(width) if counts[i]]
+    for a, b in zip(seen, seen[1:]):
+        if (b - a) * bucket <= CARRY_S:
+            out[a + 1:b] = [out[a]] * (b - a - 1)
+    return out
 
 
 class ThroughputChart(Widget):
@@ -73,7 +89,8 @@ class ThroughputChart(Widget):
         t = snap.totals
         self.unit = "tokens" if t.tokens or t.total_tokens else "samples"
         value = t.tokens_per_s if self.unit == "tokens" else t.samples_per_s
-        self.now = snap.time
+        # A settled run's chart stops at its end instead of sliding out of view.
+        self.now = self.points[-1][0] if t.settled and self.points else snap.time
         if t.replayed and not t.settled:
             self.points.append((snap.time, value or 0.0))
         while self.points and self.points[0][0] < snap.time - HISTORY_S:
@@ -113,7 +130,8 @@ class ThroughputChart(Widget):
         plot = width - MARGIN - 1
         if rows < 1 or plot < 10:
             return (lines + [Strip.blank(width, base)] * height)[:height]
-        values = columns(self.points, self.now, plot)
+        bucket = bucket_for(self.points, self.now, plot)
+        values = columns(self.points, self.now, plot, bucket)
         seen = [v for v in values if v is not None]
         top = nice_top(max(seen + ([self.expected] if self.expected else []) + [1e-9]) * 1.05)
         exp_row = None
@@ -137,13 +155,14 @@ class ThroughputChart(Widget):
             lines.append(Strip(segments).adjust_cell_length(width, base))
         # The zero baseline, with ticks, and the time labels under it.
         ticks = {}
-        span = plot * BUCKET_S
-        step = next((s for s in (60, 120, 300, 600, 900, 1800, 3600) if span / s <= 6), 3600)
+        span = plot * bucket
+        step = next((s for s in (10, 20, 30, 60, 120, 300, 600, 900, 1800, 3600) if span / s <= 6), 3600)
         for k in range(0, int(span // step) + 1):
-            x = plot - 1 - int(k * step / BUCKET_S)
+            x = plot - 1 - int(k * step / bucket)
             if x >= 0:
-                ticks[x] = "now" if k == 0 else f"-{k * step // 3600}h" if k * step % 3600 == 0 \
-                    else f"-{k * step // 60}m"
+                ago = k * step
+                ticks[x] = "now" if k == 0 else f"-{ago // 3600}h" if ago % 3600 == 0 \
+                    else f"-{ago // 60}m" if ago % 60 == 0 else f"-{ago}s"
         baseline = "".join("┴" if x in ticks else "─" for x in range(plot))
         lines.append(Strip([Segment("0".rjust(MARGIN - 1) + " └", axis), Segment(baseline, axis)])
                      .adjust_cell_length(width, base))

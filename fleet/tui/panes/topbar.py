@@ -9,7 +9,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from ...render import human_bytes, human_duration
+from ...render import finished_summary, human_bytes, human_duration
 from ...snapshot import FleetSnapshot
 from ..style import ALERT, GLYPH, bar, si, state_style, usd
 from .lines import show_text
@@ -68,10 +68,7 @@ def lines(snap: FleetSnapshot, width: int, no_color: bool = False) -> list[Text]
     facts += money
 
     if t.finished:
-        per_gpu = f" · avg {t.avg_tokens_per_s_per_gpu:,.0f} tok/s/GPU" if t.avg_tokens_per_s_per_gpu else ""
-        cost = f" · {usd(t.usd_spent)}" if t.usd_spent is not None else ""
-        banner = Text(f"✓ {t.shards}/{t.shards} DONE in {human_duration(t.elapsed_s)}{per_gpu} · "
-                      f"{human_bytes(t.bytes_written)}{cost} → fleet verify",
+        banner = Text(f"✓ {finished_summary(snap, ' · ')} → fleet verify",
                       "bold reverse" if no_color else "bold white on dark_green")
         return [fit(head, width), fit([(0, banner)], width), fit(facts, width)]
     if t.settled:
@@ -92,7 +89,7 @@ def lines(snap: FleetSnapshot, width: int, no_color: bool = False) -> list[Text]
     expected = t.expected_tokens_per_s if unit == "tokens" else t.expected_per_s
     if expected:
         rate.append((2, Text(f"expected {si(expected)} {'tok' if unit == 'tokens' else 'samples'}/s"
-                             f" ({t.gpus_expected} GPUs)")))
+                             f" ({t.gpus_expected} GPU{'' if t.gpus_expected == 1 else 's'})")))
         if t.ratio is not None:
             rate.append((1, Text.assemble((bar(min(t.ratio, 1.0), 12), style), (f" {t.ratio:.0%}", style))))
         else:
