@@ -76,7 +76,7 @@ def help_text(app) -> str:
         NOT_BINDINGS[1],
     ]
     width = max(len(k) for _, lines in sections for k, _ in lines)
-    out = []
+    out = ["[i]esc, q or ? closes this help; up / down / page keys scroll it[/i]", ""]
     for title, lines in sections:
         out.append(f"[b]{title}[/b]")
         out += [f"  {k.ljust(width)}  {what}" for k, what in lines]

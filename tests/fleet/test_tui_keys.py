@@ -242,7 +242,9 @@ async def test_question_mark_help_is_generated_from_every_binding_and_never_wrap
                 assert b.tooltip in text, b
         for key in ("tab", "ctrl+p", "click a header", "1 … 9", "q / ^c", "y ", "n ", "N "):
             assert key in text, key
-        assert max(len(line) for line in text.replace("[b]", "").replace("[/b]", "").splitlines()) <= 76
+        plain = text.replace("[b]", "").replace("[/b]", "").replace("[i]", "").replace("[/i]", "")
+        assert max(len(line) for line in plain.splitlines()) <= 76
+        assert plain.splitlines()[0].startswith("esc, q or ? closes this help")   # first, at any height
         await pilot.press("question_mark")
         assert isinstance(app.screen, MainScreen)
 
@@ -320,3 +322,19 @@ def test_columns_fit_the_width_by_priority_and_the_reason_takes_the_rest():
         assert sum(widths.values()) + len(widths) - 1 == width
         assert widths["reason"] >= (26 if width >= 80 else 8)
     assert shape("processed 812/1500 (3.2 it/s)") == shape("processed 813/1500 (3.4 it/s)")
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+async def test_a_toast_never_covers_the_selected_shards_detail_line(size):
+    """At 80x24 the line under the table is the only place a shard's whole reason shows: a toast
+    (a failure told while watching, a `:` command's error) sits elsewhere, at any height."""
+    from fleet.tui.panes.shards import ShardDetail
+    app = FleetApp(fleet(), interval=3600)
+    async with app.run_test(size=size, notifications=True) as pilot:
+        await pilot.pause(0.3)
+        await pilot.press("colon", *"bogus", "enter")              # an error toast, as a user gets it
+        await pilot.pause(0.5)
+        toasts = [w for w in app.screen.walk_children() if type(w).__name__ == "Toast"]
+        detail = app.screen.query_one(ShardDetail).region
+        assert toasts and all(t.region.area and not t.region.overlaps(detail) for t in toasts), \
+            ([t.region for t in toasts], detail)
