@@ -60,8 +60,6 @@ class Seen:
     finished: bool = False
 
 
-
-
 def notices(seen: Seen | None, snap: FleetSnapshot, alert_after: float = 0.0) -> tuple[list[Notice], Seen]:
     """The notices between the snapshot `seen` summed up and `snap`; None: this is the first
     snapshot watched, which tells nothing (its history happened before)."""

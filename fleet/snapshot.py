@@ -332,18 +332,15 @@ def last_shard_eta(rows: list[ShardStatus], views: list[ShardView],
     is measured."""
     if not measured:
         return None
-    mean_tps = sum(x.tokens_per_s for _, x in measured) / len(measured)
-    mean_sps = sum(x.samples_per_s for _, x in measured) / len(measured)
+    n = len(measured)
+    mean = Rates(samples_per_s=sum(x.samples_per_s for _, x in measured) / n,
+                 tokens_per_s=sum(x.tokens_per_s for _, x in measured) / n,
+                 bytes_per_s=sum(x.bytes_per_s for _, x in measured) / n)
     ends = []
     for row, v in zip(rows, views):
         if row.state in (State.DONE, State.FATAL, State.STOPPED):
             continue
-        if row.eta_s is not None:
-            ends.append(row.eta_s)
-            continue
-        r = v.record
-        end = eta(max(r.total_tokens - r.tokens, 0), mean_tps) if r.total_tokens is not None \
-            else eta(max(r.total - r.done - r.skipped, 0), mean_sps)
+        end = row.eta_s if row.eta_s is not None else shard_eta(v.record, row.state, mean)
         if end is None:
             return None
         ends.append(end)
