@@ -18,6 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from fleet.actions import refusal
 from fleet.config import ExpectedSpec
 from fleet.judge import Policy, judge, throughput_history
 from fleet.record import ShardRecord
@@ -159,6 +160,10 @@ class SyntheticFleet:
     def history(self, step: float, points: int) -> list[tuple[float, float, float]]:
         return throughput_history([(r, self.hosts[h].clock_offset) for h, _, r in self.shards],
                                   self.now, step, points)
+
+    def refusal(self, k: int, kind: str) -> str | None:
+        _, _, r = self.shards[k]
+        return refusal(kind, judge(r, self.alive[k], self.now, self.policy).state, k)
 
     async def restart(self, ids: list[int]) -> list[str]:
         for k in ids:

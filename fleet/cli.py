@@ -20,9 +20,10 @@ from worker.identity import differences
 from worker.formats import FORMATS
 
 from . import render
+from .actions import describe
 from .config import Config, ConfigError, load_config
 from .snapshot import json_schema, status_exit_code
-from .state import State
+from .state import SETTLED, State
 from .supervisor import Supervisor
 from .plan import PlanError, refusal, spec_of
 from .transport import HostError, HostUnusable
@@ -245,8 +246,8 @@ def down(config_path: str, yes: bool, timeout: float) -> None:
                 snap = await sup.read_once()
             except PlanError as e:
                 fail(str(e), EXIT_CONFIG)
-            if not any(s.alive for s in snap.shards) and all(h.reachable for h in snap.hosts):
-                click.echo(f"run {config.run.name}: nothing is running; nothing to stop")
+            if all(s.state in SETTLED for s in snap.shards) and all(h.reachable for h in snap.hosts):
+                click.echo(f"run {config.run.name}: nothing is running or waiting to restart; nothing to stop")
                 return 0
             if not yes and not click.confirm(f"stop every shard of run {config.run.name}?", default=False):
                 fail("not confirmed; nothing stopped", EXIT_FAULT)
@@ -258,10 +259,12 @@ def down(config_path: str, yes: bool, timeout: float) -> None:
             if "error" in r:
                 click.echo(f"{host}: {r['error']}", err=True)
                 code = EXIT_UNREACHABLE
-            else:
-                stopped = [k for k, v in r.items() if v in ("stopped", "killed")]
-                click.echo(f"{host}: stopped {len(stopped)} shard(s)" +
-                           (f" ({', '.join(stopped)})" if stopped else ""))
+                continue
+            stopped = [k for k, v in r.items() if v in ("stopped", "killed")]
+            left = [k for k, v in r.items() if v == "still running"]
+            click.echo(f"{host}: stopped {len(stopped)} shard(s)" + (f" ({', '.join(stopped)})" if stopped else "")
+                       + (f"; still running after SIGKILL: {', '.join(left)}" if left else ""))
+            code = EXIT_FAULT if left and not code else code
         return code
     run_async(go)
 
@@ -302,15 +305,14 @@ def restart(config_path: str, shard: str) -> None:
             k = await find_shard(sup, shard)
             if sup.plan and (diffs := differences(sup.plan.get("spec", {}), spec_of(config))):
                 fail(refusal(sup.plan, diffs), EXIT_FAULT)
-            if next(s for s in sup.snapshot().shards if s.id == k).state == State.DONE:
-                fail(f"shard {k} is DONE: nothing to redo (`fleet verify` checks its files, "
-                     f"`fleet verify --repair` reopens the samples that are bad)", EXIT_FAULT)
-            result = await sup.relaunch(k, by="manual")
+            result = (await sup.request([k], "restart", wait=config.spec.supervise.stop_grace + 30))[k]
         finally:
             await sup.close()
-        if result.get("status") == "error":
-            fail(result["error"], EXIT_UNREACHABLE)
-        click.echo(f"shard {k}: {result.get('status')}")
+        if result.status == "refused":
+            fail(result.detail or "refused", EXIT_FAULT)
+        if result.status == "error":
+            fail(result.detail or "error", EXIT_UNREACHABLE)
+        click.echo(describe(result) + (f" (launch {result.launch})" if result.launch else ""))
         return 0
     run_async(go)
 

@@ -149,9 +149,10 @@ class SuperviseSpec(Strict):
     keepalive_count_max: int = Field(3, ge=1)
     reconnect_max: float = 30.0
     max_concurrent_connects: int = Field(8, ge=1)
+    stop_grace: float = 10.0             # SIGTERM -> SIGKILL for every stop and restart
 
     @field_validator("stall_timeout", "backoff_base", "backoff_max", "telemetry_interval",
-                     "connect_timeout", "keepalive_interval", "reconnect_max", mode="before")
+                     "connect_timeout", "keepalive_interval", "reconnect_max", "stop_grace", mode="before")
     @classmethod
     def _duration(cls, v):
         return positive_duration(v)

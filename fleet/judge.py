@@ -41,6 +41,12 @@ class Action(str, Enum):
     NONE = "none"
     LAUNCH = "launch"            # never launched: start it
     RESTART = "restart"          # failed or stalled, backoff over: stop if alive, launch by=auto
+    STOP = "stop"                # out of restarts with its process alive: kill what is left (FATAL after)
+
+
+HANDOFF_S = 5.0           # a restart's launch is its actor's; with no actor left on the host, the
+                          # supervisor launches once this long has passed since the old process ended
+STOP_STUCK_S = 30.0       # a stop not finished this long after its SIGKILL, with no actor left: again
 
 
 @dataclass(frozen=True)
@@ -68,8 +74,9 @@ class Verdict:
     state: State
     reason: str | None = None
     action: Action = Action.NONE
-    due_t: float | None = None            # host time a pending restart is due
+    due_t: float | None = None            # host time a pending restart is due (STOPPING: the SIGKILL)
     attempts: int = 0                     # automatic attempts counted toward max_restarts
+    by: str = "auto"                      # RESTART: the relaunch's `by` (manual: the user's restart)
 
 
 def backoff_delay(attempt: int, base: float, cap: float) -> float:
@@ -79,8 +86,9 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
 
 def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Policy,
           launch_failures: tuple[LaunchFailure, ...] = (),
-          slurm: protocol.SlurmTask | None = None) -> Verdict:
-    """`slurm`: what Slurm says now of the newest launch's task (ignored if it is another's)."""
+          slurm: protocol.SlurmTask | None = None, acting: bool | None = None) -> Verdict:
+    """`slurm`: what Slurm says now of the newest launch's task (ignored if it is another's).
+    `acting`: a stop or restart is being carried out on the host now (None: nothing acts there)."""
     a = record.attempt
     if slurm is not None and (a is None or slurm.launch != a.n):
         slurm = None
@@ -91,6 +99,8 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
     if failures:
         return _failed(f"launch failed: {failures[-1].reason}", failures[-1].t, attempts, host_now, policy)
     if a is None:
+        if record.unlaunched_stop is not None:
+            return Verdict(State.STOPPED, "stopped before it started")
         return Verdict(State.PENDING, action=Action.LAUNCH)
     if a.ended:
         kind, why = outcome(a, record.needs_done_sentinel)
@@ -98,6 +108,8 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
             return Verdict(State.PENDING, record.reopened, Action.LAUNCH)
         if kind == Outcome.DONE:
             return Verdict(State.DONE)
+        if a.stop is not None and a.stop.restart:
+            return _restarting(a.stop, a.end.t, acting, host_now, attempts)
         if kind == Outcome.STOPPED:
             return Verdict(State.STOPPED, why, attempts=attempts)
         if awaiting_slurm(a) and host_now < a.end.t + SLURM_WORD_WAIT_S:
@@ -114,13 +126,14 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
     if policy.custom_job and phase == Phase.STARTING and a.pid is not None:
         phase = Phase.RUNNING
     if a.stop is not None:
-        return Verdict(State(phase.value), "stopping", attempts=attempts)
+        return _stopping(a.stop, acting, host_now, attempts)
     if a.failure is not None and a.slurm and not a.failure_line:
         # A Slurm task's `failed` is its last words before it exits (Slurm signals every process of
         # a task it ends): its end, and Slurm's account of it, say why.
         return Verdict(State(phase.value), f"ending: {a.failure}", attempts=attempts)
     if a.failure is not None:              # a fail line or `failed` while the process still runs
-        return _failed(a.failure, a.failure_t or a.t, attempts, host_now, policy, a.failure_fatal)
+        return _kill_first(_failed(a.failure, a.failure_t or a.t, attempts, host_now, policy,
+                                   a.failure_fatal))
     idle = host_now - a.last_progress_t
     if phase == Phase.RUNNING and policy.stall_timeout is not None and idle > policy.stall_timeout:
         why = f"no progress for {idle:.0f}s"
@@ -128,8 +141,45 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
             return Verdict(State.STALLED, why, attempts=attempts)
         v = _failed(why, a.last_progress_t + policy.stall_timeout, attempts, host_now, policy,
                     min_delay=STALL_SHOWN_S)
-        return v if v.state == State.FATAL else Verdict(State.STALLED, v.reason, v.action, v.due_t, attempts)
+        return _kill_first(v) if v.state == State.FATAL else \
+            Verdict(State.STALLED, v.reason, v.action, v.due_t, attempts)
     return Verdict(State(phase.value), attempts=attempts)
+
+
+def _kill_first(v: Verdict) -> Verdict:
+    """No live process in FATAL: a shard that gives up while its process lives is stopped first
+    (STOPPING, action STOP); FATAL once its end is recorded."""
+    if v.state != State.FATAL:
+        return v
+    return Verdict(State.STOPPING, f"{v.reason}; stopping what is left", Action.STOP, attempts=v.attempts)
+
+
+def _stopping(stop: protocol.StopRequested, acting: bool | None, host_now: float, attempts: int) -> Verdict:
+    """A stop or restart under way while the process lives: the SIGKILL countdown. If no actor is
+    left on the host long after the SIGKILL was due (it died with its host's reboot), again."""
+    grace = stop.grace if stop.grace is not None else 10.0
+    kill_t = stop.t + grace
+    what = "restarting" if stop.restart else "giving up" if stop.why == "fatal" else "stopping"
+    if stop.reason and stop.why != "user":
+        what += f" ({stop.reason})"
+    left = kill_t - host_now
+    reason = f"{what}; SIGKILL in {left:.0f}s" if left > 0 else f"{what}; SIGKILL sent"
+    action = Action.NONE
+    if acting is False and host_now > kill_t + STOP_STUCK_S:
+        action = Action.RESTART if stop.restart else Action.STOP
+    return Verdict(State.STOPPING, reason, action, kill_t, attempts, by=stop.by or "auto")
+
+
+def _restarting(stop: protocol.StopRequested, ended_t: float, acting: bool | None, host_now: float,
+                attempts: int) -> Verdict:
+    """The old process is gone; the restart's launch is its actor's. With no actor on the host
+    (Slurm: the supervisor resubmits; or the actor died) the supervisor launches, as the intent says."""
+    why = f"restarting ({stop.reason})" if stop.reason else "restarting"
+    if acting:
+        return Verdict(State.STOPPING, why, attempts=attempts, by=stop.by or "auto")
+    due = ended_t + (HANDOFF_S if acting is False else 0.0)
+    return Verdict(State.STOPPING, why, Action.RESTART if host_now >= due else Action.NONE, due, attempts,
+                   by=stop.by or "auto")
 
 
 def _failed(why: str, failed_t: float, attempts: int, host_now: float, policy: Policy,

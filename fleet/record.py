@@ -26,6 +26,7 @@ class Phase(str, Enum):
 class Outcome(str, Enum):
     DONE = "done"
     STOPPED = "stopped"
+    RESTARTED = "restarted"           # stopped for the user's own restart: never a failure
     FAILED = "failed"
 
 
@@ -110,9 +111,10 @@ def outcome(a: Attempt, needs_done_sentinel: bool) -> tuple[Outcome, str | None]
         a.done_event or a.done_sentinel or not needs_done_sentinel)
     if finished:
         return Outcome.DONE, None
-    user_stop = a.stop is not None and a.stop.why == "user"
-    if user_stop or (end.stopped and a.stop is None and not a.slurm):
+    if (a.stop is not None and a.stop.final) or (end.stopped and a.stop is None and not a.slurm):
         return Outcome.STOPPED, "stopped"
+    if a.stop is not None and a.stop.restart and a.stop.by == "manual":
+        return Outcome.RESTARTED, "restarted by the user"
     if a.slurm and a.stop is None and a.slurm_end is not None:
         if a.slurm_end.state in SLURM_ENDS:
             return Outcome.FAILED, slurm_reason(a.slurm_end)
@@ -155,6 +157,7 @@ class ShardRecord:
     last_failure_t: float | None = None
     failures: int = 0                     # attempts that ended FAILED, ever
     reopened: str | None = None           # samples dropped since the newest attempt ended
+    unlaunched_stop: protocol.StopRequested | None = None   # a run stop before its first launch
 
     def apply(self, ev: protocol.Record) -> None:
         a = self.attempt
@@ -165,6 +168,10 @@ class ShardRecord:
             if a is not None and a.ended:
                 self.reopened = f"{ev.samples} sample(s) to redo: {ev.reason}"
             return
+        if a is None and isinstance(ev, protocol.StopRequested):
+            if ev.final:                                  # the run stopped before it ever ran
+                self.unlaunched_stop = newer_intent(self.unlaunched_stop, ev)
+            return
         if a is None or (ev.launch is not None and ev.launch != a.n):
             return                            # before any launch, or another launch's leftover
         self.last_event, self.last_event_t = ev.KIND, ev.t
@@ -172,7 +179,9 @@ class ShardRecord:
             self._slurm(a, ev)                # Slurm's word may come after the task's own end
             return
         if a.ended:
-            return                            # nothing changes an attempt after its end
+            if isinstance(ev, protocol.StopRequested):    # an intent for an ended attempt: a stop
+                a.stop = newer_intent(a.stop, ev)         # or restart of a shard that is not running
+            return                            # nothing else changes an attempt after its end
         if isinstance(ev, protocol.Started):
             a.pid = ev.pid if ev.pid is not None else a.pid
             if ev.total is not None:
@@ -206,7 +215,7 @@ class ShardRecord:
             elif a.failure is None:
                 a.failure, a.failure_t, a.failure_line = f"fail sentinel: {ev.line.strip()}", ev.t, True
         elif isinstance(ev, protocol.StopRequested):
-            a.stop = a.stop or ev
+            a.stop = newer_intent(a.stop, ev)
         elif isinstance(ev, protocol.Exited):
             a.end = ev
             kind, why = outcome(a, self.needs_done_sentinel)
@@ -237,6 +246,7 @@ class ShardRecord:
         self.attempt = Attempt(n=ev.launch, t=ev.t, by=ev.by, gpu=ev.gpu, last_progress_t=ev.t,
                                launcher=ev.launcher)
         self.reopened = None
+        self.unlaunched_stop = None
         self.last_event, self.last_event_t = ev.KIND, ev.t
 
     def _count(self, ev) -> None:
@@ -245,6 +255,14 @@ class ShardRecord:
             value = getattr(ev, key, None)
             if value is not None:
                 setattr(self, key, value)
+
+
+def newer_intent(held: protocol.StopRequested | None, new: protocol.StopRequested) -> protocol.StopRequested:
+    """The intent that stands for an attempt: the newest, except that a restart never replaces a
+    user's (or the run's) stop — a stop is never undone by a restart asked for after it."""
+    if held is not None and held.final and not new.final:
+        return held
+    return new
 
 
 def fold(events, needs_done_sentinel: bool = False) -> ShardRecord:

@@ -4,7 +4,9 @@
 Slurm launches (submitted, waiting in Slurm's queue; the reason is Slurm's: Priority, Resources,
 ...); off the happy path STALLED (alive, no progress for stall_timeout), FAILED (ended badly, or a
 failure seen while it still runs), BACKOFF (waiting to be restarted), FATAL (gave up after
-max_restarts), STOPPED (stopped on purpose: never restarted automatically), UNKNOWN (its host is
+max_restarts), STOPPED (stopped on purpose: never restarted automatically), STOPPING (a stop or
+restart is being carried out: SIGTERM sent, SIGKILL after the grace; for a restart, until the new
+launch is recorded), UNKNOWN (its host is
 unreachable: not measured, never shown as zero). DEPLOYING is the state of every shard while
 `fleet up` deploys, before any record exists.
 """
@@ -21,6 +23,7 @@ class State(str, Enum):
     STARTING = "STARTING"
     LOADING = "LOADING"
     RUNNING = "RUNNING"
+    STOPPING = "STOPPING"
     DONE = "DONE"
     STALLED = "STALLED"
     FAILED = "FAILED"
@@ -30,8 +33,12 @@ class State(str, Enum):
     UNKNOWN = "UNKNOWN"
 
 
-LIVE = frozenset({State.STARTING, State.LOADING, State.RUNNING, State.STALLED})
+LIVE = frozenset({State.STARTING, State.LOADING, State.RUNNING, State.STALLED, State.STOPPING})
 MEASURED = frozenset({State.RUNNING, State.STALLED})          # states whose rates count
 SETTLED = frozenset({State.DONE, State.FATAL, State.STOPPED})  # nothing more happens by itself
 FAULTY = frozenset({State.STALLED, State.FAILED, State.BACKOFF, State.FATAL, State.UNKNOWN})
 RESTARTABLE = frozenset({State.FAILED, State.BACKOFF, State.FATAL})   # what `R` restarts
+
+# Most to least urgent: the order states are counted in and sorted by on screen.
+SEVERITY = ("FATAL", "FAILED", "STALLED", "UNKNOWN", "BACKOFF", "STOPPING", "STARTING", "LOADING",
+            "DEPLOYING", "RUNNING", "PENDING", "STOPPED", "DONE")

@@ -28,20 +28,22 @@ from worker import protocol
 from worker.identity import differences
 
 from . import deploy
-from . import slurm as slurm_launch
+from .actions import UNDER_WAY, busy_mark, policy_action, refusal as action_refusal, user_action
 from .config import Config, HostSpec
-from .jobs import Placement, sentinel_spec, shard_command, shard_dir
-from .judge import Action, LaunchFailure, Policy, Verdict, judge
+from .jobs import Placement
+from .judge import LaunchFailure, Policy, Verdict, judge
+from .launcher import make_launcher
 from .notify import Notifier
 from .plan import PlanError, check_hosts, make_plan, placements, plan_differences, refusal
 from .record import ShardRecord
 from .snapshot import (FleetSnapshot, HostView, ShardView, all_replayed, build_snapshot, slurm_nodes,
                        slurm_task)
 from .state import LIVE, State
-from .transport import HostError, Stream, Transport, make_transport
+from .transport import HostError, HostUnusable, Stream, Transport, make_transport
 
-AGENT_SILENCE_S = 5.0         # no line from an agent for this long: the host is unreachable
-ACTION_TIMEOUT_S = 60.0       # a launch whose record never shows up is given up after this
+AGENT_SILENCE_S = 5.0         # no line from an agent for this long: the host is unreachable...
+SILENCE_PER_ACTION_S = 2.0    # ...plus this per action under way there (a launch storm loads it)
+ACTION_TIMEOUT_S = 60.0       # an action whose outcome never shows up in the record: judge again
 
 
 @dataclass
@@ -52,8 +54,9 @@ class ShardSlot:
     alive: bool | None = None
     pid: int | None = None
     launch_failures: list[LaunchFailure] = field(default_factory=list)
+    acting: bool | None = None           # a stop or restart is being carried out on the host
     busy_since: float | None = None      # an action is in flight (supervisor clock)
-    busy_launches: int = 0               # record.launches when it began
+    busy_mark: tuple = ()                # the record's busy_mark when it began
     last_state: State | None = None
     slurm: protocol.SlurmTask | None = None      # what Slurm says now of its newest launch's task
     gpus: protocol.TaskGpus | None = None        # the GPUs that task reported
@@ -95,6 +98,7 @@ class Supervisor:
         self.on_log = on_log or (lambda msg: None)
         slots = asyncio.Semaphore(self.sup.max_concurrent_connects)
         self.slurm = config.slurm
+        self.launcher = make_launcher(config)
         self.links: dict[str, HostLink] = {
             h.name: HostLink(h, make_transport(h, self.sup, slots),
                              HostView(h.name, h.address if self.slurm is None else self.slurm.login,
@@ -197,7 +201,7 @@ class Supervisor:
         host = self.links[slot.placement.host].host
         now = time.time() if now is None else now
         return judge(slot.record, slot.alive, host.host_now(now), self.policy,
-                     tuple(slot.launch_failures), slot.slurm)
+                     tuple(slot.launch_failures), slot.slurm, slot.acting)
 
     def snapshot(self, now: float | None = None) -> FleetSnapshot:
         now = time.time() if now is None else now
@@ -299,21 +303,25 @@ class Supervisor:
 
     async def launch_all(self) -> None:
         """Launch every shard that is neither live nor done (what `fleet up` does on (re)attach):
-        a manual launch, so failed, FATAL and stopped shards start over with a fresh budget.
-        With [slurm]: one array of all of them."""
+        a manual launch, so failed, FATAL and stopped shards start over with a fresh budget; one
+        command per host (with [slurm]: one array of all of them)."""
         await self.wait_replayed()
-        due = []
+        due: dict[str, list[protocol.ShardAction]] = {}
         for s in self.shards.values():
             link = self.links[s.placement.host]
             if link.host.reachable and s.busy_since is None and not s.alive and \
                     self.verdict(s).state not in LIVE | {State.DONE, State.QUEUED}:
                 self._busy(s)
-                due.append(s.id)
-        if self.slurm is not None:
-            if due:
-                await self.submit(due, by="manual")
-            return
-        await asyncio.gather(*(self.launch(k, by="manual") for k in due))
+                a = user_action(s.record, "restart", self.sup.stop_grace, s.id)
+                due.setdefault(link.spec.name, []).append(a)
+        await asyncio.gather(*(self.carry_out(self.links[h], acts) for h, acts in due.items()))
+
+    def silence_limit(self, link: HostLink) -> float:
+        """How long an agent may be silent before its host counts as unreachable: longer while the
+        host is busy with actions of ours (eight launches at once load a small host for seconds)."""
+        busy = sum(1 for s in self.shards.values()
+                   if s.placement.host == link.spec.name and (s.busy_since is not None or s.acting))
+        return min(60.0, AGENT_SILENCE_S + SILENCE_PER_ACTION_S * busy)
 
     def _agent_argv(self, link: HostLink, once: bool = False) -> list[str]:
         shards = "auto" if once else ",".join(str(p.shard) for p in link.placements) or "auto"
@@ -336,12 +344,13 @@ class Supervisor:
                 lines = link.stream.lines().__aiter__()
                 while not self._closing:
                     try:
-                        line = await asyncio.wait_for(lines.__anext__(), AGENT_SILENCE_S)
+                        silence = self.silence_limit(link)
+                        line = await asyncio.wait_for(lines.__anext__(), silence)
                     except StopAsyncIteration:
                         why = link.diagnostics[-1] if link.diagnostics else "no output"
                         raise HostError(f"{link.spec.name}: agent exited: {why}") from None
                     except asyncio.TimeoutError:
-                        raise HostError(f"{link.spec.name}: no telemetry for {AGENT_SILENCE_S:.0f}s") from None
+                        raise HostError(f"{link.spec.name}: no telemetry for {silence:.0f}s") from None
                     if isinstance(self._handle(link, line), protocol.Beat):
                         delay = 1.0                  # healthy for a while: reconnect fast next time
                     if link.host.reachable is not True and link.host.replayed:
@@ -396,7 +405,7 @@ class Supervisor:
             fresh = self._new_slot(p)
             if old is not None:
                 fresh.launch_failures, fresh.busy_since = old.launch_failures, old.busy_since
-                fresh.busy_launches, fresh.last_state = old.busy_launches, old.last_state
+                fresh.busy_mark, fresh.last_state = old.busy_mark, old.last_state
             self.shards[p.shard] = fresh
         link.host.replayed = False
 
@@ -431,12 +440,10 @@ class Supervisor:
             if isinstance(ev, protocol.Launch):
                 slot.launch_failures.clear()
                 slot.alive = None            # liveness read before this launch says nothing of it
-                if slot.busy_since is not None and slot.record.launches > slot.busy_launches:
-                    slot.busy_since = None
         elif isinstance(msg, protocol.Liveness):
             slot = self.shards.get(msg.shard)
             if slot is not None:
-                slot.alive, slot.pid = msg.alive, msg.pid
+                slot.alive, slot.pid, slot.acting = msg.alive, msg.pid, msg.acting
         elif isinstance(msg, protocol.SlurmTask):
             slot = self.shards.get(msg.shard)
             if slot is not None:
@@ -468,28 +475,24 @@ class Supervisor:
             await asyncio.sleep(0.25)
 
     def decide(self, now: float) -> None:
-        """One pass: judge every shard of a reachable, replayed host and carry out what is due."""
+        """One pass: judge every shard of a reachable, replayed host and carry out what is due,
+        one `act` per host for everything due there now."""
         changed = False
-        submit: dict[str, list[int]] = {}
+        due: dict[str, list[protocol.ShardAction]] = {}
         for s in list(self.shards.values()):
             link = self.links[s.placement.host]
-            if s.busy_since is not None and now - s.busy_since > ACTION_TIMEOUT_S:
-                s.busy_since = None
+            self._settle_busy(s, now)
             v = self.verdict(s, now)
             if v.state != s.last_state:
                 s.last_state, changed = v.state, True
             if not link.host.reachable or not link.host.replayed or s.busy_since is not None:
                 continue
-            if v.action in (Action.LAUNCH, Action.RESTART):
-                self._busy(s)                   # now, not when the task first runs: one action at a time
-            if self.slurm is not None and v.action != Action.NONE and not s.alive:
-                submit.setdefault("manual" if v.action == Action.LAUNCH else "auto", []).append(s.id)
-            elif v.action == Action.LAUNCH:
-                self._spawn(self.launch(s.id, by="manual"))
-            elif v.action == Action.RESTART:
-                self._spawn(self.relaunch(s.id, by="auto", reason=v.reason))
-        for by, ids in submit.items():          # Slurm: one array for everything due now
-            self._spawn(self.submit(ids, by=by))
+            action = policy_action(s.record, v, self.sup.stop_grace, s.id)
+            if action is not None:
+                self._busy(s, now)
+                due.setdefault(link.spec.name, []).append(action)
+        for host, actions in due.items():
+            self._spawn(self.carry_out(self.links[host], actions))
         if changed:
             self.on_change()
 
@@ -498,131 +501,103 @@ class Supervisor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _busy(self, s: ShardSlot) -> None:
-        s.busy_since, s.busy_launches = time.time(), s.record.launches
+    def _busy(self, s: ShardSlot, now: float | None = None) -> None:
+        s.busy_since, s.busy_mark = (time.time() if now is None else now), busy_mark(s.record)
 
-    # --- actions -------------------------------------------------------------------------------
-    async def launch(self, shard_id: int, by: str = "manual") -> dict:
-        if self.slurm is not None:
-            result = await self.submit([shard_id], by=by)
-            return {**result, "status": result.get("shards", {}).get(str(shard_id), result.get("status"))}
-        s = self.shards[shard_id]
-        link = self.links[s.placement.host]
-        place = s.placement
-        self._busy(s)
-        cmd = shard_command(self.config, link.spec, place, self.num_shards)
-        args = ["launch", "--shard-dir", shard_dir(self.config, link.spec, shard_id), "--by", by,
-                "--gpu", str(place.gpu)]
-        for k, v in cmd.env.items():
-            args += ["--env", f"{k}={v}"]
-        if cmd.cwd:
-            args += ["--cwd", cmd.cwd]
-        if spec := sentinel_spec(self.config, link.spec):
-            args += ["--sentinels", json.dumps(spec)]
+    def _settle_busy(self, s: ShardSlot, now: float) -> None:
+        """An action is over once the record shows what it did (a new launch, a new intent), or,
+        the outcome never showing up, after ACTION_TIMEOUT_S: the verdict decides again, and the
+        host refuses a second launch of what it already did (`expect_launch`)."""
+        if s.busy_since is not None and (busy_mark(s.record) != s.busy_mark or
+                                         now - s.busy_since > ACTION_TIMEOUT_S):
+            s.busy_since = None
+
+    async def carry_out(self, link: HostLink, actions: list[protocol.ShardAction],
+                        wait: float = 0.0) -> list[protocol.ActResult]:
+        """Send actions to one host's launcher. A command that could not run there is a failed
+        launch for every launch or restart in it (counted by the judge); a command that timed out
+        says nothing: the record does, and the verdict decides again."""
+        places = {p.shard: p for p in link.placements}
         try:
-            result = await deploy.run_worker_module(link.transport, self.config, link.spec, "hostctl",
-                                                    *args, "--", *cmd.argv, timeout=60)
+            results = await self.launcher.act(link.transport, link.spec, actions, places, self.num_shards, wait)
         except HostError as e:
             why = str(e).removeprefix(f"{link.spec.name}: ")
-            s.launch_failures.append(LaunchFailure(link.host.host_now(time.time()), by, why))
-            s.busy_since = None
-            self.on_log(f"shard {shard_id}: launch failed: {why}")
+            unusable = isinstance(e, HostUnusable)
+            for a in actions:
+                s = self.shards[a.shard]
+                s.busy_since = None
+                if unusable and a.kind != "stop":
+                    s.launch_failures.append(LaunchFailure(link.host.host_now(time.time()), a.by, why))
+            self.on_log(f"shards {_ids([a.shard for a in actions])}: {actions[0].kind} failed: {why}")
             self.on_change()
-            return {"status": "error", "error": str(e)}
-        if result.get("status") != "started":
-            s.busy_since = None
-        self.on_log(f"shard {shard_id} ({place.host}:{place.gpu}): launch ({by}): {result.get('status')}")
-        return result
+            return [protocol.ActResult(shard=a.shard, status="error", detail=str(e)) for a in actions]
+        for r in results:
+            s = self.shards.get(r.shard)
+            if s is not None and r.status not in UNDER_WAY:
+                s.busy_since = None          # nothing was done (stale, busy, refused): judge again
+            place = self.shards[r.shard].placement if s is not None else None
+            where = f" ({place.host}:{place.gpu})" if place else ""
+            kind = next((a.kind for a in actions if a.shard == r.shard), "act")
+            self.on_log(f"shard {r.shard}{where}: {kind}: {r.status}" + (f" ({r.detail})" if r.detail else ""))
+        return results
 
-    async def submit(self, shard_ids: list[int], by: str = "manual") -> dict:
-        """[slurm]: submit these shards as one array (their launches are recorded on the login node
-        first). A submission Slurm refuses is recorded as a failed attempt in each shard's record;
-        one that never ran (the login node unreachable) is a LaunchFailure, as with hostctl."""
-        link = self.links[self.config.hosts[0].name]
-        slots = [self.shards[k] for k in shard_ids]
-        for s in slots:
+    # --- the user's actions (the TUI's keys, fleet restart / down) -------------------------------
+    def refusal(self, shard_id: int, kind: str) -> str | None:
+        """Why this action cannot apply to this shard now (the same rule for every caller)."""
+        s = self.shards.get(shard_id)
+        if s is None:
+            return f"no shard {shard_id}"
+        return action_refusal(kind, self.verdict(s).state, shard_id)
+
+    async def request(self, shard_ids: list[int], kind: str,
+                      wait: float = 0.0) -> dict[int, protocol.ActResult]:
+        """The user's restart or stop of these shards: refused by the one rule (`fleet.actions`;
+        status "refused"), else carried out through the launcher, one command per host (`wait`: until
+        each stop or restart is done on the host)."""
+        out: dict[int, protocol.ActResult] = {}
+        by_host: dict[str, list[protocol.ShardAction]] = {}
+        for k in shard_ids:
+            why = self.refusal(k, kind)
+            if why is not None:
+                out[k] = protocol.ActResult(shard=k, status="refused", detail=why)
+                continue
+            s = self.shards[k]
             self._busy(s)
-        spec = slurm_launch.submission(self.config, link.spec, [s.placement for s in slots],
-                                       self.num_shards, by)
-        try:
-            result = await deploy.run_worker_module(
-                link.transport, self.config, link.spec, "slurm", "submit", "--run-dir",
-                self.config.run_dir(link.spec), input=json.dumps(spec).encode(), timeout=180)
-        except HostError as e:
-            why = str(e).removeprefix(f"{link.spec.name}: ")
-            for s in slots:
-                s.launch_failures.append(LaunchFailure(link.host.host_now(time.time()), by, why))
-                s.busy_since = None
-            self.on_log(f"shards {_ids(shard_ids)}: submission failed: {why}")
-            self.on_change()
-            return {"status": "error", "error": str(e)}
-        states = result.get("shards", {})
-        for s in slots:
-            state = states.get(str(s.id))
-            if state not in ("submitted", "refused"):   # else busy until its launch reaches the record
-                s.busy_since = None
-            if state is None:                    # nothing reached its record (squeue did not answer)
-                s.launch_failures.append(LaunchFailure(link.host.host_now(time.time()), by,
-                                                       result.get("error") or "submission failed"))
-        job = f" as job {result['job']}" if result.get("job") else ""
-        self.on_log(f"shards {_ids(shard_ids)}: submitted ({by}){job}: "
-                    f"{result.get('error') or result.get('status')}")
-        return result
+            by_host.setdefault(s.placement.host, []).append(user_action(s.record, kind, self.sup.stop_grace, k))
+        results = await asyncio.gather(*(self.carry_out(self.links[h], acts, wait) for h, acts in by_host.items()))
+        for batch in results:
+            out.update((r.shard, r) for r in batch)
+        return dict(sorted(out.items()))
 
-    async def stop(self, shard_id: int, timeout: float = 10, why: str = "user",
-                   reason: str | None = None) -> dict:
-        s = self.shards[shard_id]
-        link = self.links[s.placement.host]
-        if self.slurm is not None:               # scancel; Slurm gives the task KillWait to end
-            args = ["cancel", "--run-dir", self.config.run_dir(link.spec), "--shard", str(shard_id),
-                    "--why", why, "--timeout", str(max(timeout, 60))]
-            try:
-                return await deploy.run_worker_module(link.transport, self.config, link.spec, "slurm",
-                                                      *args, *(["--reason", reason] if reason else []),
-                                                      timeout=max(timeout, 60) + 60)
-            except HostError as e:
-                return {"status": "error", "error": str(e)}
-        args = ["stop", "--shard-dir", shard_dir(self.config, link.spec, shard_id),
-                "--timeout", str(timeout), "--why", why]
-        if reason:
-            args += ["--reason", reason]
-        try:
-            return await deploy.run_worker_module(link.transport, self.config, link.spec, "hostctl",
-                                                  *args, timeout=timeout + 30)
-        except HostError as e:
-            return {"status": "error", "error": str(e)}
+    async def stop_all(self, timeout: float | None = None) -> dict[str, dict]:
+        """`fleet down` / D: a run stop of every shard on every host, whatever its state (a shard
+        waiting for a restart, or never launched, is STOPPED too); waits for each to be carried out.
+        Returns, per host, shard -> status, or {"error": ...} for a host that could not be reached."""
+        grace = self.sup.stop_grace if timeout is None else timeout
 
-    async def relaunch(self, shard_id: int, by: str = "manual", reason: str | None = None) -> dict:
-        """Restart a shard: stop it if it still runs (recorded as a restart's stop, not the user's),
-        then launch; it resumes from its manifest."""
-        s = self.shards[shard_id]
-        self._busy(s)
-        if s.alive:
-            await self.stop(shard_id, why="restart", reason=reason)
-        return await self.launch(shard_id, by=by)
-
-    async def stop_all(self, timeout: float = 10) -> dict[str, dict]:
         async def one(link: HostLink) -> tuple[str, dict]:
+            ids = [p.shard for p in link.placements] or list(self._shard_folders(link))
+            if not ids:
+                return link.spec.name, {}
             try:
                 await link.transport.connect()
-                if self.slurm is not None:      # every live task of the run, and the array itself
-                    return link.spec.name, await deploy.run_worker_module(
-                        link.transport, self.config, link.spec, "slurm", "cancel-all", "--run-dir",
-                        self.config.run_dir(link.spec), "--job-name", self.config.job_name,
-                        "--timeout", str(max(timeout, 60)), timeout=max(timeout, 60) + 60)
-                return link.spec.name, await deploy.run_worker_module(
-                    link.transport, self.config, link.spec, "hostctl", "stop-all", "--run-dir",
-                    self.config.run_dir(link.spec), "--timeout", str(timeout), timeout=timeout + 60)
             except HostError as e:
                 return link.spec.name, {"error": str(e)}
+            actions = [protocol.ShardAction(shard=k, kind="stop", why="run", grace=grace) for k in ids]
+            results = await self.carry_out(link, actions, wait=grace + 30)
+            if results and all(r.status == "error" for r in results):
+                return link.spec.name, {"error": results[0].detail or "error"}
+            return link.spec.name, {str(r.shard): (r.detail or r.status) for r in results}
         return dict(await asyncio.gather(*(one(l) for l in self.links.values())))
+
+    def _shard_folders(self, link: HostLink) -> list[int]:
+        return sorted(s.id for s in self.shards.values() if s.placement.host == link.spec.name)
 
     async def log_lines(self, shard_id: int, last: int = 200, follow: bool = True):
         """A shard's log: its last `last` lines, then (`follow`) new ones until the stream ends.
         Raises HostError when the host cannot be read."""
         link = self.links[self.shards[shard_id].placement.host]
-        argv = ["tail", "-n", str(last)] + (["-F"] if follow else []) + \
-            [f"{shard_dir(self.config, link.spec, shard_id)}/log"]
+        argv = self.launcher.log_argv(link.spec, shard_id, last, follow)
         if not follow:
             for line in (await link.transport.run(argv)).stdout.splitlines():
                 yield line

@@ -33,7 +33,7 @@ import traceback
 
 from . import protocol, slurm
 from .gpu import GpuReader
-from .hostctl import is_running, read_pid
+from .hostctl import is_acting, is_running, read_pid
 from .plan import read_plan
 from .probe import disk_space
 
@@ -53,6 +53,7 @@ class ShardFollower:
         self.launch = 0
         self.ended = True
         self.alive: bool | None = None
+        self.acting: bool | None = None
         self.state = slurm.LaunchState()      # the newest launch as Slurm matters to it
         self.end_t: float | None = None       # host time the newest launch ended
         self.job_seen = 0.0                   # monotonic time its Slurm job was first read
@@ -173,7 +174,8 @@ class Agent:
             self.poll_slurm_shards(replay, force_liveness)
             return
         for k, f in self.shards.items():
-            alive = is_running(f.dir)
+            acting = is_acting(f.dir)          # before the record: an action seen idle here has
+            alive = is_running(f.dir)          # its launch, if it made one, in what is read next
             events = f.read()
             if not alive and not f.ended and f.launch:
                 events += f.end_vanished()
@@ -181,9 +183,10 @@ class Agent:
                 events = thin_progress(events)
             for raw in events:
                 self.send(protocol.EventMessage(shard=k, event=raw))
-            if force_liveness or alive != f.alive:
-                f.alive = alive
-                self.send(protocol.Liveness(shard=k, alive=alive, pid=read_pid(f.dir) if alive else None))
+            if force_liveness or (alive, acting) != (f.alive, f.acting):
+                f.alive, f.acting = alive, acting
+                self.send(protocol.Liveness(shard=k, alive=alive, pid=read_pid(f.dir) if alive else None,
+                                            acting=acting))
 
     def poll_slurm_shards(self, replay: bool, force_liveness: bool) -> None:
         """The record first, then Slurm: a task's end is only concluded from a query that began

@@ -2,7 +2,7 @@
 
     python -m worker.hostctl launch --shard-dir D --by auto|manual [--gpu G] [--env K=V] [--cwd DIR]
                                     [--sentinels JSON] -- ARGV...
-    python -m worker.hostctl stop --shard-dir D [--timeout 10] [--why user|restart]
+    python -m worker.hostctl act --run-dir R [--wait S]   < JSON lines of protocol.ShardAction
     python -m worker.hostctl stop-all --run-dir R [--timeout 10]
     python -m worker.hostctl task --submission FILE      (inside a Slurm array task)
 
@@ -11,10 +11,16 @@ hands the lock to a detached runner (new session, all streams redirected), which
 shard process: the lock is held while either lives, so a second launch of a live shard is refused
 ("never twice"). The runner starts the process in a process group of its own, reads a [job]'s log
 for its sentinels as lines appear, and appends `exited` with the exit code the moment the process
-ends, before the lock goes. `stop` appends `stop` first and then signals only the process's group,
-so the runner survives to record the exit; even if it does not, the record says the stop was
-asked for. Everything arrives as an argv: no shell ever sees a value from fleet.toml. Standard
-library only.
+ends, before the lock goes.
+
+`act` is the one door for every stop and restart (the policy's, the TUI's keys, `fleet restart`,
+`fleet down`): it records the intent (`stop`, with why and whether a launch follows) in the shard's
+record first, then a detached finisher holding the shard's act lock signals only the process's
+group (the runner survives to record the exit), escalates to SIGKILL after the grace, confirms the
+group and every holder of the shard's lock are gone, and only then launches again if the intent was
+a restart and no later stop cancelled it. The intent in the record is what a second supervisor sees:
+it never acts twice. A host's launches arrive as one `act` command. Everything arrives as an argv
+or typed JSON on stdin: no shell ever sees a value from fleet.toml. Standard library only.
 
 `task` is the same runner inside a Slurm array task (worker/slurm.py submitted it): it takes the
 shard's lock, finds its launch in the submission file, adds the node, job and GPUs to `started`,
@@ -263,33 +269,245 @@ def _signal_group(pid: int | None, sig: int) -> bool:
         return False
 
 
-def _wait_unlocked(shard_dir: str, seconds: float) -> bool:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        if not is_running(shard_dir):
+def _group_alive(pgid: int | None) -> bool:
+    if pgid is None:
+        return False
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _pgid(pid: int | None) -> int | None:
+    try:
+        return os.getpgid(pid) if pid else None
+    except ProcessLookupError:
+        return None
+
+
+def lock_holders(shard_dir: str) -> list[int]:
+    """Pids of every process holding the shard's lock file open (the runner, the process, and any
+    fork of it that left its process group): what must be gone before the shard counts as stopped.
+    Linux /proc; elsewhere nothing is found and the process group alone is relied on."""
+    try:
+        target = os.stat(_paths(shard_dir)["lock"])
+    except OSError:
+        return []
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        fd_dir = f"/proc/{entry}/fd"
+        try:
+            for fd in os.listdir(fd_dir):
+                try:
+                    st = os.stat(f"{fd_dir}/{fd}")
+                except OSError:
+                    continue
+                if st.st_ino == target.st_ino and st.st_dev == target.st_dev:
+                    found.append(int(entry))
+                    break
+        except OSError:
+            continue
+    return found
+
+
+def _gone(shard_dir: str, pgid: int | None) -> bool:
+    return not is_running(shard_dir) and not _group_alive(pgid)
+
+
+def _wait_gone(shard_dir: str, pgid: int | None, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _gone(shard_dir, pgid):
             return True
-        time.sleep(0.1)
-    return not is_running(shard_dir)
+        time.sleep(0.05)
+    return _gone(shard_dir, pgid)
 
 
-def stop(shard_dir: str, timeout: float, why: str = "user", reason: str | None = None) -> dict:
-    """Record the stop, SIGTERM the process's group, SIGKILL it after `timeout` s (and the runner
-    too if it still holds the lock); returns once the lock is free."""
-    if not is_running(shard_dir):
-        return {"status": "not running"}
+def kill_shard(shard_dir: str, grace: float) -> str:
+    """SIGTERM the shard process's group, SIGKILL it after `grace` s, then every process still
+    holding the shard's lock (a fork that left the group; last the runner, whose end the agent then
+    records), until the lock is free and the group is gone. 'stopped' (it ended within the grace),
+    'killed', or 'not running'."""
     p = _paths(shard_dir)
-    protocol.append_jsonl(p["events"], protocol.StopRequested(launch=last_launch(p["events"]) or None,
-                                                              why=why, reason=reason))
     pid, runner = read_pid(shard_dir), _read_int(p["runner"])
+    pgid = _pgid(pid)
+    if not is_running(shard_dir) and not _group_alive(pgid):
+        return "not running"
     if not _signal_group(pid, signal.SIGTERM):
         _signal_group(runner, signal.SIGTERM)      # not started yet: the runner forwards it
-    if _wait_unlocked(shard_dir, timeout):
-        return {"status": "stopped", "pid": pid}
-    _signal_group(read_pid(shard_dir), signal.SIGKILL)
-    if not _wait_unlocked(shard_dir, 5):
-        _signal_group(runner, signal.SIGKILL)      # the runner is stuck: the agent records the end
-        _wait_unlocked(shard_dir, 5)
-    return {"status": "killed", "pid": pid}
+    if _wait_gone(shard_dir, pgid, grace):
+        return "stopped"
+    pgid = pgid or _pgid(read_pid(shard_dir))
+    for _ in range(20):
+        if pgid is not None:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if _wait_gone(shard_dir, pgid, 2):
+            return "killed"
+        holders = [h for h in lock_holders(shard_dir) if h != runner] or \
+            [h for h in lock_holders(shard_dir)]
+        for h in holders:
+            try:
+                os.kill(h, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return "killed" if _wait_gone(shard_dir, pgid, 2) else "still running"
+
+
+def is_acting(shard_dir: str) -> bool:
+    """True while a stop or restart of the shard is being carried out (its act lock is held)."""
+    return _held(os.path.join(shard_dir, protocol.ACT_LOCK_FILE))
+
+
+def _held(path: str) -> bool:
+    if not os.path.exists(path):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def user_stopped(events_path: str, newest: int) -> bool:
+    """A user's (or the run's) stop stands for the newest launch (or before the first one)."""
+    return any(isinstance(e, protocol.StopRequested) and e.final and (e.launch or 0) == newest
+               for e in protocol.read_events(events_path))
+
+
+def last_stop(events_path: str) -> protocol.StopRequested | None:
+    stops = [e for e in protocol.read_events(events_path) if isinstance(e, protocol.StopRequested)]
+    return stops[-1] if stops else None
+
+
+def _launch_spec(a: protocol.ShardAction, shard_dir: str) -> dict:
+    spec = dict(a.launch_spec or {})
+    if not spec.get("argv"):
+        raise ValueError(f"shard {a.shard}: a {a.kind} needs the shard's command")
+    return {"shard_dir": shard_dir, "argv": list(spec["argv"]), "env": dict(spec.get("env") or {}),
+            "cwd": spec.get("cwd"), "by": a.by, "gpu": spec.get("gpu"), "sentinels": spec.get("sentinels")}
+
+
+def act(run_dir: str, action: protocol.ShardAction) -> protocol.ActResult:
+    """Carry out one action on one shard; the one door every stop and restart goes through.
+
+    A launch or restart is carried out only if the shard's newest launch is still the one the caller
+    judged (`expect_launch`); a restart only if no other stop or restart is under way. The intent is
+    recorded first (`stop`, with why and what follows), then the process group is signalled and
+    escalated by a detached finisher that holds the shard's act lock until the group is gone and,
+    for a restart whose intent still stands, the shard is launched again. A stop is never refused:
+    written while a restart is under way, it cancels the restart's launch (and the finisher kills a
+    launch that slipped in first)."""
+    d = protocol.shard_dir(run_dir, action.shard)
+    os.makedirs(d, mode=0o755, exist_ok=True)
+    events = _paths(d)["events"]
+    newest = last_launch(events)
+
+    def result(status: str, detail: str | None = None) -> protocol.ActResult:
+        return protocol.ActResult(shard=action.shard, status=status, launch=last_launch(events) or None,
+                                  detail=detail)
+    if action.kind != "stop" and action.expect_launch is not None and newest != action.expect_launch:
+        return result("stale", f"launch {newest} is newer than the {action.expect_launch} acted on")
+    if action.kind != "stop" and action.policy and user_stopped(events, newest):
+        return result("stale", "stopped by the user: only the user starts it again")
+    fd = os.open(os.path.join(d, protocol.ACT_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if not try_lock(fd, fcntl.LOCK_EX, tries=1):
+            if action.kind != "stop":
+                return result("busy", "a stop or restart of this shard is under way")
+            _record_intent(events, newest, action)
+            _spawn_finisher(run_dir, action, None)      # waits for the act lock, kills what is left
+            return result("stopping")
+        if action.kind == "launch":
+            return result(launch(**_launch_spec(action, d))["status"])
+        running = is_running(d)
+        _record_intent(events, newest, action)
+        if not running:
+            if action.kind == "restart":
+                return result(launch(**_launch_spec(action, d))["status"])
+            return result("stopped" if newest else "not running")
+        _spawn_finisher(run_dir, action, fd)
+        return result("restarting" if action.kind == "restart" else "stopping")
+    finally:
+        os.close(fd)
+
+
+def _record_intent(events: str, newest: int, action: protocol.ShardAction) -> None:
+    protocol.append_jsonl(events, protocol.StopRequested(
+        launch=newest or None, why=action.why, reason=action.reason, grace=action.grace,
+        then="launch" if action.kind == "restart" else None,
+        by=action.by if action.kind == "restart" else None))
+
+
+def _spawn_finisher(run_dir: str, action: protocol.ShardAction, lock_fd: int | None) -> None:
+    """A detached process (new session) that finishes the action: it outlives the SSH command."""
+    args = [sys.executable, "-m", "worker.hostctl", "finish", "--run-dir", run_dir,
+            "--action", action.to_json()]
+    if lock_fd is not None:
+        args += ["--lock-fd", str(lock_fd)]
+    subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     pass_fds=(lock_fd,) if lock_fd is not None else (), start_new_session=True)
+
+
+FINISH_WAIT_S = 600.0
+
+
+def finish(run_dir: str, action: protocol.ShardAction, lock_fd: int | None) -> int:
+    """The finisher: holding the act lock, kill the shard's processes; for a restart whose intent
+    is still the newest (no stop came after it), launch again; for a stop, a launch that slipped in
+    meanwhile is stopped too. Writes what it did to the shard's act.result."""
+    d = protocol.shard_dir(run_dir, action.shard)
+    events = _paths(d)["events"]
+    if lock_fd is None:
+        lock_fd = os.open(os.path.join(d, protocol.ACT_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        if not try_lock(lock_fd, fcntl.LOCK_EX, tries=int(FINISH_WAIT_S / 0.05)):
+            return 1
+    status = kill_shard(d, action.grace)
+    if action.kind == "restart":
+        intent = last_stop(events)
+        if intent is not None and intent.restart and status != "still running":
+            status = launch(**_launch_spec(action, d))["status"]
+        else:
+            status = f"{status}; restart cancelled by a later stop"
+    else:
+        while is_running(d):                   # a restart launched just before this stop was read
+            protocol.append_jsonl(events, protocol.StopRequested(
+                launch=last_launch(events) or None, why=action.why, grace=action.grace))
+            status = kill_shard(d, action.grace)
+            if status == "still running":
+                break
+    _write_result(d, action, status)
+    return 0
+
+
+def _write_result(shard_dir: str, action: protocol.ShardAction, status: str) -> None:
+    path = os.path.join(shard_dir, "act.result")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"t": protocol.now(), "kind": action.kind, "status": status}, f)
+    os.replace(path + ".tmp", path)
+
+
+def wait_idle(shard_dir: str, seconds: float) -> str | None:
+    """Wait until no action is under way on the shard; the finisher's last word, if any."""
+    deadline = time.monotonic() + seconds
+    while is_acting(shard_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        with open(os.path.join(shard_dir, "act.result")) as f:
+            return json.load(f).get("status")
+    except (OSError, ValueError):
+        return None
 
 
 def reopen(shard_dir: str, samples: int, reason: str) -> dict:
@@ -302,9 +520,17 @@ def reopen(shard_dir: str, samples: int, reason: str) -> dict:
 
 
 def stop_all(run_dir: str, timeout: float) -> dict:
+    """`fleet down`: a run stop for every shard folder (a shard waiting for a restart is STOPPED
+    too), carried out in parallel; returns once each is done: stopped / killed / not running."""
     folder = os.path.join(run_dir, "shards")
-    shards = sorted(n for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(folder) else []
-    return {k: stop(os.path.join(folder, k), timeout)["status"] for k in shards}
+    shards = sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(folder) else []
+    first = {k: act(run_dir, protocol.ShardAction(shard=k, kind="stop", why="run", grace=timeout)).status
+             for k in shards}
+    out = {}
+    for k in shards:
+        last = wait_idle(protocol.shard_dir(run_dir, k), timeout + 30) if first[k] == "stopping" else None
+        out[str(k)] = last or first[k]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,11 +552,14 @@ def main(argv: list[str] | None = None) -> int:
     ru.add_argument("--cwd", default=None)
     ru.add_argument("--sentinels", default=None)
     ru.add_argument("argv", nargs=argparse.REMAINDER)
-    st = sub.add_parser("stop")
-    st.add_argument("--shard-dir", required=True)
-    st.add_argument("--timeout", type=float, default=10.0)
-    st.add_argument("--why", choices=("user", "restart"), default="user")
-    st.add_argument("--reason", default=None, help="for a restart: the failure it restarts from")
+    ac = sub.add_parser("act", help="carry out actions (JSON lines of protocol.ShardAction on stdin)")
+    ac.add_argument("--run-dir", required=True)
+    ac.add_argument("--wait", type=float, default=0.0,
+                    help="wait up to this many seconds for each stop or restart to be carried out")
+    fi = sub.add_parser("finish", help="(internal) finish a stop or restart, detached")
+    fi.add_argument("--run-dir", required=True)
+    fi.add_argument("--action", required=True)
+    fi.add_argument("--lock-fd", type=int, default=None)
     ro = sub.add_parser("reopen")
     ro.add_argument("--shard-dir", required=True)
     ro.add_argument("--samples", type=int, required=True)
@@ -360,8 +589,20 @@ def main(argv: list[str] | None = None) -> int:
         result = stop_all(args.run_dir, args.timeout)
     elif args.cmd == "reopen":
         result = reopen(args.shard_dir, args.samples, args.reason)
+    elif args.cmd == "finish":
+        return finish(args.run_dir, protocol.ShardAction.from_dict(json.loads(args.action)), args.lock_fd)
     else:
-        result = stop(args.shard_dir, args.timeout, args.why, args.reason)
+        actions = [protocol.ShardAction.from_dict(json.loads(line)) for line in sys.stdin if line.strip()]
+        results = [act(args.run_dir, a) for a in actions]
+        if args.wait > 0:
+            for a, r in zip(actions, results):
+                if r.status in ("stopping", "restarting"):
+                    last = wait_idle(protocol.shard_dir(args.run_dir, a.shard), args.wait)
+                    r.status, r.detail = "done", last
+                    r.launch = last_launch(_paths(protocol.shard_dir(args.run_dir, a.shard))["events"]) or None
+        for r in results:
+            print(r.to_json(), flush=True)
+        return 0
     print(json.dumps(result), flush=True)
     return 0
 

@@ -14,7 +14,8 @@ Who writes what::
     the worker       Started Loading Loaded Progress SampleSkipped WarningEvent Done Failed
     the runner       Sentinel, Progress   a [job]'s log lines / output files, as they appear
                      Exited         the process ended (code, or stopped on purpose)
-    hostctl stop     StopRequested  written before the first signal is sent
+    hostctl act      StopRequested  the intent (stop, restart, give up), before the first signal;
+                     Launch         for a restart, once the old process group is gone
     hostctl reopen   Reopened       `fleet verify --repair` dropped some of its samples
     the agent        Exited(vanished=True)   the lock is free and the launch has no end record
                                     (the runner itself was killed); written under the lock
@@ -263,13 +264,33 @@ class Sentinel(Record):
 @event
 @dataclass
 class StopRequested(Record):
-    """Written by `hostctl stop` before it signals: the launch ends stopped, however it dies.
-    `why`: user (k, D, fleet down: never restarted automatically) | restart (a restart's stop)."""
+    """An intent, written by `hostctl act` (or `worker.slurm cancel`) before the first signal: the
+    launch ends as this says, however it dies. `why`: user (k, :stop: never restarted by itself) |
+    run (D, fleet down: the same, for the whole run) | restart (a restart's stop; `then` = "launch":
+    the actor launches again once the process group is gone, by = manual for the user's restart,
+    auto for the policy's) | fatal (the policy gave up: what is left of the shard is killed). A user
+    or run stop written after the launch ended still applies: a shard waiting for a restart is
+    STOPPED and never relaunched. `grace`: seconds between SIGTERM and SIGKILL."""
     KIND: ClassVar[str] = "stop"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
     why: str = "user"
     reason: Optional[str] = None      # for a restart: the failure it restarts from
+    then: Optional[str] = None        # "launch": a restart
+    by: Optional[str] = None          # the relaunch's `by` (manual | auto)
+    grace: Optional[float] = None
+
+    @property
+    def restart(self) -> bool:
+        return self.then == "launch"
+
+    @property
+    def final(self) -> bool:
+        """A stop the user (or `fleet down`) asked for: the shard stays STOPPED."""
+        return self.why in USER_STOPS
+
+
+USER_STOPS = ("user", "run")
 
 
 @event
@@ -346,11 +367,15 @@ class EventMessage(Message):
 @message
 @dataclass
 class Liveness(Message):
+    """`alive`: the shard's lock is held (its runner or process lives). `acting`: a stop or restart
+    is being carried out on the host (`hostctl act` holds the shard's act lock); None where nothing
+    acts on the host (Slurm: the supervisor resubmits)."""
     KIND: ClassVar[str] = "shard"
     shard: int = 0
     alive: bool = False
     pid: Optional[int] = None
     t: float = field(default_factory=now)
+    acting: Optional[bool] = None
 
 
 @message
@@ -441,6 +466,49 @@ class AgentError(Message):
     KIND: ClassVar[str] = "error"
     t: float = field(default_factory=now)
     message: str = ""
+
+
+# --- actions (supervisor -> `hostctl act`, one JSON object a line on its stdin) -----------------
+
+ACT_LOCK_FILE = "act.lock"   # held by whoever carries out a shard's stop or restart
+
+
+@dataclass
+class ShardAction(Record):
+    """One thing to do to one shard, carried out on its host by `hostctl act`.
+
+    kind: launch (a shard that is not running) | stop | restart. `expect_launch` is the newest launch
+    the caller's verdict was about: a launch or restart is carried out only if the shard's newest
+    launch is still that one, so two supervisors acting on the same verdict act once ("stale" for
+    the second). A stop is always carried out (it applies to whatever runs). `launch_spec` holds
+    what `hostctl launch` takes (argv, env, cwd, gpu, sentinels)."""
+    TAG: ClassVar[str] = "action"
+    KIND: ClassVar[str] = "shard"
+    shard: int = 0
+    kind: str = "launch"
+    why: str = "user"
+    by: str = "manual"
+    reason: Optional[str] = None
+    expect_launch: Optional[int] = None
+    grace: float = 10.0
+    launch_spec: Optional[dict] = None
+    policy: bool = False              # the supervisor's own decision: refused where a user's stop stands
+
+
+ACT_STATUSES = ("started", "stopping", "stopped", "restarting", "stale", "busy", "running",
+                "not running", "error")
+
+
+@dataclass
+class ActResult(Record):
+    """What `hostctl act` did about one action at once. The outcome itself (the launch, the end)
+    is read from the shard's record: started / stopping / restarting say only that it is under way."""
+    TAG: ClassVar[str] = "result"
+    KIND: ClassVar[str] = "act"
+    shard: int = 0
+    status: str = "error"
+    launch: Optional[int] = None      # the shard's newest launch after the action
+    detail: Optional[str] = None
 
 
 def parse_message(line: str) -> Optional[Message]:

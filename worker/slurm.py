@@ -431,16 +431,23 @@ def _wait_final(jobs: list[str], timeout: float) -> dict[str, View]:
         time.sleep(0.3)
 
 
-def cancel(run_dir: str, shard: int, why: str, reason: str | None, timeout: float) -> dict:
-    """`stop` first (the user's stop, or a restart's), then scancel of the shard's task; returns once
-    Slurm says it is over (its end recorded), or "cancelling" after `timeout`."""
+def cancel(run_dir: str, shard: int, why: str, reason: str | None, timeout: float,
+           then: str | None = None, by: str | None = None) -> dict:
+    """`stop` first (the intent: the user's or the run's stop, a restart's, the policy giving up),
+    then scancel of the shard's task; returns once Slurm says it is over (its end recorded), or
+    "cancelling" after `timeout`. A user's stop of a shard that is not running is still recorded:
+    a shard waiting to be resubmitted is STOPPED."""
     shard_dir = protocol.shard_dir(run_dir, shard)
     with RunLock(run_dir):
         state = LaunchState.read(events_path(shard_dir))
         if state.ended or not state.n:
+            if why in protocol.USER_STOPS:
+                os.makedirs(shard_dir, mode=0o755, exist_ok=True)
+                protocol.append_jsonl(events_path(shard_dir), protocol.StopRequested(
+                    launch=state.n or None, why=why, reason=reason))
             return {"status": "not running"}
         protocol.append_jsonl(events_path(shard_dir), protocol.StopRequested(
-            launch=state.n, why=why, reason=reason))
+            launch=state.n, why=why, reason=reason, then=then, by=by))
         if state.job is None:
             settle_unended(shard_dir, state, {})
             return {"status": "stopped"}
@@ -468,7 +475,7 @@ def cancel_all(run_dir: str, job_name: str | None, timeout: float) -> dict:
                 out[str(k)] = "not running"
                 continue
             protocol.append_jsonl(events_path(protocol.shard_dir(run_dir, k)),
-                                  protocol.StopRequested(launch=state.n, why="user"))
+                                  protocol.StopRequested(launch=state.n, why="run"))
             live[k] = state
         jobs = [s.job for s in live.values() if s.job]
         error = _scancel(jobs, [f"--name={job_name}", f"--user={getpass.getuser()}"] if job_name else None)
@@ -566,8 +573,10 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("cancel")
     k.add_argument("--run-dir", required=True)
     k.add_argument("--shard", type=int, required=True)
-    k.add_argument("--why", choices=("user", "restart"), default="user")
+    k.add_argument("--why", choices=("user", "run", "restart", "fatal"), default="user")
     k.add_argument("--reason", default=None)
+    k.add_argument("--then", choices=("launch",), default=None, help="a restart: resubmitted once it ended")
+    k.add_argument("--by", choices=("manual", "auto"), default=None)
     k.add_argument("--timeout", type=float, default=60.0)
     a = sub.add_parser("cancel-all")
     a.add_argument("--run-dir", required=True)
@@ -581,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "submit":
             result = submit(args.run_dir, json.loads(sys.stdin.read()))
         elif args.cmd == "cancel":
-            result = cancel(args.run_dir, args.shard, args.why, args.reason, args.timeout)
+            result = cancel(args.run_dir, args.shard, args.why, args.reason, args.timeout, args.then, args.by)
         else:
             result = cancel_all(args.run_dir, args.job_name, args.timeout)
     except SlurmError as e:

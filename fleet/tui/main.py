@@ -35,7 +35,7 @@ def gpus_of(s) -> tuple[str, tuple[int, ...]] | None:
     return (s.host, tuple(s.gpus or (s.gpu,))) if s is not None else None
 
 
-TOLD = {"FAILED", "FATAL", "finished"}        # what a toast (and the bell) tells while you watch
+TOLD = {"FAILED", "FATAL", "STALLED", "finished"}   # what a toast (and the bell) tells while you watch
 
 
 class MainScreen(Screen):
@@ -219,12 +219,23 @@ class MainScreen(Screen):
                 self.app.run_action_job(job)
         self.app.push_screen(ConfirmScreen(question), answered)
 
+    def _allowed(self, ids: list[int], kind: str) -> list[int]:
+        """The shards `kind` may apply to, by the one rule every caller uses; the rest are told."""
+        refused = {k: self.app.source.refusal(k, kind) for k in ids}
+        told = [why for why in refused.values() if why]
+        if told:
+            self.app.notify("\n".join(told[:5]) + (f"\n… and {len(told) - 5} more" if len(told) > 5 else ""),
+                            severity="warning")
+        return [k for k in ids if not refused[k]]
+
     def restart(self, ids: list[int]) -> None:
+        ids = self._allowed(ids, "restart")
         if ids:
             self._confirm_then(f"Restart shard(s) {', '.join(map(str, ids))}? They resume where they stopped.",
                                lambda: self.app.source.restart(ids))
 
     def stop(self, ids: list[int]) -> None:
+        ids = self._allowed(ids, "stop")
         if ids:
             self._confirm_then(f"Stop shard(s) {', '.join(map(str, ids))}? They show STOPPED and are not "
                                f"restarted until you say so. Output already written stays.",

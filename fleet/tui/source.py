@@ -11,6 +11,7 @@ import time
 from collections import deque
 from typing import AsyncIterator, Protocol
 
+from ..actions import describe
 from ..judge import throughput_history
 from ..snapshot import FleetSnapshot
 from ..supervisor import Supervisor
@@ -22,6 +23,9 @@ class FleetSource(Protocol):
 
     def history(self, step: float, points: int) -> list[tuple[float, float, float]]:
         """(time, tokens/s, samples/s) per interval up to now, rebuilt from the records."""
+
+    def refusal(self, shard_id: int, kind: str) -> str | None:
+        """Why `kind` (restart | stop) cannot apply to this shard now; None if it can."""
 
     async def restart(self, shard_ids: list[int]) -> list[str]: ...
 
@@ -51,23 +55,19 @@ class SupervisorSource:
         records = [(s.record, offsets[s.placement.host]) for s in self.sup.shards.values()]
         return throughput_history(records, time.time(), step, points)
 
+    def refusal(self, shard_id: int, kind: str) -> str | None:
+        """The one rule for what may be done to a shard (the same as `fleet restart`'s)."""
+        return self.sup.refusal(shard_id, kind)
+
     async def restart(self, shard_ids: list[int]) -> list[str]:
-        out = []
-        for k in shard_ids:
-            r = await self.sup.relaunch(k, by="manual")
-            out.append(f"shard {k}: {r.get('status')}" + (f" ({r['error']})" if r.get("error") else ""))
-        return out
+        return [describe(r) for r in (await self.sup.request(shard_ids, "restart")).values()]
 
     async def stop(self, shard_ids: list[int]) -> list[str]:
-        out = []
-        for k in shard_ids:
-            r = await self.sup.stop(k)
-            out.append(f"shard {k}: {r.get('status')}" + (f" ({r['error']})" if r.get("error") else ""))
-        return out
+        return [describe(r) for r in (await self.sup.request(shard_ids, "stop")).values()]
 
     async def stop_all(self) -> list[str]:
         results = await self.sup.stop_all()
-        return [f"{host}: {r.get('error') or ', '.join(f'{k} {v}' for k, v in r.items()) or 'nothing running'}"
+        return [f"{host}: {r.get('error') or ', '.join(f'{k} {v}' for k, v in r.items()) or 'nothing to stop'}"
                 for host, r in results.items()]
 
     async def follow_log(self, shard_id: int) -> AsyncIterator[str]:

@@ -15,18 +15,18 @@ from ..state import State
 GLYPH = {
     "PENDING": "○", "DEPLOYING": "…", "STARTING": "◔", "LOADING": "◑", "RUNNING": "▶",
     "DONE": "✓", "STALLED": "⚠", "FAILED": "✗", "BACKOFF": "↻", "FATAL": "✖", "STOPPED": "■",
-    "UNKNOWN": "?",
+    "STOPPING": "◼", "UNKNOWN": "?",
 }
 _COLOUR = {
     "PENDING": "bright_black", "DEPLOYING": "cyan", "STARTING": "cyan", "LOADING": "cyan",
     "RUNNING": "green", "DONE": "bold green", "STALLED": "bold yellow", "FAILED": "bold red",
     "BACKOFF": "yellow", "FATAL": "bold white on red", "STOPPED": "italic",
-    "UNKNOWN": "magenta",
+    "STOPPING": "bold magenta", "UNKNOWN": "magenta",
 }
 _MONO = {                                  # what survives NO_COLOR: weight, italics, reverse video
     "PENDING": "", "DEPLOYING": "", "STARTING": "", "LOADING": "", "RUNNING": "", "DONE": "",
     "STALLED": "bold", "FAILED": "bold", "BACKOFF": "bold", "FATAL": "bold reverse",
-    "STOPPED": "italic", "UNKNOWN": "italic",
+    "STOPPED": "italic", "STOPPING": "bold italic", "UNKNOWN": "italic",
 }
 _STATE_STYLES = {False: {k: Style.parse(v) for k, v in _COLOUR.items()},
                  True: {k: Style.parse(v) for k, v in _MONO.items()}}

@@ -56,7 +56,8 @@ def test_failure_reasons_in_order_of_precedence():
 
 def test_a_stop_is_stopped_even_when_it_had_to_sigkill_and_is_never_restarted():
     evs = [launch(1), p.Loaded(t=2, launch=1), p.StopRequested(t=5, launch=1, why="user")]
-    assert verdict(evs, 5, True).reason == "stopping"
+    assert verdict(evs, 5, True).reason == "stopping; SIGKILL in 10s"
+    assert verdict(evs, 16, True).reason == "stopping; SIGKILL sent"
     for end in (p.Exited(t=6, launch=1, code=-9),                   # the runner saw the SIGKILL
                 p.Exited(t=6, launch=1, vanished=True),             # the runner was killed too
                 p.Exited(t=6, launch=1, code=-15, stopped=True)):
@@ -94,10 +95,12 @@ def test_custom_job_sentinels_order_and_need():
 
 def test_a_failure_the_worker_calls_not_retryable_is_fatal_at_once_alive_or_not():
     evs = [launch(0), p.Loaded(t=1, launch=1), p.Failed(t=2, launch=1, reason="skipped 9 of 10 rows", fatal=True)]
-    for alive, more in ((True, []), (False, [p.Exited(t=3, launch=1, code=1)])):
-        v = verdict(evs + more, 1000, alive)
-        assert (v.state, v.action) == (State.FATAL, Action.NONE)
-        assert v.reason == "skipped 9 of 10 rows (not retried: a restart would fail the same way)"
+    why = "skipped 9 of 10 rows (not retried: a restart would fail the same way)"
+    v = verdict(evs, 1000, True)                 # no live process in FATAL: what is left is stopped first
+    assert (v.state, v.action) == (State.STOPPING, Action.STOP) and v.reason.startswith(why)
+    v = verdict(evs + [p.Exited(t=3, launch=1, code=1)], 1000, False)
+    assert (v.state, v.action) == (State.FATAL, Action.NONE)
+    assert v.reason == why
 
 
 def test_a_repaired_done_shard_is_pending_and_launched_again():

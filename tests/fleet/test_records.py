@@ -25,7 +25,8 @@ JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 
 def job_toml(tmp_path, script: dict, *, max_restarts: int = 3, backoff: str = "0.5s",
-             python: str | None = None, gpus=(0, 1), extra_job: str = "") -> str:
+             python: str | None = None, gpus=(0, 1), extra_job: str = "", stall: str = "60s",
+             grace: str = "0.5s") -> str:
     (tmp_path / "script.json").write_text(json.dumps(script))
     (tmp_path / "fleet.toml").write_text(f"""
 [run]
@@ -36,7 +37,8 @@ output = "out"
 max_restarts = {max_restarts}
 backoff_base = "{backoff}"
 backoff_max = "4s"
-stall_timeout = "60s"
+stall_timeout = "{stall}"
+stop_grace = "{grace}"
 
 [job]
 command = "{{python}} {JOB} {tmp_path / 'script.json'} {{shard}}"
@@ -167,8 +169,8 @@ async def test_a_stop_that_escalates_to_sigkill_stays_stopped(tmp_path):
     sup = await started(job_toml(tmp_path, script, gpus=(0,), backoff="0.2s"))
     try:
         await until(lambda: shard(sup, 0).done == 1, what="running")
-        r = await sup.stop(0, timeout=0.5)
-        assert r["status"] == "killed"
+        r = (await sup.request([0], "stop", wait=30))[0]
+        assert (r.status, r.detail) == ("done", "killed")
         await until(lambda: shard(sup, 0).state == State.STOPPED, what="STOPPED")
         await asyncio.sleep(2.0)                                      # 10x the backoff
         s = shard(sup, 0)
@@ -207,7 +209,7 @@ async def test_a_launch_that_fails_backs_off_counts_and_goes_fatal(tmp_path):
     """hostctl itself cannot run on the host (its python refuses): each failed launch is an attempt,
     spaced by the backoff, and the budget ends in FATAL instead of a retry every poll."""
     wrapper = tmp_path / "python"
-    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *'worker.hostctl launch'*) echo 'hostctl: no space "
+    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *'worker.hostctl act'*) echo 'hostctl: no space "
                        f"for the runner' >&2; exit 1;; esac\nexec {sys.executable} \"$@\"\n")
     wrapper.chmod(0o755)
     logs: list[str] = []

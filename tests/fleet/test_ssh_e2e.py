@@ -172,7 +172,7 @@ def test_restart_logs_and_down_commands(tmp_path, sshd, dense_model, token_rows)
         assert snap["shards"][1]["state"] in ("DONE", "STOPPED")
         assert all(s["alive"] is False for s in snap["shards"]) and st.returncode == 0   # stopped: not a fault
         again = fleet("down", "-c", config)                 # nothing live: nothing to ask
-        assert again.returncode == 0 and "nothing is running; nothing to stop" in again.stdout, again.stderr
+        assert again.returncode == 0 and "nothing is running or waiting to restart; nothing to stop" in again.stdout, again.stderr
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -6,7 +6,10 @@ SCRIPT.json: {"<shard>": [[step, ...] for launch 1, [step, ...] for launch 2, ..
 the end repeats the last list. The launch number comes from FLEET_LAUNCH (set by fleet's runner).
 Steps: ["print", text] · ["progress", done, total] (prints "processed done/total") ·
 ["cr_progress", done, total] (a \\r-redrawn progress bar) · ["file", path] · ["wait", path] (block
-until it exists) · ["sleep", s] · ["ignore_term"] · ["exit", code] · ["hang"].
+until it exists) · ["sleep", s] · ["ignore_term"] · ["exit", code] · ["hang"] · ["chatter"] (prints a
+line every 0.1 s for ever, never progress: a hung shard that still logs) · ["fork", "group" | "setsid"]
+(a child that ignores SIGTERM and hangs, in the job's process group or in a session of its own,
+keeping the job's open files; the parent goes on).
 """
 
 import json
@@ -41,3 +44,14 @@ for step in steps:
     elif kind == "hang":
         while True:
             time.sleep(1)
+    elif kind == "chatter":
+        while True:
+            print("still here, working on it", flush=True)
+            time.sleep(0.1)
+    elif kind == "fork":
+        if os.fork() == 0:
+            if args[0] == "setsid":
+                os.setsid()
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            while True:
+                time.sleep(1)

@@ -16,7 +16,7 @@ from textual.widgets import Static
 
 from ...render import human_duration, restarts_text
 from ...snapshot import FleetSnapshot, ShardStatus
-from ...state import MEASURED, State
+from ...state import MEASURED, SEVERITY as STATE_SEVERITY, State
 from ..style import GLYPH, bar, si, state_style
 from .lines import Column, LineTable, show_text
 
@@ -34,8 +34,7 @@ COLUMNS = [
     Column("failure", "last failure", 28, 9),
 ]
 COLUMN_KEYS = [c.key for c in COLUMNS]
-SEVERITY = ["FATAL", "FAILED", "STALLED", "UNKNOWN", "BACKOFF", "STARTING", "LOADING", "DEPLOYING",
-            "RUNNING", "PENDING", "STOPPED", "DONE"]
+SEVERITY = list(STATE_SEVERITY)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from textual.widgets import Static
 
 from ...render import finished_summary, human_bytes, human_duration
 from ...snapshot import FleetSnapshot
+from ...state import SEVERITY as STATE_SEVERITY
 from ..style import ALERT, GLYPH, bar, si, state_style, usd
 from .lines import show_text
 
@@ -29,8 +30,7 @@ def fit(parts: list[tuple[int, Text]], width: int, sep: str = "  ") -> Text:
 
 
 def state_counts(snap: FleetSnapshot, no_color: bool) -> list[tuple[int, Text]]:
-    order = ["FATAL", "FAILED", "STALLED", "UNKNOWN", "BACKOFF", "STARTING", "LOADING", "DEPLOYING",
-             "RUNNING", "PENDING", "STOPPED", "DONE"]
+    order = STATE_SEVERITY
     out = []
     for i, state in enumerate(order):
         n = snap.totals.by_state.get(state)

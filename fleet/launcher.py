@@ -1,0 +1,147 @@
+"""Who starts and stops shards: one Launcher per engine, chosen once from fleet.toml.
+
+Both engines take the same typed actions (`protocol.ShardAction`: launch, stop, restart) and answer
+with `protocol.ActResult`s; the outcome itself (the launch, the end) is read from the shard's record
+by the agent, never from how long a command took. The Supervisor keeps the loop and the records and
+calls only this interface; it never asks which engine it has.
+
+- `HostLauncher`: `[[hosts]]`. A host's actions go in one `python -m worker.hostctl act` (typed JSON
+  lines on stdin): launches of eight shards are one SSH command and one Python start, and every stop
+  and restart is carried out on the host by the one door there (intent recorded, group signalled,
+  escalated, confirmed gone, then the launch).
+- `SlurmLauncher`: `[slurm]`. Launches (and restarts of ended tasks) are one `sbatch --array` through
+  `worker.slurm submit`; stops and restarts of live tasks are `worker.slurm cancel` with the same
+  intent in the record; the supervisor resubmits once the cancelled task's end is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Protocol
+
+from worker import protocol
+
+from . import deploy
+from . import slurm as slurm_submission
+from .config import Config, HostSpec
+from .jobs import Placement, sentinel_spec, shard_command, shard_dir
+from .transport import HostError, HostUnusable, Transport
+
+ACT_TIMEOUT_S = 60.0          # one host's act command (it only records, signals and spawns)
+
+
+class Launcher(Protocol):
+    async def act(self, t: Transport, host: HostSpec, actions: list[protocol.ShardAction],
+                  places: dict[int, Placement], num_shards: int,
+                  wait: float = 0.0) -> list[protocol.ActResult]: ...
+
+    def log_argv(self, host: HostSpec, shard: int, last: int, follow: bool) -> list[str]: ...
+
+
+def make_launcher(config: Config) -> Launcher:
+    return SlurmLauncher(config) if config.slurm is not None else HostLauncher(config)
+
+
+def _log_argv(config: Config, host: HostSpec, shard: int, last: int, follow: bool) -> list[str]:
+    # -F follows across the log's creation without tail's own chatter about it (-q, stderr dropped
+    # by the transport's line reader): a log view shows the shard's lines only.
+    return ["tail", "-q", "-n", str(last)] + (["-F"] if follow else []) + \
+        [f"{shard_dir(config, host, shard)}/log"]
+
+
+class HostLauncher:
+    def __init__(self, config: Config):
+        self.config = config
+
+    def launch_spec(self, host: HostSpec, place: Placement, num_shards: int) -> dict:
+        cmd = shard_command(self.config, host, place, num_shards)
+        return {"argv": cmd.argv, "env": cmd.env, "cwd": cmd.cwd, "gpu": place.gpu,
+                "sentinels": sentinel_spec(self.config, host)}
+
+    async def act(self, t: Transport, host: HostSpec, actions: list[protocol.ShardAction],
+                  places: dict[int, Placement], num_shards: int,
+                  wait: float = 0.0) -> list[protocol.ActResult]:
+        """Raises HostError when the command could not run (the host is unreachable, or hostctl
+        itself failed there: HostUnusable)."""
+        for a in actions:
+            if a.kind != "stop" and a.launch_spec is None:
+                a.launch_spec = self.launch_spec(host, places[a.shard], num_shards)
+        argv = ["act", "--run-dir", self.config.run_dir(host)] + (["--wait", str(wait)] if wait else [])
+        text = "".join(a.to_json() + "\n" for a in actions)
+        r = await t.run(deploy.python_argv(self.config, host, "hostctl", *argv),
+                        timeout=ACT_TIMEOUT_S + wait, input=text.encode())
+        if r.rc != 0:
+            raise HostUnusable(deploy._python_missing(self.config, host, r.stderr) or
+                                      f"{host.name}: worker.hostctl failed (exit {r.rc}): "
+                                      f"{deploy.last_line(r.stderr)}")
+        results = []
+        for line in r.stdout.splitlines():
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(d, dict) and d.get(protocol.ActResult.TAG) == protocol.ActResult.KIND:
+                results.append(protocol.ActResult.from_dict(d))
+        return results
+
+    def log_argv(self, host: HostSpec, shard: int, last: int, follow: bool) -> list[str]:
+        return _log_argv(self.config, host, shard, last, follow)
+
+
+class SlurmLauncher:
+    def __init__(self, config: Config):
+        self.config = config
+
+    async def act(self, t: Transport, host: HostSpec, actions: list[protocol.ShardAction],
+                  places: dict[int, Placement], num_shards: int,
+                  wait: float = 0.0) -> list[protocol.ActResult]:
+        results: dict[int, protocol.ActResult] = {}
+        submit: dict[str, list[int]] = {}
+        for a in actions:
+            if a.kind == "launch":
+                submit.setdefault(a.by, []).append(a.shard)
+                continue
+            r = await self._cancel(t, host, a, wait)
+            if a.kind == "restart" and r.get("status") == "not running":
+                submit.setdefault(a.by, []).append(a.shard)
+                continue
+            status = {"stopped": "stopped", "not running": "not running", "error": "error"}.get(
+                r.get("status"), "restarting" if a.kind == "restart" else "stopping")
+            results[a.shard] = protocol.ActResult(shard=a.shard, status=status, detail=r.get("error"))
+        for by, shards in submit.items():
+            results.update(await self._submit(t, host, [places[k] for k in shards], num_shards, by))
+        return [results[a.shard] for a in actions if a.shard in results]
+
+    async def _cancel(self, t: Transport, host: HostSpec, a: protocol.ShardAction, wait: float) -> dict:
+        timeout = max(a.grace, 60.0)
+        args = ["cancel", "--run-dir", self.config.run_dir(host), "--shard", str(a.shard), "--why", a.why,
+                "--timeout", str(timeout if wait else 1.0)]
+        if a.reason:
+            args += ["--reason", a.reason]
+        if a.kind == "restart":
+            args += ["--then", "launch", "--by", a.by]
+        return await deploy.run_worker_module(t, self.config, host, "slurm", *args, timeout=timeout + 60)
+
+    async def _submit(self, t: Transport, host: HostSpec, places: list[Placement], num_shards: int,
+                      by: str) -> dict[int, protocol.ActResult]:
+        """One array for these shards; a shard the submission never reached (squeue did not answer)
+        is an error result (its launch failed without a record)."""
+        spec = slurm_submission.submission(self.config, host, places, num_shards, by)
+        result = await deploy.run_worker_module(t, self.config, host, "slurm", "submit", "--run-dir",
+                                                self.config.run_dir(host), input=json.dumps(spec).encode(),
+                                                timeout=180)
+        states = result.get("shards", {})
+        status_of = {"submitted": "started", "refused": "started", "held": "running"}
+        out = {}
+        for p in places:
+            state = states.get(str(p.shard))
+            out[p.shard] = protocol.ActResult(
+                shard=p.shard, status=status_of.get(state, "running" if state else "error"),
+                detail=None if state else (result.get("error") or "submission failed"))
+        return out
+
+    def log_argv(self, host: HostSpec, shard: int, last: int, follow: bool) -> list[str]:
+        return _log_argv(self.config, host, shard, last, follow)
+
+
+__all__ = ["Launcher", "HostLauncher", "SlurmLauncher", "make_launcher", "HostError"]
