@@ -43,13 +43,20 @@ def newest_launch(record: ShardRecord) -> int:
     return record.attempt.n if record.attempt is not None else 0
 
 
+def _start_kind(record: ShardRecord) -> str:
+    """A restart of a shard whose newest attempt has ended is a launch (nothing to stop: the host
+    refuses it if something runs after all); of a live one, a stop and then a launch."""
+    a = record.attempt
+    return "launch" if a is None or a.ended else "restart"
+
+
 def policy_action(record: ShardRecord, verdict: Verdict, grace: float, shard: int) -> protocol.ShardAction | None:
     """The action the verdict makes due, as the host will carry it out (None: nothing due)."""
     n = newest_launch(record)
     if verdict.action == Action.LAUNCH:
         kind, why, by = "launch", "restart", "manual"
     elif verdict.action == Action.RESTART:
-        kind, why, by = ("restart" if n else "launch"), "restart", verdict.by
+        kind, why, by = _start_kind(record), "restart", verdict.by
     elif verdict.action == Action.STOP:
         kind, why, by = "stop", "fatal", "auto"
     else:
@@ -63,7 +70,7 @@ def user_action(record: ShardRecord, kind: str, grace: float, shard: int) -> pro
     n = newest_launch(record)
     if kind == "stop":
         return protocol.ShardAction(shard=shard, kind="stop", why="user", grace=grace)
-    return protocol.ShardAction(shard=shard, kind="restart" if n else "launch", why="restart", by="manual",
+    return protocol.ShardAction(shard=shard, kind=_start_kind(record), why="restart", by="manual",
                                 reason="restarted by the user", expect_launch=n, grace=grace)
 
 

@@ -37,6 +37,9 @@ class Launcher(Protocol):
 
     def log_argv(self, host: HostSpec, shard: int, last: int, follow: bool) -> list[str]: ...
 
+    def agent_args(self) -> list[str]:
+        """What the host agent is told about the engine (Slurm: liveness from squeue)."""
+
 
 def make_launcher(config: Config) -> Launcher:
     return SlurmLauncher(config) if config.slurm is not None else HostLauncher(config)
@@ -86,6 +89,9 @@ class HostLauncher:
 
     def log_argv(self, host: HostSpec, shard: int, last: int, follow: bool) -> list[str]:
         return _log_argv(self.config, host, shard, last, follow)
+
+    def agent_args(self) -> list[str]:
+        return []
 
 
 class SlurmLauncher:
@@ -142,6 +148,9 @@ class SlurmLauncher:
 
     def log_argv(self, host: HostSpec, shard: int, last: int, follow: bool) -> list[str]:
         return _log_argv(self.config, host, shard, last, follow)
+
+    def agent_args(self) -> list[str]:
+        return ["--slurm", "--slurm-interval", str(self.config.slurm.poll_interval)]
 
 
 __all__ = ["Launcher", "HostLauncher", "SlurmLauncher", "make_launcher", "HostError"]

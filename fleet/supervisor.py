@@ -5,14 +5,16 @@ snapshots.
 Each host has one task that keeps an agent stream open (reconnecting with capped exponential
 backoff). A new stream replays the host's records from the start into fresh ShardRecords, so the
 picture after a reconnect or a supervisor restart is the host's own record, never a guess. The
-supervisor decides nothing itself: every 0.25 s it asks `fleet.judge` for each shard's verdict and
-carries out its action (launch, restart). What it keeps beyond the records is operational only:
-which actions are in flight, and launches that failed before reaching a host's record.
+supervisor decides nothing itself: every 0.25 s it asks `fleet.judge` for each shard's verdict,
+turns what is due into typed actions (`fleet.actions`) and hands each host's to the engine's
+Launcher (`fleet.launcher`) in one command. The user's restarts and stops (`request`, `stop_all`)
+take the same path after the same rule. Whether an action happened is read from the record, never
+from how long its command took: the supervisor only keeps which actions are in flight and launches
+that failed before reaching a host's record.
 
 With [slurm] there is one "host", the login node: the same agent runs there (reading every shard's
-record on the shared filesystem, asking squeue), and the actions become submissions of array
-indices (one `sbatch --array` for all the shards due at once), scancel of a task, scancel of the
-run; the judge and the snapshot are the same.
+record on the shared filesystem, asking squeue); the Launcher submits arrays and cancels tasks; the
+judge and the snapshot are the same.
 """
 
 from __future__ import annotations
@@ -328,8 +330,7 @@ class Supervisor:
         args = ["--run-dir", self.config.run_dir(link.spec), "--shards", shards,
                 "--output", self.config.host_path(link.spec, self.config.run.output),
                 "--interval", str(self.sup.telemetry_interval)]
-        if self.slurm is not None:
-            args += ["--slurm", "--slurm-interval", str(self.slurm.poll_interval)]
+        args += self.launcher.agent_args()
         if once:
             args.append("--once")
         return deploy.python_argv(self.config, link.spec, "agent", *args)

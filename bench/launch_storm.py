@@ -1,0 +1,146 @@
+"""A launch storm over SSH on loopback: N hosts x 8 GPUs of a sleeping [job], all launched at once.
+
+Every host is a name for the same real sshd on 127.0.0.1 (its own run folder), so the whole fleet's
+launches, runners and sleeping jobs share this machine's cores, as the issue's 2-core probe did.
+Reports, per fleet size:
+
+  all_running_s     from `launch_all` until every shard is RUNNING in the supervisor's view
+  false_failures    shards counted failed (a failure, a failed launch) although the host's record
+                    shows them started: must be 0
+  unreachable       hosts marked unreachable during the storm (no telemetry for the silence limit)
+  supervisor_cpu_s  the supervisor process's CPU time from launch to all RUNNING + 10 s
+  status_s          wall time of `fleet status --json` (Python start included), median of 3
+
+    python bench/launch_storm.py --hosts 16 32 --json docs/results/launch-storm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fleet.config import load_config
+from fleet.state import State
+from fleet.supervisor import Supervisor
+from tests.sshd_server import start_sshd
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_config(tmp: str, server, hosts: int, gpus: int) -> str:
+    parts = [f"""
+[run]
+name = "storm"
+output = "{tmp}/out"
+
+[supervise]
+max_restarts = 3
+max_concurrent_connects = 8
+
+[job]
+command = "{{python}} -c 'import time; time.sleep(3600)'"
+"""]
+    for h in range(hosts):
+        parts.append(f"""
+[[hosts]]
+name = "h{h}"
+address = "127.0.0.1"
+port = {server.port}
+user = "root"
+identity_file = "{server.client_key}"
+known_hosts = "{server.known_hosts}"
+python = "{sys.executable}"
+gpus = {list(range(gpus))}
+root = "{tmp}/root{h}"
+""")
+    path = os.path.join(tmp, f"fleet-{hosts}.toml")
+    with open(path, "w") as f:
+        f.write("".join(parts))
+    return path
+
+
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def storm(config_path: str, timeout: float) -> dict:
+    config = load_config(config_path)
+    logs: list[str] = []
+    unreachable: set[str] = set()
+    sup = Supervisor(config, on_log=logs.append)
+    results, failures = await sup.deploy()
+    assert not failures, failures
+    await sup.settle_plan(results)
+    await sup.start()
+
+    def watch() -> None:
+        unreachable.update(n for n, l in sup.links.items() if l.host.reachable is False)
+    sup.on_change = watch
+    cpu0, t0 = cpu_s(), time.monotonic()
+    await sup.launch_all()
+    all_running = None
+    while time.monotonic() - t0 < timeout:
+        snap = sup.snapshot()
+        watch()
+        if all(s.state == State.RUNNING for s in snap.shards):
+            all_running = time.monotonic() - t0
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(10)
+    cpu = cpu_s() - cpu0
+    snap = sup.snapshot()
+    false = [s.id for s in snap.shards if s.failures or s.restarts or
+             any(f for f in sup.shards[s.id].launch_failures)]
+    await sup.close()
+    return {"shards": len(snap.shards), "all_running_s": round(all_running, 2) if all_running else None,
+            "false_failures": len(false), "unreachable": sorted(unreachable),
+            "supervisor_cpu_s": round(cpu, 2),
+            "launch_failed_logs": sum("failed" in m for m in logs)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hosts", type=int, nargs="+", default=[16, 32])
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    out = {"machine": f"{os.cpu_count()} cores", "runs": []}
+    for hosts in args.hosts:
+        tmp = tempfile.mkdtemp(prefix="fleet-storm-")
+        server, proc = start_sshd(os.path.join(tmp, "sshd"))
+        try:
+            cfg = write_config(tmp, server, hosts, args.gpus)
+            r = {"hosts": hosts, "gpus_per_host": args.gpus, **asyncio.run(storm(cfg, args.timeout))}
+            walls = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                s = subprocess.run([sys.executable, "-m", "fleet", "status", "--json", "-c", cfg], cwd=REPO,
+                                   capture_output=True, text=True)
+                walls.append(time.perf_counter() - t0)
+                assert s.returncode in (0, 1), s.stderr
+            r["status_s"] = round(statistics.median(walls), 2)
+            subprocess.run([sys.executable, "-m", "fleet", "down", "--yes", "-c", cfg], cwd=REPO,
+                           capture_output=True, timeout=600)
+        finally:
+            proc.terminate()
+        print(json.dumps(r), flush=True)
+        out["runs"].append(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
