@@ -79,21 +79,21 @@ async def detection(config_path: str, trials: int) -> dict:
     sup = Supervisor(config)
     results, failures = await sup.deploy()
     assert not failures, failures
-    sup.plan({"h0": [0]})
+    await sup.settle_plan(results)
     await sup.start()
     await sup.launch_all()
     pid_file = os.path.join(config.run_dir(config.hosts[0]), "shards", "0", "pid")
     latencies = []
     for _ in range(trials):
-        await wait(lambda: sup.shards[0].alive and sup.shards[0].state == State.STARTING)
+        await wait(lambda: sup.shards[0].alive and sup.verdict(sup.shards[0]).state in (State.STARTING, State.RUNNING))
         await wait(lambda: os.path.exists(pid_file))
         pid = int(open(pid_file).read())
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        await wait(lambda: sup.shards[0].state in (State.FAILED, State.FATAL))
+        await wait(lambda: sup.verdict(sup.shards[0]).state in (State.FAILED, State.BACKOFF, State.FATAL))
         latencies.append(time.monotonic() - t0)
         await wait(lambda: not os.path.exists(pid_file))
-        await sup.relaunch(0, by="manual")
+        await sup.request([0], "restart")
     await sup.stop_all()
     await sup.close()
     return {"trials": trials, "median_s": round(statistics.median(latencies), 3),
@@ -103,9 +103,9 @@ async def detection(config_path: str, trials: int) -> dict:
 async def launch_hosts(config_path: str) -> None:
     config = load_config(config_path)
     sup = Supervisor(config)
-    _, failures = await sup.deploy()
+    results, failures = await sup.deploy()
     assert not failures, failures
-    sup.plan({h.name: [0] for h in config.hosts})
+    await sup.settle_plan(results)
     await sup.start()
     await sup.launch_all()
     await sup.close()
@@ -119,7 +119,7 @@ async def read_once_times(config_path: str, repeats: int) -> list[float]:
         t0 = time.perf_counter()
         snap = await sup.read_once()
         out.append(time.perf_counter() - t0)
-        assert all(h["reachable"] for h in snap["hosts"]) and len(snap["shards"]) == len(config.hosts)
+        assert all(h.reachable for h in snap.hosts) and len(snap.shards) == len(config.hosts)
         await sup.close()
     return out
 

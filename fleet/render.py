@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from .snapshot import FleetSnapshot
+from .state import State
 
 
 def human_bytes(n: float | None) -> str:
@@ -108,12 +109,28 @@ QUIT_MESSAGE = ("fleet: the workers keep running. `fleet up` re-attaches to them
 
 
 def quit_message(snap: FleetSnapshot | None) -> str:
-    """What `fleet up` prints when its live view closes: true to what is left running."""
+    """What `fleet up` prints when its live view closes: true to what is left running, and naming
+    the shards that need a look (FATAL, STALLED, FAILED) so they are not lost in 'keep running'."""
     if snap is None or not snap.totals.replayed or not snap.totals.settled:
-        return QUIT_MESSAGE
+        return QUIT_MESSAGE + needing_a_look(snap)
     t = snap.totals
     if t.finished:
         return f"fleet: run {snap.run} is finished: {finished_summary(snap)}. Check the output: fleet verify"
     counts = ", ".join(f"{n} {s}" for s, n in t.by_state.items())
     return (f"fleet: nothing of run {snap.run} is running ({counts}). `fleet up` launches every shard "
-            f"that is not DONE; `fleet status` shows them.")
+            f"that is not DONE; `fleet status` shows them." + needing_a_look(snap))
+
+
+LOOK_AT = (State.FATAL, State.STALLED, State.FAILED)
+
+
+def needing_a_look(snap: FleetSnapshot | None) -> str:
+    """'\n  FATAL: shard 3 (box1:3): gave up after ...' for each shard in LOOK_AT (at most 8)."""
+    if snap is None:
+        return ""
+    bad = [s for s in snap.shards if s.state in LOOK_AT]
+    lines = [f"\n  {s.state.value}: shard {s.id} ({s.host}:{s.gpu})" + (f": {s.reason}" if s.reason else "")
+             for s in bad[:8]]
+    if len(bad) > 8:
+        lines.append(f"\n  … and {len(bad) - 8} more (fleet status)")
+    return "".join(lines)

@@ -13,9 +13,12 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .figures import pace, pace_eta, progress_age
 from .judge import Rates, Verdict, rates
 from .record import ShardRecord
-from .state import FAULTY, SETTLED, State
+from .state import FAULTY, MEASURED, SETTLED, State
+
+LIVE_PROGRESS = frozenset({State.STARTING, State.LOADING, State.RUNNING, State.STALLED})
 
 SCHEMA = "fleet.status/2"
 
@@ -98,10 +101,18 @@ class ShardStatus(BaseModel):
                                                              "null unless RUNNING or STALLED: a restarted "
                                                              "shard starts from no rate")
     tokens_per_s: Optional[float] = None
-    eta_s: Optional[float] = Field(None, description="this shard's remaining work at its own current "
-                                                     "rate, in tokens when total_tokens is known, else "
-                                                     "in samples; 0 when DONE; null when not measured "
-                                                     "or not moving")
+    eta_s: Optional[float] = Field(None, description="this shard's remaining work at its own pace: a "
+                                                     "per-sample and a per-token cost fitted over its "
+                                                     "progress since warm-up (minutes, not the last "
+                                                     "window's rate); 0 when DONE; null when not "
+                                                     "measured")
+    eta_rough: bool = Field(False, description="the pace behind eta_s spans under 3 minutes (shown '~')")
+    progress_age_s: Optional[float] = Field(None, description="seconds since the live attempt's last "
+                                                              "progress (or its launch), host clock")
+    progress_interval_s: Optional[float] = Field(None, description="the attempt's usual interval between "
+                                                                   "progress events (median)")
+    progress_late: bool = Field(False, description="progress_age_s over 3 usual intervals: a stall in "
+                                                   "the making, long before stall_timeout")
     restarts: int = Field(0, description="launches after the first")
     auto_attempts: int = Field(0, description="automatic restarts since the last manual launch "
                                               "(FATAL once it reaches max_restarts)")
@@ -154,6 +165,9 @@ class Totals(BaseModel):
     alert: bool = False
     alert_level: Optional[AlertLevel] = Field(None, description="ok; low: under alert_ratio; "
                                                                 "critical: under half of it")
+    eta_rough: bool = Field(False, description="the ETA rests on a pace of under 3 minutes (shown '~')")
+    eta_left_out: list[int] = Field(default_factory=list, description="shards the ETA leaves out: FATAL "
+                                                                       "and STOPPED ones will not finish")
     eta_s: Optional[float] = Field(None, description="when the last shard that will finish does: each "
                                                      "at its own rate (one not measured now at the "
                                                      "mean rate of those that are), in eta_unit; 0 "
@@ -303,6 +317,12 @@ def eta(remaining: float, rate: float | None) -> float | None:
     return remaining / rate if rate is not None and rate > 0 else None
 
 
+def counts_tokens(r: ShardRecord) -> bool:
+    """The shard reports tokens (the built-in worker does; a [job] reports samples): a rate in tokens
+    of one that does not is not measured (null), never 0."""
+    return r.total_tokens is not None or r.tokens > 0
+
+
 def shard_eta(r: ShardRecord, state: State, rate: Rates | None) -> float | None:
     """One shard's remaining work at its own rate: tokens when its total is known, else samples."""
     if state == State.DONE:
@@ -382,6 +402,11 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             gpus_expected += n_gpus
         a = r.attempt
         due = v.verdict.due_t
+        shard_pace = pace(r, hn) if state in MEASURED else None
+        late = progress_age(r, hn) if state in LIVE_PROGRESS and host.reachable else None
+        eta_s = 0.0 if state == State.DONE else pace_eta(r, shard_pace)
+        if eta_s is None:
+            eta_s = shard_eta(r, state, rate)
         rows.append(ShardStatus(
             id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), slurm=v.slurm, state=state,
             reason=f"host unreachable: {host.error}" if state == State.UNKNOWN else v.verdict.reason,
@@ -389,8 +414,12 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             progress=shard_progress(r, state),
             tokens=r.tokens, total_tokens=r.total_tokens, bytes=r.bytes,
             samples_per_s=_finite(rate.samples_per_s) if rate else None,
-            tokens_per_s=_finite(rate.tokens_per_s, 1) if rate else None,
-            eta_s=_finite(shard_eta(r, state, rate), 0),
+            tokens_per_s=_finite(rate.tokens_per_s, 1) if rate and counts_tokens(r) else None,
+            eta_s=_finite(eta_s, 0), eta_rough=state != State.DONE and eta_s is not None and not (
+                shard_pace is not None and shard_pace.settled),
+            progress_age_s=_finite(late.age_s, 1) if late else None,
+            progress_interval_s=_finite(late.usual_s, 1) if late and late.usual_s is not None else None,
+            progress_late=bool(late and late.late),
             restarts=max(r.launches - 1, 0), auto_attempts=v.verdict.attempts,
             max_restarts=v.max_restarts, failures=r.failures, last_failure=r.last_failure,
             alive=v.alive if host.reachable else None,
@@ -479,7 +508,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
         totals=Totals(
             shards=len(rows), by_state=by_state, done=finished_samples, total=total,
             samples_per_s=_finite(sps) if measured else None,
-            tokens_per_s=_finite(tps, 1) if measured else None,
+            tokens_per_s=_finite(tps, 1) if any(counts_tokens(v.record) for v, _ in measured) else None,
             tokens=tokens, total_tokens=sum(v.record.total_tokens for v in views) if all_sized else None,
             gpus_planned=gpus_planned, gpus_expected=gpus_expected,
             expected_unit=unit if per_gpu else None,
@@ -487,6 +516,9 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             ratio=_finite(ratio, 3), ratio_unit=ratio_unit,
             alert=level in ("low", "critical"), alert_level=level,
             eta_s=_finite(run_eta, 0), eta_unit=eta_unit if views else None,
+            eta_rough=run_eta is not None and not settled and any(r.eta_rough for r in rows
+                                                                  if r.state not in SETTLED),
+            eta_left_out=[r.id for r in rows if r.state in (State.FATAL, State.STOPPED)],
             elapsed_s=_finite(elapsed, 1), finished=finished,
             avg_samples_per_s=_finite(finished_samples / elapsed) if elapsed else None,
             avg_tokens_per_s=_finite(tokens / elapsed, 1) if elapsed else None,

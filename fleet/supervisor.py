@@ -575,24 +575,23 @@ class Supervisor:
         waiting for a restart, or never launched, is STOPPED too); waits for each to be carried out.
         Returns, per host, shard -> status, or {"error": ...} for a host that could not be reached."""
         grace = self.sup.stop_grace if timeout is None else timeout
+        if not self.shards:                      # a one-shot command: the plan's shards, or the records'
+            await self.read_once()
 
         async def one(link: HostLink) -> tuple[str, dict]:
-            ids = [p.shard for p in link.placements] or list(self._shard_folders(link))
-            if not ids:
-                return link.spec.name, {}
             try:
                 await link.transport.connect()
             except HostError as e:
                 return link.spec.name, {"error": str(e)}
+            ids = [p.shard for p in link.placements]
+            if not ids:
+                return link.spec.name, {}
             actions = [protocol.ShardAction(shard=k, kind="stop", why="run", grace=grace) for k in ids]
             results = await self.carry_out(link, actions, wait=grace + 30)
             if results and all(r.status == "error" for r in results):
                 return link.spec.name, {"error": results[0].detail or "error"}
             return link.spec.name, {str(r.shard): (r.detail or r.status) for r in results}
         return dict(await asyncio.gather(*(one(l) for l in self.links.values())))
-
-    def _shard_folders(self, link: HostLink) -> list[int]:
-        return sorted(s.id for s in self.shards.values() if s.placement.host == link.spec.name)
 
     async def log_lines(self, shard_id: int, last: int = 200, follow: bool = True):
         """A shard's log: its last `last` lines, then (`follow`) new ones until the stream ends.

@@ -19,6 +19,7 @@ MAX_LINE = 64 * 1024           # a line longer than this is matched on its last 
 CHUNK = 1 << 20                # bytes read per call: a huge burst is read in bounded steps
 PROGRESS_EVERY_S = 1.0         # at most one progress event a second from log lines
 GLOB_EVERY_S = 2.0             # how often output files are counted
+TRACEBACK = "Traceback (most recent call last)"   # a fail line that says less than the line ending it
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class LogWatcher:
         self.progress = re.compile(spec.progress) if spec.progress else None
         self.glob = spec.progress_glob.replace("{shard}", str(shard)) if spec.progress_glob else None
         self.partial = b""
+        self.traceback: str | None = None      # a matched traceback header, until its exception line
         self.pending_progress: protocol.Progress | None = None
         self.last_progress_t = 0.0
         self.last_glob_t = 0.0
@@ -93,10 +95,21 @@ class LogWatcher:
         if final and self.partial:
             self._match(self.partial, events)
             self.partial = b""
+        if final and self.traceback is not None:   # it ended inside the traceback: the header, then
+            events.append(protocol.Sentinel(launch=self.launch, match="fail", line=self.traceback))
+            self.traceback = None
 
     def _match(self, raw: bytes, events: list) -> None:
         line = raw.decode("utf-8", "replace")
+        if self.traceback is not None:             # a fail line that opened a traceback: its
+            if line.strip() and not line[:1].isspace():   # exception line says what failed
+                events.append(protocol.Sentinel(launch=self.launch, match="fail", line=line.strip()[-300:]))
+                self.traceback = None
+            return
         if self.fail and self.fail.search(line):
+            if line.strip().startswith(TRACEBACK):
+                self.traceback = line.strip()
+                return
             events.append(protocol.Sentinel(launch=self.launch, match="fail", line=line.strip()[-300:]))
         elif self.done and self.done.search(line):
             events.append(protocol.Sentinel(launch=self.launch, match="done", line=line.strip()[-300:]))

@@ -9,7 +9,7 @@ only formats it, filters and orders rows for the view.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rich.text import Text
 from textual.widgets import Static
@@ -27,13 +27,17 @@ COLUMNS = [
     Column("progress", "progress", 13, 2),
     Column("tps", "tok/s", 7, 3, "right"),
     Column("sps", "smp/s", 6, 8, "right"),
-    Column("eta", "ETA", 7, 6, "right"),
-    Column("restarts", "rst", 5, 7, "right"),
-    Column("event", "last event", 14, 10),
+    Column("eta", "ETA", 7, 7, "right"),
+    Column("since", "progress", 9, 6, "right"),
+    Column("restarts", "rst", 5, 8, "right"),
+    Column("event", "last event", 14, 11),
     Column("reason", "reason", 26, 4, flex=True),
-    Column("failure", "last failure", 28, 9),
+    Column("failure", "last failure", 28, 10),
 ]
 COLUMN_KEYS = [c.key for c in COLUMNS]
+# A run that reports samples only (a [job]): tok/s is kept last, samples/s where tok/s was.
+SAMPLE_COLUMNS = [replace(c, priority={"tps": 99, "sps": 3}.get(c.key, c.priority)) for c in COLUMNS]
+LATE = {False: "bold yellow", True: "bold"}     # progress later than usual (amber; bold under NO_COLOR)
 SEVERITY = list(STATE_SEVERITY)
 
 
@@ -92,7 +96,7 @@ SORT_KEYS = {
     "reason": lambda s: s.reason or "",
     "failure": lambda s: s.last_failure or "",
 }
-MEASURES = {"tps": "tokens_per_s", "sps": "samples_per_s", "eta": "eta_s"}
+MEASURES = {"tps": "tokens_per_s", "sps": "samples_per_s", "eta": "eta_s", "since": "progress_age_s"}
 
 
 def visible_shards(snap: FleetSnapshot, view: View) -> list[ShardStatus]:
@@ -123,8 +127,8 @@ def state_cell(s: ShardStatus, no_color: bool, replaying: bool) -> tuple:
     if replaying:
         return (("… replaying", "italic"),)
     text = f"{GLYPH.get(s.state.value, ' ')} {s.state.value}"
-    if s.backoff_s is not None and s.state.value in ("BACKOFF", "STALLED"):
-        text += f" {s.backoff_s:.0f}s"             # counting down to the restart
+    if s.backoff_s is not None and s.state.value in ("BACKOFF", "STALLED", "STOPPING") and s.backoff_s > 0:
+        text += f" {s.backoff_s:.0f}s"             # counting down to the restart (STOPPING: the SIGKILL)
     return ((text, state_style(s.state.value, no_color)),)
 
 
@@ -132,18 +136,36 @@ def shard_cells(s: ShardStatus, marked: bool, no_color: bool = False, replaying:
     if replaying:
         blank = ""
         return (("●" if marked else " ") + str(s.id), where(s), state_cell(s, no_color, True),
-                blank, blank, blank, blank, blank, blank, blank, blank)
+                blank, blank, blank, blank, blank, blank, blank, blank, blank)
     pct = f"{s.progress:4.0%}" if s.progress is not None else "   ?"
     unmeasured = "?" if s.state in MEASURED else "—"      # not yet measured / not applicable
+    no_tokens = "—" if not (s.tokens or s.total_tokens is not None) else unmeasured   # a [job] of samples
     progress = f"{bar(s.progress or 0.0, 8)} {pct}"
     event = f"{s.last_event or '—'} {human_duration(s.last_event_age_s)}" if s.last_event_age_s is not None \
         else (s.last_event or "—")
     reason = s.reason or (f"⚠ {s.warning}" if s.warning else "")
     return (("●" if marked else " ") + str(s.id), where(s), state_cell(s, no_color, False),
-            progress, si(s.tokens_per_s) if s.tokens_per_s is not None else unmeasured,
+            progress, si(s.tokens_per_s) if s.tokens_per_s is not None else no_tokens,
             si(s.samples_per_s) if s.samples_per_s is not None else unmeasured,
-            "—" if s.state == State.DONE else human_duration(s.eta_s) if s.eta_s is not None else unmeasured,
+            eta_text(s, unmeasured), since_cell(s, no_color),
             f"{s.auto_attempts}/{s.max_restarts}", event, reason, s.last_failure or "")
+
+
+def eta_text(s: ShardStatus, unmeasured: str = "?") -> str:
+    """'—' when DONE, '~12m' while the pace behind it is short, '12m' once it holds."""
+    if s.state == State.DONE:
+        return "—"
+    if s.eta_s is None:
+        return unmeasured
+    return ("~" if s.eta_rough else "") + human_duration(s.eta_s)
+
+
+def since_cell(s: ShardStatus, no_color: bool) -> tuple | str:
+    """How long ago the live attempt last made progress; amber once later than its usual pace."""
+    if s.progress_age_s is None:
+        return "—"
+    text = f"{human_duration(s.progress_age_s)} ago"
+    return ((text, LATE[no_color]),) if s.progress_late else text
 
 
 class ShardTable(LineTable):
@@ -154,6 +176,9 @@ class ShardTable(LineTable):
     def show(self, snap: FleetSnapshot, view: View, no_color: bool = False) -> None:
         waiting = {h.name for h in snap.hosts if not h.replayed and h.reachable is not False}
         rows = {str(s.id): s for s in visible_shards(snap, view)}
+        columns = COLUMNS if snap.totals.tokens or snap.totals.total_tokens is not None else SAMPLE_COLUMNS
+        if columns is not self.columns:
+            self.columns, self._layout = columns, None
         self.sort_column, self.sort_reverse = view.sort, view.reverse
         self.set_rows(list(rows), lambda key: shard_cells(rows[key], rows[key].id in view.marked, no_color,
                                                           rows[key].host in waiting))
@@ -178,7 +203,11 @@ def detail(s: ShardStatus | None, no_color: bool = False) -> Text:
     if s.tokens_per_s is not None:
         t.append(f"  {s.tokens_per_s:,.0f} tok/s ({s.samples_per_s:,.1f} smp/s)")
     if s.eta_s is not None and s.state != State.DONE:
-        t.append(f"  ETA {human_duration(s.eta_s)}")
+        t.append(f"  ETA {eta_text(s)}")
+    if s.progress_age_s is not None:
+        usual = f" (usually every {human_duration(s.progress_interval_s)})" if s.progress_interval_s else ""
+        t.append(f"  progress {human_duration(s.progress_age_s)} ago{usual}",
+                 LATE[no_color] if s.progress_late else "")
     t.append(f"  restarts {restarts_text(s)}")
     if s.pid:
         t.append(f"  pid {s.pid}")

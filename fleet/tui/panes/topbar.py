@@ -58,10 +58,13 @@ def lines(snap: FleetSnapshot, width: int, no_color: bool = False) -> list[Text]
                  (5, Text(f"{usd(t.usd_per_million_tokens)}/Mtok" if t.usd_per_million_tokens is not None
                           else ""))]
         money = [m for m in money if m[1].plain]
-    tokens = Text(f"{si(t.tokens)}/{si(t.total_tokens)} tokens" if t.total_tokens else f"{si(t.tokens)} tokens")
-    facts = [(0, Text(f"{t.done:,}/{t.total:,} samples")), (2, tokens),
-             (1, Text(f"elapsed {human_duration(t.elapsed_s)}")),
-             (3, Text(f"written {human_bytes(t.bytes_written)}"))]
+    facts = [(0, Text(f"{t.done:,}/{t.total:,} samples"))]
+    if t.tokens or t.total_tokens:                # a [job] that reports samples shows no tokens
+        facts.append((2, Text(f"{si(t.tokens)}/{si(t.total_tokens)} tokens" if t.total_tokens
+                              else f"{si(t.tokens)} tokens")))
+    facts.append((1, Text(f"elapsed {human_duration(t.elapsed_s)}")))
+    if t.bytes_written:
+        facts.append((3, Text(f"written {human_bytes(t.bytes_written)}")))
     if t.disk_full_eta_s:
         facts.append((3, Text(f"disk full in {human_duration(t.disk_full_eta_s)}",
                               "bold" if t.eta_s and t.disk_full_eta_s < t.eta_s else "")))
@@ -91,12 +94,21 @@ def lines(snap: FleetSnapshot, width: int, no_color: bool = False) -> list[Text]
         rate.append((2, Text(f"expected {si(expected)} {'tok' if unit == 'tokens' else 'samples'}/s"
                              f" ({t.gpus_expected} GPU{'' if t.gpus_expected == 1 else 's'})")))
         if t.ratio is not None:
-            rate.append((1, Text.assemble((bar(min(t.ratio, 1.0), 12), style), (f" {t.ratio:.0%}", style))))
+            rate.append((1, Text.assemble((bar(min(t.ratio, 1.0), 12), style),
+                                          (f" {t.ratio:.0%} of expected", style))))
         else:
             rate.append((1, Text("not measured yet", "italic")))
-    eta_unit = f" ({t.eta_unit})" if t.eta_unit else ""
-    rate.append((0, Text(f"ETA {human_duration(t.eta_s)}" + eta_unit if t.eta_s is not None else "ETA ?")))
+    rate.append((0, Text(run_eta_text(t))))
+    if t.eta_left_out:
+        rate.append((3, Text(f"(leaves out {len(t.eta_left_out)} FATAL/STOPPED)", "italic")))
     return [fit(head, width), fit(rate, width), fit(facts, width)]
+
+
+def run_eta_text(t) -> str:
+    """'ETA ~1h02m (tokens)': '~' while the pace behind it is short."""
+    if t.eta_s is None:
+        return "ETA ?"
+    return f"ETA {'~' if t.eta_rough else ''}{human_duration(t.eta_s)}" + (f" ({t.eta_unit})" if t.eta_unit else "")
 
 
 class TopBar(Static):
