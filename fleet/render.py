@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from .snapshot import FleetSnapshot
-from .state import State
+from .state import MEASURED, State
 
 
 def human_bytes(n: float | None) -> str:
@@ -16,6 +16,11 @@ def human_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return "?"
+
+
+def gib(n: float | None, digits: int = 1) -> str:
+    """Bytes in GiB, as nvidia-smi's MiB figures read (an H200 is ~141 GiB): GPU memory everywhere."""
+    return "?" if n is None else f"{n / 2**30:.{digits}f}"
 
 
 def human_duration(s: float | None) -> str:
@@ -76,7 +81,7 @@ def format_status(snap: FleetSnapshot) -> str:
             lines.append(f"host {h.name}: UNKNOWN ({h.error})")
             continue
         tele = "no GPU telemetry" if not h.gpus else ", ".join(
-            f"gpu{g.index} {human_bytes(g.mem_used)}/{human_bytes(g.mem_total)}" for g in h.gpus)
+            f"gpu{g.index} {gib(g.mem_used)}/{gib(g.mem_total)} GiB" for g in h.gpus)
         lines.append(f"host {h.name}: {tele}; disk free {human_bytes(h.disk.free if h.disk else None)}")
     if not snap.shards:
         lines.append("shards: unknown (no reachable host holds the run's plan or records)")
@@ -86,7 +91,8 @@ def format_status(snap: FleetSnapshot) -> str:
     for s in snap.shards:
         prog = f"{s.done + s.skipped}/{s.total}"
         lines.append(f"{s.id:>5}  {s.host + ':' + str(s.gpu):<14}{s.state.value:<9}{prog:>16}"
-                     f"{rate_text(s.samples_per_s):>11}  {restarts_text(s):<15}{s.reason or ''}")
+                     f"{rate_text(s.samples_per_s) if s.state in MEASURED else '—':>11}  "
+                     f"{restarts_text(s):<15}{s.reason or ''}")
     return "\n".join(lines)
 
 

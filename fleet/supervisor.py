@@ -605,7 +605,8 @@ class Supervisor:
         stream = await link.transport.stream(argv)
         try:
             async for line in stream.lines():
-                yield line.rstrip("\n")
+                if not line.startswith("tail: "):       # tail's own chatter ("has appeared; following")
+                    yield line.rstrip("\n")
         finally:
             await stream.close()
 

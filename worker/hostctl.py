@@ -115,7 +115,8 @@ def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None
         os.close(fd)
         return {"status": "running", "pid": read_pid(shard_dir)}
     n = last_launch(p["events"]) + 1
-    offset = log_size(p["log"])
+    _log_marker(p["log"], f"launch {n} ({'automatic restart' if by == 'auto' else 'started by the user'})")
+    offset = log_size(p["log"])                # the job's sentinels are read from here: not the marker
     protocol.append_jsonl(p["events"], protocol.Launch(launch=n, by=by, gpu=gpu, argv=argv))
     log = os.open(p["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     runner = subprocess.Popen(
@@ -129,6 +130,25 @@ def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None
     os.close(log)
     os.close(fd)
     return {"status": "started", "launch": n, "runner_pid": runner.pid}
+
+
+MARKER = "── fleet:"                         # lines the runner writes into a shard's log
+
+
+def _log_marker(path: str, text: str) -> None:
+    """One line in the shard's log saying where an attempt begins or how it ended (the log view
+    would otherwise run attempts together)."""
+    try:
+        with open(path, "a") as f:
+            f.write(f"\n{MARKER} {time.strftime('%Y-%m-%d %H:%M:%S')} {text} ──\n")
+    except OSError:
+        pass
+
+
+def _exit_words(code: int | None) -> str:
+    if code is None:
+        return "no exit status"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
 def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n: int,
@@ -179,6 +199,10 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
             for ev in watcher.poll(final=code is not None):
                 append(ev)
     append(protocol.Exited(launch=launch_n, code=code, pid=child.pid, stopped=bool(stopping)))
+    intent = next((e for e in reversed(protocol.read_events(p["events"]))
+                   if isinstance(e, protocol.StopRequested) and e.launch == launch_n), None)
+    _log_marker(p["log"], f"launch {launch_n} ended: {_exit_words(code)}" +
+                (f" after a {intent.why} stop" + (f" ({intent.reason})" if intent.reason else "") if intent else ""))
     for path in (p["pid"], p["runner"]):
         try:
             os.unlink(path)

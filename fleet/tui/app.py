@@ -14,7 +14,7 @@ import os
 from typing import Awaitable, Callable
 
 from textual import work
-from textual.app import App
+from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.message import Message
 
@@ -53,6 +53,23 @@ class FleetApp(App[str]):
 
     def get_default_screen(self) -> MainScreen:
         return MainScreen()
+
+    def get_system_commands(self, screen):
+        """ctrl+p offers fleet's own actions beside Textual's (each runs the key's action, so it
+        asks first and follows the same rule)."""
+        yield from super().get_system_commands(screen)
+        main = self.main if self.screen_stack else None
+        if main is None:
+            return
+        for title, help_text, action in (
+                ("Restart the selected shard(s)", "r: stop if live, then launch; resumes", main.action_restart),
+                ("Restart every failed shard", "R: FAILED, BACKOFF and FATAL shards", main.action_restart_failed),
+                ("Stop the selected shard(s)", "k: STOPPED, never restarted by itself", main.action_stop),
+                ("Stop the whole run", "D: every shard on every host", main.action_stop_all),
+                ("Show the selected shard's log", "l", main.action_log),
+                ("Only faulty shards", "f: toggle", main.action_faulty),
+                ("Filter shards", "/: a regex on id, host:gpu, state, reason", main.action_filter)):
+            yield SystemCommand(title, help_text, action)
 
     @property
     def main(self) -> MainScreen:

@@ -25,7 +25,7 @@ from .commands import COMMANDS, CommandError, parse
 from .panes.gpus import GpuPane, GpuTable
 from .panes.lines import LineTable, show_text
 from .panes.log import LogView
-from .panes.shards import COLUMN_KEYS, COLUMNS as SHARD_COLUMNS, ShardDetail, ShardTable, View
+from .panes.shards import regex_problem, COLUMN_KEYS, COLUMNS as SHARD_COLUMNS, ShardDetail, ShardTable, View
 from .panes.throughput import BUCKET_S, ThroughputChart
 from .panes.topbar import TopBar
 from .screens import ConfirmScreen, LogScreen
@@ -286,6 +286,7 @@ class MainScreen(Screen):
     @on(Input.Changed, "#filter")
     def _filter_changed(self, event: Input.Changed) -> None:
         self.view.query = event.value.strip()
+        event.input.border_subtitle = regex_problem(self.view.query) or ""   # said, not silently literal
         self.redraw()
 
     @on(Input.Submitted, "#filter")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from rich.style import Style
 
+from ..render import gib  # noqa: F401  (GPU memory: one formatter for status and the view)
 from ..state import State
 
 GLYPH = {
@@ -20,7 +21,7 @@ GLYPH = {
 _COLOUR = {
     "PENDING": "bright_black", "DEPLOYING": "cyan", "STARTING": "cyan", "LOADING": "cyan",
     "RUNNING": "green", "DONE": "bold green", "STALLED": "bold yellow", "FAILED": "bold red",
-    "BACKOFF": "yellow", "FATAL": "bold white on red", "STOPPED": "italic",
+    "BACKOFF": "yellow", "FATAL": "bold white on dark_red", "STOPPED": "italic",
     "STOPPING": "bold magenta", "UNKNOWN": "magenta",
 }
 _MONO = {                                  # what survives NO_COLOR: weight, italics, reverse video
@@ -97,11 +98,6 @@ def spark(values, width: int, top: float | None = None) -> str:
         return " " * width
     top = top or max(values) or 1.0
     return "".join(_SPARK[min(int(v / top * 7.999), 7)] if v > 0 else " " for v in values).rjust(width)
-
-
-def gib(n: float | None, digits: int = 1) -> str:
-    """Bytes in GiB, as nvidia-smi's MiB figures read (an H200 is ~141 GiB)."""
-    return "?" if n is None else f"{n / 2**30:.{digits}f}"
 
 
 def si(x: float | None, digits: int = 1) -> str:

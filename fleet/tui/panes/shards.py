@@ -81,6 +81,16 @@ def matcher(query: str):
     return (lambda text: rx.search(text) is None) if negate else (lambda text: rx.search(text) is not None)
 
 
+def regex_problem(query: str) -> str | None:
+    """What is wrong with a filter that is not a valid regex (it is then matched literally)."""
+    pattern = query[1:] if query.startswith("!") else query
+    try:
+        re.compile(pattern)
+        return None
+    except re.error as e:
+        return f"not a regex ({e.msg}): matched as plain text"
+
+
 def _missing_last(x, reverse: bool):
     """Sort key part that keeps unmeasured values (None) at the end in either direction."""
     return (1, 0) if x is None else (0, -x if reverse else x)
