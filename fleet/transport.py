@@ -193,10 +193,12 @@ class Resolved:
     def where(self) -> str:
         return self.target if self.alias == self.host else f"{self.alias} = {self.target}"
 
+    def from_file(self, key: str) -> bool:
+        return self.origin.get(key, "fleet.toml") != "fleet.toml"
+
     def said(self, key: str, value) -> str:
         """'port 2222 from ~/.ssh/config line 4' when the config file set it, else 'port 2222'."""
-        origin = self.origin.get(key)
-        return f"{key} {value}" + (f" from {origin}" if origin and origin != "fleet.toml" else "")
+        return f"{key} {value}" + (f" from {self.origin[key]}" if self.from_file(key) else "")
 
     def ssh_config_names(self) -> str:
         return _tilde(self.config[0]) if self.config else f"{SSH_CONFIG} (there is none)"
@@ -312,10 +314,10 @@ class SSHTransport(Transport):
         if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
             return f"connection timed out after {self.supervise.connect_timeout:.0f}s"
         if isinstance(e, ConnectionRefusedError):
-            return (f"{r.said('port', r.port) + ': ' if 'port' in r.origin else ''}connection refused "
+            return (f"{r.said('port', r.port) + ': ' if r.from_file('port') else ''}connection refused "
                     f"(is sshd listening on port {r.port}?)")
         if isinstance(e, socket.gaierror):
-            if "hostname" in r.origin:
+            if r.from_file("hostname"):
                 return f"{r.said('hostname', r.host)} does not resolve: {e.strerror}"
             return (f"{r.alias!r} does not resolve: no such host ({e.strerror}), and no Host entry "
                     f"names it in {r.ssh_config_names()}")
@@ -323,8 +325,8 @@ class SSHTransport(Transport):
             return (f"the jump host cannot reach {r.host}:{r.port} ({r.said('port', r.port)}): "
                     f"{e.reason}")
         if isinstance(e, asyncssh.HostKeyNotVerifiable):      # a jump host (the target's is _open's)
-            return (f"host key not trusted by {_tilde(r.known_hosts)}; to trust it run ssh-keyscan -p "
-                    f"{r.port} {r.host} >> {r.known_hosts}")
+            return (f"host key not trusted by {r.said('known_hosts', r.known_hosts)}; to trust it run "
+                    f"ssh-keyscan -p {r.port} {r.host} >> {r.known_hosts}")
         if isinstance(e, asyncssh.Error):
             return f"SSH error: {e.reason}"
         if isinstance(e, OSError):
@@ -371,9 +373,9 @@ class SSHTransport(Transport):
             except asyncssh.HostKeyNotVerifiable:
                 if self._key_is_known(known_hosts):
                     raise HostError(
-                        f"{self.where}: host key does not match {r.known_hosts} — it CHANGED; if "
-                        f"that is expected, remove the old entry (ssh-keygen -R '[{r.host}]:{r.port}' "
-                        f"-f {r.known_hosts}) and connect again") from None
+                        f"{self.where}: host key does not match {r.said('known_hosts', r.known_hosts)} "
+                        f"— it CHANGED; if that is expected, remove the old entry (ssh-keygen -R "
+                        f"'[{r.host}]:{r.port}' -f {r.known_hosts}) and connect again") from None
         if h.accept_new:
             return await self._connect_accept_new(known_hosts, kwargs)
         probe = {k: kwargs[k] for k in ("port", "tunnel", "config") if k in kwargs}
@@ -381,7 +383,8 @@ class SSHTransport(Transport):
                                      self.supervise.connect_timeout)
         offered = f"{key.get_algorithm()} {key.get_fingerprint()}" if key is not None else "none offered"
         raise HostError(
-            f"{self.where}: host key unknown (not in {r.known_hosts}; it offers {offered}); to "
+            f"{self.where}: host key unknown (not in {r.said('known_hosts', r.known_hosts)}; it offers "
+            f"{offered}); to "
             f"trust it run ssh-keyscan -p {r.port} {r.host} >> {r.known_hosts}, or set "
             f"accept_new = true for this host")
 

@@ -189,3 +189,35 @@ def test_a_key_in_the_ssh_agent_needs_no_identity_file(tmp_path, home, sshd):
     finally:
         agent.terminate()
         agent.wait(10)
+
+
+def test_host_keys_are_checked_against_the_aliases_known_hosts_file(tmp_path, home, sshd):
+    """The alias's UserKnownHostsFile is where the key is looked up (and named, with its line),
+    and where accept_new records it, under the resolved [host]:port; a jump host's too."""
+    (home / ".ssh" / "empty").write_text("")
+    path = write_ssh_config(home, host_entry("gpubox", sshd.port).replace("known_hosts_gpubox", "empty"))
+    code, host = host_status(alias_toml(tmp_path, sshd, "gpubox", gpus=(0,)))
+    assert code == 3 and host["error"].startswith(
+        f"box (gpubox = root@127.0.0.1:{sshd.port}): host key unknown (not in known_hosts ~/.ssh/empty "
+        f"from ~/.ssh/config line 6; it offers ssh-ed25519 "), host["error"]
+    assert f"ssh-keyscan -p {sshd.port} 127.0.0.1 >> ~/.ssh/empty" in host["error"]
+    code, host = host_status(alias_toml(tmp_path, sshd, "gpubox", gpus=(0,), extra_host="accept_new = true"))
+    assert code == 0 and host["reachable"] is True, host
+    assert (home / ".ssh" / "empty").read_text().startswith(f"[127.0.0.1]:{sshd.port} ssh-ed25519 ")
+    assert open(path).read().splitlines()[5] == "    UserKnownHostsFile ~/.ssh/empty"
+
+    (home / ".ssh" / "empty").write_text("")
+    write_ssh_config(home, host_entry("bastion", sshd.port).replace("known_hosts_gpubox", "empty"),
+                     host_entry("gpubox", sshd.port, "ProxyJump bastion"))
+    code, host = host_status(alias_toml(tmp_path, sshd, "gpubox", gpus=(0,)))
+    assert code == 3 and (f"jump host bastion = root@127.0.0.1:{sshd.port} (ProxyJump bastion from "
+                          f"~/.ssh/config line 14): host key not trusted by known_hosts ~/.ssh/empty from "
+                          f"~/.ssh/config line 6") in host["error"], host["error"]
+
+
+def test_a_hostname_from_the_alias_that_does_not_resolve_names_its_line(tmp_path, home, sshd):
+    write_ssh_config(home, host_entry("gpubox", sshd.port).replace("127.0.0.1", "gpubox9.invalid"))
+    code, host = host_status(alias_toml(tmp_path, sshd, "gpubox", gpus=(0,)))
+    assert code == 3 and host["error"].startswith(
+        f"box (gpubox = root@gpubox9.invalid:{sshd.port}): hostname gpubox9.invalid from ~/.ssh/config "
+        f"line 3 does not resolve: "), host["error"]
