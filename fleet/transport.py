@@ -378,6 +378,11 @@ class SSHTransport(Transport):
                         f"'[{r.host}]:{r.port}' -f {r.known_hosts}) and connect again") from None
         if h.accept_new:
             return await self._connect_accept_new(known_hosts, kwargs)
+        if os.path.realpath(known_hosts) == os.devnull:       # SkyPilot's entries: trust any key
+            raise HostError(
+                f"{self.where}: host key unknown: {r.said('known_hosts', r.known_hosts)} keeps no keys; "
+                f"set known_hosts = \"~/.ssh/known_hosts\" and accept_new = true for this host (its key "
+                f"is recorded on the first connect and checked after)")
         probe = {k: kwargs[k] for k in ("port", "tunnel", "config") if k in kwargs}
         key = await asyncio.wait_for(asyncssh.get_server_host_key(h.address, **probe),
                                      self.supervise.connect_timeout)

@@ -206,6 +206,14 @@ def test_host_keys_are_checked_against_the_aliases_known_hosts_file(tmp_path, ho
     assert (home / ".ssh" / "empty").read_text().startswith(f"[127.0.0.1]:{sshd.port} ssh-ed25519 ")
     assert open(path).read().splitlines()[5] == "    UserKnownHostsFile ~/.ssh/empty"
 
+    # An alias that keeps no host keys (SkyPilot's): told how to have fleet check them.
+    write_ssh_config(home, host_entry("gpubox", sshd.port).replace("~/.ssh/known_hosts_gpubox", "/dev/null"))
+    code, host = host_status(alias_toml(tmp_path, sshd, "gpubox", gpus=(0,)))
+    assert code == 3 and host["error"] == (
+        f"box (gpubox = root@127.0.0.1:{sshd.port}): host key unknown: known_hosts /dev/null from "
+        f"~/.ssh/config line 6 keeps no keys; set known_hosts = \"~/.ssh/known_hosts\" and accept_new = "
+        f"true for this host (its key is recorded on the first connect and checked after)"), host["error"]
+
     (home / ".ssh" / "empty").write_text("")
     write_ssh_config(home, host_entry("bastion", sshd.port).replace("known_hosts_gpubox", "empty"),
                      host_entry("gpubox", sshd.port, "ProxyJump bastion"))
