@@ -200,7 +200,7 @@ class Resolved:
         """'port 2222 from ~/.ssh/config line 4' when the config file set it, else 'port 2222'."""
         return f"{key} {value}" + (f" from {self.origin[key]}" if self.from_file(key) else "")
 
-    def ssh_config_names(self) -> str:
+    def config_name(self) -> str:
         return _tilde(self.config[0]) if self.config else f"{SSH_CONFIG} (there is none)"
 
 
@@ -295,9 +295,7 @@ class SSHTransport(Transport):
                 raise HostError(f"{self.where}: identity_file {h.identity_file} cannot be used: {e} "
                                 f"(an encrypted key: add it to the SSH agent with ssh-add and leave "
                                 f"identity_file out)") from None
-            except HostError:
-                raise
-            except Exception as e:
+            except (asyncssh.Error, OSError, asyncio.TimeoutError, TimeoutError) as e:
                 raise HostError(f"{self.where}: {self._why(e, r)}") from None
             finally:
                 if self.conn is None and jump is not None:
@@ -320,7 +318,7 @@ class SSHTransport(Transport):
             if r.from_file("hostname"):
                 return f"{r.said('hostname', r.host)} does not resolve: {e.strerror}"
             return (f"{r.alias!r} does not resolve: no such host ({e.strerror}), and no Host entry "
-                    f"names it in {r.ssh_config_names()}")
+                    f"names it in {r.config_name()}")
         if isinstance(e, asyncssh.ChannelOpenError):          # the last jump host could not reach it
             return (f"the jump host cannot reach {r.host}:{r.port} ({r.said('port', r.port)}): "
                     f"{e.reason}")
@@ -329,9 +327,7 @@ class SSHTransport(Transport):
                     f"ssh-keyscan -p {r.port} {r.host} >> {r.known_hosts}")
         if isinstance(e, asyncssh.Error):
             return f"SSH error: {e.reason}"
-        if isinstance(e, OSError):
-            return str(e.strerror or e)
-        return f"{type(e).__name__}: {e}"
+        return str(e.strerror or e)                           # another OSError
 
     async def _open_jumps(self, r: Resolved):
         """Open the ProxyJump hops in turn, each through the one before (as asyncssh and ssh do);
@@ -350,7 +346,7 @@ class SSHTransport(Transport):
                 nxt = await asyncssh.connect(alias, int(port) if port.isdigit() else (), tunnel=conn or (),
                                              username=user or (), config=r.config, known_hosts=known,
                                              connect_timeout=self.supervise.connect_timeout)
-            except Exception as e:
+            except (asyncssh.Error, OSError, asyncio.TimeoutError, TimeoutError) as e:
                 if conn is not None:
                     conn.close()
                 via = r.said("ProxyJump", r.jump)

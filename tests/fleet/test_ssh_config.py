@@ -5,6 +5,7 @@ real worker processes on a tiny model."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -221,6 +222,13 @@ def test_host_keys_are_checked_against_the_aliases_known_hosts_file(tmp_path, ho
     assert code == 3 and (f"jump host bastion = root@127.0.0.1:{sshd.port} (ProxyJump bastion from "
                           f"~/.ssh/config line 14): host key not trusted by known_hosts ~/.ssh/empty from "
                           f"~/.ssh/config line 6") in host["error"], host["error"]
+    # The target behind a trusted bastion, its own key new: accept_new records it through the hop.
+    (home / ".ssh" / "empty").write_text("")
+    write_ssh_config(home, host_entry("bastion", sshd.port),
+                     host_entry("gpubox", sshd.port, "ProxyJump bastion").replace("known_hosts_gpubox", "empty"))
+    code, host = host_status(alias_toml(tmp_path, sshd, "gpubox", gpus=(0,), extra_host="accept_new = true"))
+    assert code == 0 and host["reachable"] is True, host
+    assert (home / ".ssh" / "empty").read_text().startswith(f"[127.0.0.1]:{sshd.port} ssh-ed25519 ")
 
 
 def test_a_hostname_from_the_alias_that_does_not_resolve_names_its_line(tmp_path, home, sshd):
@@ -229,3 +237,30 @@ def test_a_hostname_from_the_alias_that_does_not_resolve_names_its_line(tmp_path
     assert code == 3 and host["error"].startswith(
         f"box (gpubox = root@gpubox9.invalid:{sshd.port}): hostname gpubox9.invalid from ~/.ssh/config "
         f"line 3 does not resolve: "), host["error"]
+
+
+def test_resolve_follows_include_patterns_and_fleet_toml_wins(tmp_path, monkeypatch):
+    """The SkyPilot layout (an Include of generated per-cluster files at the top of ~/.ssh/config),
+    `Host *` defaults after it, and fleet.toml's own keys over both; origins name file and line."""
+    from fleet.transport import resolve
+    home = tmp_path / "home"
+    (home / ".sky" / "generated" / "ssh").mkdir(parents=True)
+    (home / ".ssh").mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    (home / ".ssh" / "config").write_text("Include ~/.sky/generated/ssh/*\n\nHost *\n    User nobody\n"
+                                          "    Port 2200\n")
+    (home / ".sky" / "generated" / "ssh" / "mycluster").write_text(
+        "Host mycluster\n  HostName 198.51.100.4\n  User ubuntu\n  IdentityFile ~/.ssh/sky-key\n"
+        "  UserKnownHostsFile=/dev/null\n")
+    r = resolve("box", "mycluster")
+    assert (r.host, r.port, r.user, r.known_hosts, r.identity_files, r.jump) == \
+        ("198.51.100.4", 2200, "ubuntu", "/dev/null", ["~/.ssh/sky-key"], None)
+    assert r.origin["user"] == "~/.sky/generated/ssh/mycluster line 3"
+    assert r.origin["port"] == "~/.ssh/config line 5"
+    assert r.where == "mycluster = ubuntu@198.51.100.4:2200"
+    r = resolve("box", "mycluster", port=22, user="root", identity_file="/k", known_hosts="/kh")
+    assert (r.port, r.user, r.identity_files, r.known_hosts) == (22, "root", ["/k"], "/kh")
+    assert not r.from_file("port") and r.said("port", 22) == "port 22"
+    r = resolve("box", "other", str(home / ".sky" / "generated" / "ssh" / "mycluster"))   # ssh_config
+    assert (r.host, r.port, r.user, r.config_name()) == ("other", 22, getpass.getuser(),
+                                                          "~/.sky/generated/ssh/mycluster")
