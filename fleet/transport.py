@@ -317,11 +317,11 @@ class SSHTransport(Transport):
         if isinstance(e, socket.gaierror):
             if r.from_file("hostname"):
                 return f"{r.said('hostname', r.host)} does not resolve: {e.strerror}"
-            return (f"{r.alias!r} does not resolve: no such host ({e.strerror}), and no Host entry "
-                    f"names it in {r.config_name()}")
+            return (f"{r.alias!r} does not resolve: no such host ({e.strerror}), and "
+                    f"{r.config_name()} gives it no HostName")
         if isinstance(e, asyncssh.ChannelOpenError):          # the last jump host could not reach it
-            return (f"the jump host cannot reach {r.host}:{r.port} ({r.said('port', r.port)}): "
-                    f"{e.reason}")
+            port = f" ({r.said('port', r.port)})" if r.from_file("port") else ""
+            return f"the jump host cannot reach {r.host}:{r.port}{port}: {e.reason}"
         if isinstance(e, asyncssh.HostKeyNotVerifiable):      # a jump host (the target's is _open's)
             return (f"host key not trusted by {r.said('known_hosts', r.known_hosts)}; to trust it run "
                     f"ssh-keyscan -p {r.port} {r.host} >> {r.known_hosts}")

@@ -145,6 +145,12 @@ def test_a_failing_jump_host_is_named(tmp_path, home, sshd):
         f"box (gpubox = root@127.0.0.1:{sshd.port}): jump host bastion = root@127.0.0.1:{closed} "
         f"(ProxyJump bastion from ~/.ssh/config line 14): port {closed} from ~/.ssh/config line 4: "
         f"connection refused"), host["error"]
+    # The bastion is fine, the target's port behind it is closed: the jump host says so.
+    write_ssh_config(home, host_entry("bastion", sshd.port), host_entry("gpubox", closed, "ProxyJump bastion"))
+    code, host = host_status(alias_toml(tmp_path, sshd, "gpubox", gpus=(0,)))
+    assert code == 3 and host["error"].startswith(
+        f"box (gpubox = root@127.0.0.1:{closed}): the jump host cannot reach 127.0.0.1:{closed} (port "
+        f"{closed} from ~/.ssh/config line 11): "), host["error"]
 
 
 def test_an_address_that_is_neither_an_alias_nor_a_host_is_named(tmp_path, home, sshd):
@@ -153,7 +159,7 @@ def test_an_address_that_is_neither_an_alias_nor_a_host_is_named(tmp_path, home,
     code, host = host_status(config)
     assert code == 3
     assert host["error"].startswith("box (root@gpubox9:22): 'gpubox9' does not resolve: no such "
-                                    "host") and "no Host entry names it in ~/.ssh/config" in host["error"], host
+                                    "host") and "and ~/.ssh/config gives it no HostName" in host["error"], host
     up = fleet("up", "--headless", "-c", config)
     assert up.returncode == 3 and "'gpubox9' does not resolve" in up.stderr and "Traceback" not in up.stderr
 
