@@ -257,9 +257,9 @@ SLURM_HOST = "slurm"                     # the launcher's name where a host's wo
 class SlurmSpec(Strict):
     """Slurm as the launcher: one array task per shard, submitted and watched from the login node."""
     login: str = "local"                 # "[user@]host" reached over SSH, or "local" (fleet runs there)
-    port: int = Field(22, ge=1, le=65535)
+    port: int | None = Field(None, ge=1, le=65535)   # left out: as for [[hosts]], from ~/.ssh/config
     identity_file: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
+    known_hosts: str | None = None
     accept_new: bool = False
     partition: str | None = None
     account: str | None = None
