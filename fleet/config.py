@@ -197,13 +197,17 @@ class JobSpec(Strict):
 
 
 class HostSpec(Strict):
+    """One SSH box. `address` may be a Host alias of the OpenSSH config (`ssh_config`, default
+    ~/.ssh/config): what this entry leaves out (port, user, identity_file, known_hosts) comes from
+    the alias as `ssh` would take it, and what it sets wins (fleet/transport.py resolves it)."""
     name: str
     address: str
-    port: int = Field(22, ge=1, le=65535)
+    port: int | None = Field(None, ge=1, le=65535)
     user: str | None = None
     identity_file: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
+    known_hosts: str | None = None
     accept_new: bool = False
+    ssh_config: str | None = None
     python: str | None = None
     gpus: Union[Literal["all"], list[int]] = "all"
     root: str = "fleet"
@@ -230,6 +234,13 @@ class HostSpec(Strict):
             raise ValueError("\"all\" or a non-empty list of distinct GPU indices")
         return v
 
+    @field_validator("ssh_config")
+    @classmethod
+    def _ssh_config(cls, v):
+        if v is not None and not os.path.isfile(os.path.expanduser(v)):
+            raise ValueError(f"{v}: no such file (an OpenSSH client config, like ~/.ssh/config)")
+        return v
+
     @property
     def is_local(self) -> bool:
         return self.address == "local"
@@ -247,9 +258,9 @@ SLURM_HOST = "slurm"                     # the launcher's name where a host's wo
 class SlurmSpec(Strict):
     """Slurm as the launcher: one array task per shard, submitted and watched from the login node."""
     login: str = "local"                 # "[user@]host" reached over SSH, or "local" (fleet runs there)
-    port: int = Field(22, ge=1, le=65535)
+    port: int | None = Field(None, ge=1, le=65535)   # left out: as for [[hosts]], from ~/.ssh/config
     identity_file: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
+    known_hosts: str | None = None
     accept_new: bool = False
     partition: str | None = None
     account: str | None = None

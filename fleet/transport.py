@@ -8,6 +8,7 @@ known_hosts; an unknown host is trusted only with `accept_new = true`, a changed
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shlex
 from dataclasses import dataclass
@@ -134,14 +135,120 @@ class SSHStream(Stream):
         self.proc.close()
 
 
+SSH_CONFIG = "~/.ssh/config"
+DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+
+
+def _tilde(path: str) -> str:
+    """A path as the user wrote it: $HOME shown as ~."""
+    home = os.path.expanduser("~")
+    return "~" + path[len(home):] if home != "~" and (path + "/").startswith(home + "/") else path
+
+
+@functools.lru_cache(maxsize=1)
+def _traced_config():
+    """asyncssh's own OpenSSH config parser, also noting the file and line each option came from:
+    fleet reads the file exactly as asyncssh will when it connects, and can say where a setting that
+    failed was written."""
+    from asyncssh.config import SSHClientConfig
+
+    def traced(handler):
+        def record(self, option, args):
+            new = option not in self._options
+            handler(self, option, args)
+            if new and option in self._options:
+                self.origin.setdefault(option, f"{_tilde(str(self._path))} line {self._line_no}")
+        return record
+
+    class Traced(SSHClientConfig):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.origin: dict[str, str] = {}
+
+        _handlers = {key: (option, handler if option in ("Host", "Match", "Include") else traced(handler))
+                     for key, (option, handler) in SSHClientConfig._handlers.items()}
+    return Traced
+
+
+@dataclass
+class Resolved:
+    """Where a host entry really leads, the way `ssh ADDRESS` would take it: fleet.toml's keys, else
+    the OpenSSH config's settings for the address (an alias), else ssh's defaults. `origin` names
+    where a setting came from ("fleet.toml", "~/.ssh/config line 4"); a default has none."""
+    alias: str
+    host: str
+    port: int
+    user: str
+    known_hosts: str                     # as written (for messages); expanded with os.path.expanduser
+    identity_files: list[str]
+    jump: str | None                     # ProxyJump: comma-separated [user@]alias[:port] hops
+    config: list[str]                    # the config file given to asyncssh ([] when there is none)
+    origin: dict[str, str]
+
+    @property
+    def target(self) -> str:
+        return f"{self.user}@{self.host}:{self.port}"
+
+    @property
+    def where(self) -> str:
+        return self.target if self.alias == self.host else f"{self.alias} = {self.target}"
+
+    def from_file(self, key: str) -> bool:
+        return self.origin.get(key, "fleet.toml") != "fleet.toml"
+
+    def said(self, key: str, value) -> str:
+        """'port 2222 from ~/.ssh/config line 4' when the config file set it, else 'port 2222'."""
+        return f"{key} {value}" + (f" from {self.origin[key]}" if self.from_file(key) else "")
+
+    def config_name(self) -> str:
+        return _tilde(self.config[0]) if self.config else f"{SSH_CONFIG} (there is none)"
+
+
+def resolve(name: str, address: str, ssh_config: str | None = None, *, port: int | None = None,
+            user: str | None = None, identity_file: str | None = None,
+            known_hosts: str | None = None) -> Resolved:
+    """Resolve `address` through the OpenSSH config: `ssh_config`, else ~/.ssh/config when it exists.
+    `~` is $HOME (os.path.expanduser, as asyncssh expands it), so fleet and asyncssh read the same
+    file; OpenSSH's own ssh takes the home from the password database, the same unless HOME is moved."""
+    import getpass
+    path = os.path.expanduser(ssh_config or SSH_CONFIG)
+    paths = [path] if ssh_config or os.path.isfile(path) else []
+    try:
+        local_user = getpass.getuser()
+    except (KeyError, OSError):
+        raise HostError(f"{name}: no user given and no local user name to default to (set USER)") from None
+    try:
+        cfg = _traced_config().load(None, paths, False, False, False, local_user,
+                                    user if user else (), address, port if port else ())
+    except OSError as e:
+        raise HostError(f"{name}: cannot read {_tilde(path)}: {e.strerror}") from None
+    except ValueError as e:                                   # asyncssh's ConfigParseError: file line N
+        raise HostError(f"{name}: {_tilde(path)}: {e}") from None
+    origin = {"hostname": cfg.origin.get("Hostname"), "port": cfg.origin.get("Port"),
+              "user": cfg.origin.get("User"), "known_hosts": cfg.origin.get("UserKnownHostsFile"),
+              "identity_file": cfg.origin.get("IdentityFile"), "ProxyJump": cfg.origin.get("ProxyJump")}
+    for key, value in (("port", port), ("user", user), ("identity_file", identity_file),
+                       ("known_hosts", known_hosts)):
+        if value:
+            origin[key] = "fleet.toml"
+    files = cfg.get("UserKnownHostsFile") or [DEFAULT_KNOWN_HOSTS]
+    keys = [identity_file] if identity_file else list(cfg.get("IdentityFile") or [])
+    return Resolved(alias=address, host=str(cfg.get("Hostname") or address), port=int(cfg.get("Port", 22)),
+                    user=str(cfg.get("User") or local_user), known_hosts=known_hosts or files[0],
+                    identity_files=keys, jump=cfg.get("ProxyJump"), config=paths,
+                    origin={k: v for k, v in origin.items() if v})
+
+
 class SSHTransport(Transport):
-    """One connection per host; connects are bounded fleet-wide by a semaphore (sshd MaxStartups)."""
+    """One connection per host; connects are bounded fleet-wide by a semaphore (sshd MaxStartups).
+    The host's address is resolved through the OpenSSH config on every connect (see `resolve`)."""
 
     def __init__(self, host: HostSpec, supervise: SuperviseSpec, connect_slots: asyncio.Semaphore):
         super().__init__(host)
         self.supervise = supervise
         self.slots = connect_slots
         self.conn = None
+        self.resolved: Resolved | None = None
 
     @property
     def connected(self) -> bool:
@@ -150,7 +257,9 @@ class SSHTransport(Transport):
     @property
     def where(self) -> str:
         h = self.host
-        return f"{h.name} ({h.user + '@' if h.user else ''}{h.address}:{h.port})"
+        if self.resolved is None:
+            return f"{h.name} ({h.user + '@' if h.user else ''}{h.address}{':' + str(h.port) if h.port else ''})"
+        return f"{h.name} ({self.resolved.where})"
 
     async def connect(self) -> None:
         import asyncssh
@@ -158,61 +267,126 @@ class SSHTransport(Transport):
         if self.connected:
             return
         h = self.host
-        known_hosts = os.path.expanduser(h.known_hosts)
-        kwargs = dict(port=h.port, connect_timeout=self.supervise.connect_timeout,
+        self.conn = None
+        r = self.resolved = resolve(h.name, h.address, h.ssh_config, port=h.port, user=h.user,
+                                    identity_file=h.identity_file, known_hosts=h.known_hosts)
+        known_hosts = os.path.expanduser(r.known_hosts)
+        kwargs = dict(config=r.config, connect_timeout=self.supervise.connect_timeout,
                       keepalive_interval=self.supervise.keepalive_interval,
                       keepalive_count_max=self.supervise.keepalive_count_max)
+        if h.port:
+            kwargs["port"] = h.port
         if h.user:
-            kwargs["username"] = h.user                   # else asyncssh's default: the local user
+            kwargs["username"] = h.user
         if h.identity_file:
             key = os.path.expanduser(h.identity_file)
             if not os.path.exists(key):
                 raise HostError(f"{self.where}: identity_file {h.identity_file} not found")
             kwargs["client_keys"] = [key]
         async with self.slots:
+            jump = None
             try:
+                if r.jump:
+                    jump = kwargs["tunnel"] = await self._open_jumps(r)
                 self.conn = await self._open(known_hosts, kwargs)
+                if jump is not None:
+                    self.conn.set_tunnel(jump)          # closing the connection closes its hops
             except asyncssh.KeyImportError as e:
                 raise HostError(f"{self.where}: identity_file {h.identity_file} cannot be used: {e} "
                                 f"(an encrypted key: add it to the SSH agent with ssh-add and leave "
                                 f"identity_file out)") from None
-            except asyncssh.PermissionDenied:
-                raise HostError(f"{self.where}: authentication failed (key "
-                                f"{h.identity_file or 'from the SSH agent / ~/.ssh'})") from None
-            except (asyncio.TimeoutError, TimeoutError):
-                raise HostError(f"{self.where}: connection timed out after "
-                                f"{self.supervise.connect_timeout:.0f}s") from None
-            except ConnectionRefusedError:
-                raise HostError(f"{self.where}: connection refused (is sshd listening on port "
-                                f"{h.port}?)") from None
-            except asyncssh.Error as e:
-                raise HostError(f"{self.where}: SSH error: {e.reason}") from None
-            except OSError as e:
-                raise HostError(f"{self.where}: {e.strerror or e}") from None
+            except (asyncssh.Error, OSError, asyncio.TimeoutError, TimeoutError) as e:
+                raise HostError(f"{self.where}: {self._why(e, r)}") from None
+            finally:
+                if self.conn is None and jump is not None:
+                    jump.close()
+
+    def _why(self, e: Exception, r: Resolved) -> str:
+        """One line on why connecting to `r` failed, naming the setting (and its file) at fault."""
+        import asyncssh
+        import socket
+        if isinstance(e, asyncssh.PermissionDenied):
+            keys = r.said("identity_file", r.identity_files[0]) if r.identity_files else \
+                "keys from the SSH agent / ~/.ssh"
+            return f"authentication failed as {r.said('user', r.user)} ({keys})"
+        if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+            return f"connection timed out after {self.supervise.connect_timeout:.0f}s"
+        if isinstance(e, ConnectionRefusedError):
+            return (f"{r.said('port', r.port) + ': ' if r.from_file('port') else ''}connection refused "
+                    f"(is sshd listening on port {r.port}?)")
+        if isinstance(e, socket.gaierror):
+            if r.from_file("hostname"):
+                return f"{r.said('hostname', r.host)} does not resolve: {e.strerror}"
+            return (f"{r.alias!r} does not resolve: no such host ({e.strerror}), and "
+                    f"{r.config_name()} gives it no HostName")
+        if isinstance(e, asyncssh.ChannelOpenError):          # the last jump host could not reach it
+            port = f" ({r.said('port', r.port)})" if r.from_file("port") else ""
+            return f"the jump host cannot reach {r.host}:{r.port}{port}: {e.reason}"
+        if isinstance(e, asyncssh.HostKeyNotVerifiable):      # a jump host (the target's is _open's)
+            return (f"host key not trusted by {r.said('known_hosts', r.known_hosts)}; to trust it run "
+                    f"ssh-keyscan -p {r.port} {r.host} >> {r.known_hosts}")
+        if isinstance(e, asyncssh.Error):
+            return f"SSH error: {e.reason}"
+        return str(e.strerror or e)                           # another OSError
+
+    async def _open_jumps(self, r: Resolved):
+        """Open the ProxyJump hops in turn, each through the one before (as asyncssh and ssh do);
+        each hop is resolved through the same config file. Returns the last hop's connection."""
+        import asyncssh
+        conn = None
+        for hop in r.jump.split(","):
+            user, _, rest = hop.rpartition("@")
+            alias, _, port = rest.partition(":")
+            hr = resolve(self.host.name, alias, r.config[0] if r.config else None,
+                         port=int(port) if port.isdigit() else None, user=user or None)
+            known = os.path.expanduser(hr.known_hosts)
+            try:
+                if not os.path.exists(known):
+                    raise asyncssh.HostKeyNotVerifiable("no known_hosts file")
+                nxt = await asyncssh.connect(alias, int(port) if port.isdigit() else (), tunnel=conn or (),
+                                             username=user or (), config=r.config, known_hosts=known,
+                                             connect_timeout=self.supervise.connect_timeout)
+            except (asyncssh.Error, OSError, asyncio.TimeoutError, TimeoutError) as e:
+                if conn is not None:
+                    conn.close()
+                via = r.said("ProxyJump", r.jump)
+                raise HostError(f"{self.where}: jump host {hr.where} ({via}): "
+                                f"{self._why(e, hr)}") from None
+            if conn is not None:
+                nxt.set_tunnel(conn)
+            conn = nxt
+        return conn
 
     async def _open(self, known_hosts: str, kwargs: dict):
         """Connect, checking the host key against known_hosts. A key never seen is trusted only
         with accept_new; otherwise the host is reached once for its key alone (no login), so a
         dead host reads as unreachable and a live one names the key to trust."""
         import asyncssh
-        h = self.host
+        h, r = self.host, self.resolved
         if os.path.exists(known_hosts):
             try:
                 return await asyncssh.connect(h.address, known_hosts=known_hosts, **kwargs)
             except asyncssh.HostKeyNotVerifiable:
                 if self._key_is_known(known_hosts):
                     raise HostError(
-                        f"{self.where}: host key does not match {h.known_hosts} — it CHANGED; if "
-                        f"that is expected, remove the old entry (ssh-keygen -R '[{h.address}]:{h.port}' "
-                        f"-f {h.known_hosts}) and connect again") from None
+                        f"{self.where}: host key does not match {r.said('known_hosts', r.known_hosts)} "
+                        f"— it CHANGED; if that is expected, remove the old entry (ssh-keygen -R "
+                        f"'[{r.host}]:{r.port}' -f {r.known_hosts}) and connect again") from None
         if h.accept_new:
             return await self._connect_accept_new(known_hosts, kwargs)
-        key = await asyncio.wait_for(asyncssh.get_server_host_key(h.address, h.port),
+        if os.path.realpath(known_hosts) == os.devnull:       # SkyPilot's entries: trust any key
+            raise HostError(
+                f"{self.where}: host key unknown: {r.said('known_hosts', r.known_hosts)} keeps no keys; "
+                f"set known_hosts = \"~/.ssh/known_hosts\" and accept_new = true for this host (its key "
+                f"is recorded on the first connect and checked after)")
+        probe = {k: kwargs[k] for k in ("port", "tunnel", "config") if k in kwargs}
+        key = await asyncio.wait_for(asyncssh.get_server_host_key(h.address, **probe),
                                      self.supervise.connect_timeout)
         offered = f"{key.get_algorithm()} {key.get_fingerprint()}" if key is not None else "none offered"
         raise HostError(
-            f"{self.where}: host key unknown (not in {h.known_hosts}; it offers {offered}); to "
-            f"trust it run ssh-keyscan -p {h.port} {h.address} >> {h.known_hosts}, or set "
+            f"{self.where}: host key unknown (not in {r.said('known_hosts', r.known_hosts)}; it offers "
+            f"{offered}); to "
+            f"trust it run ssh-keyscan -p {r.port} {r.host} >> {r.known_hosts}, or set "
             f"accept_new = true for this host")
 
     def _key_is_known(self, known_hosts: str) -> bool:
@@ -220,7 +394,7 @@ class SSHTransport(Transport):
         if not os.path.exists(known_hosts):
             return False
         try:
-            trusted = asyncssh.read_known_hosts(known_hosts).match(self.host.address, "", self.host.port)
+            trusted = asyncssh.read_known_hosts(known_hosts).match(self.resolved.host, "", self.resolved.port)
         except Exception:
             return False
         return bool(trusted[0] or trusted[1])
@@ -230,7 +404,8 @@ class SSHTransport(Transport):
         import asyncssh
         conn = await asyncssh.connect(self.host.address, known_hosts=None, **kwargs)
         key = conn.get_server_host_key()
-        entry = self.host.address if self.host.port == 22 else f"[{self.host.address}]:{self.host.port}"
+        r = self.resolved
+        entry = r.host if r.port == 22 else f"[{r.host}]:{r.port}"
         os.makedirs(os.path.dirname(known_hosts) or ".", exist_ok=True)
         with open(known_hosts, "a") as f:
             f.write(f"{entry} {key.export_public_key('openssh').decode().strip()}\n")

@@ -72,6 +72,7 @@ StrictModes no
 UsePAM no
 MaxStartups 100
 MaxSessions 100
+AllowTcpForwarding yes
 {'Subsystem sftp internal-sftp' if sftp else ''}
 LogLevel ERROR
 {extra}

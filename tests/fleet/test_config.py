@@ -53,8 +53,9 @@ def error_of(tmp_path, text: str) -> str:
 def test_good_config_loads_with_defaults(tmp_path):
     c = load_config(write(tmp_path, GOOD))
     assert c.run.name == "qwen-hs" and c.spec.supervise.stall_timeout == 120.0
-    assert c.hosts[0].port == 22280 and c.hosts[1].port == 22 and c.hosts[1].gpus == "all"
-    assert c.hosts[1].known_hosts == "~/.ssh/known_hosts" and c.hosts[1].accept_new is False
+    # port, user, known_hosts left out: ~/.ssh/config's entry for the address, else ssh's defaults
+    assert c.hosts[0].port == 22280 and c.hosts[1].port is None and c.hosts[1].gpus == "all"
+    assert c.hosts[1].known_hosts is None and c.hosts[1].accept_new is False
     assert c.run_dir(c.hosts[0]) == "/workspace/fleet/qwen-hs"
 
 

@@ -49,7 +49,8 @@ shards = 128
 def test_the_slurm_section_as_the_issue_writes_it(tmp_path):
     c = load_config(write(tmp_path, RUN + SLURM))
     [login] = c.hosts
-    assert (login.name, login.address, login.user, login.port) == ("slurm", "login.cluster.example", "alice", 22)
+    # port left out: the login's ~/.ssh/config entry, else 22 (fleet.transport.resolve)
+    assert (login.name, login.address, login.user, login.port) == ("slurm", "login.cluster.example", "alice", None)
     assert c.run_dir(login) == "/shared/fleet/qwen-hs" and c.python(login) == "/shared/venv/bin/python"
     assert c.job_name == "fleet-qwen-hs" and c.slurm.poll_interval == 5.0
     assert sbatch_options(c.slurm) == ["--partition=gpu", "--account=spec", "--time=12:00:00", "--gres=gpu:1",
