@@ -1,12 +1,12 @@
 """Small pure figures of one shard's attempt, each readable and tested alone: how long its work
 will take (a pace fitted over minutes, not the last window's rate) and how late its progress is.
 
-Why not tokens/s over the last 30 s for the ETA: rows come longest first, so a shard's tokens/s
-drifts several-fold over a run (a 7.6x drift was measured on the demo) and a window of it swings
-the ETA by minutes within seconds. The time a batch takes is close to a per-sample cost plus a
-per-token cost; both are fitted by least squares over the attempt's progress since its warm-up
-(the first minute after a launch, or the first quarter of a shorter attempt, is left out) and the
-work left is priced with them. Until the fit has minutes behind it, the ETA says it is rough.
+Why not tokens/s over the last 30 s for the ETA: progress arrives a batch at a time and rows come
+longest first, so a 30 s window of it swings the ETA by minutes within seconds. The pace is work
+over time between the points where the counters moved, from the first completed batch (loading and
+reading the rows are left out) over the last 2 minutes. Until it has 3 minutes behind it the ETA
+says it is rough ("~"). It still assumes the pace holds: where the per-token cost falls as rows get
+shorter (attention-bound models on a CPU) the ETA runs long; docs/benchmarks.md has the figures.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 from .record import ShardRecord
 
-WARMUP_S = 60.0              # left out after a launch: loading, kernel tuning, the first batches
-PACE_WINDOW_S = 900.0        # the fit looks back this far at most (the pace changes over a run)
+PACE_WINDOW_S = 120.0        # the pace looks back this far at most (it drifts as rows get shorter)
 SETTLED_S = 180.0            # a fit over this much progress is shown as it is, else as "~"
 LATE_FACTOR = 3.0            # progress later than this many usual intervals is shown amber
 LATE_MIN_S = 10.0            # ...and never for less than this
@@ -25,63 +24,45 @@ LATE_MIN_S = 10.0            # ...and never for less than this
 
 @dataclass(frozen=True)
 class Pace:
-    """Seconds a sample costs and seconds a token costs, over `span_s` of progress."""
-    per_sample: float
-    per_token: float
+    """Seconds a unit of work (a token, or a sample for a run that reports no tokens) takes;
+    `span_s`: how long the attempt's batches have been measured."""
+    per_unit: float
+    unit: str                      # tokens | samples
     span_s: float
 
     @property
     def settled(self) -> bool:
         return self.span_s >= SETTLED_S
 
-    def seconds(self, samples: float, tokens: float) -> float:
-        return self.per_sample * samples + self.per_token * tokens
-
 
 def pace(record: ShardRecord, host_now: float) -> Pace | None:
-    """The current attempt's pace over its progress since warm-up (None: not enough of it yet)."""
+    """The current attempt's pace: work over time between the points where its counters moved,
+    from the first batch's completion (what came before is loading and reading) over at most the
+    last PACE_WINDOW_S. None until two batches have completed."""
     a = record.attempt
-    if a is None or len(a.history) < 3:
+    if a is None:
         return None
-    first = a.history[0][0]
-    start = max(first + min(WARMUP_S, 0.25 * (host_now - first)), host_now - PACE_WINDOW_S)
-    points = [p for p in a.history if p[0] >= start]
-    if len(points) < 2 or points[-1][0] <= points[0][0]:
+    tokens = record.total_tokens is not None
+    column = 2 if tokens else 1
+    moved = [p for i, p in enumerate(a.history) if i == 0 or p[column] != a.history[i - 1][column]]
+    moved = [p for p in moved if p[column] > 0]             # from the first completed batch on
+    if len(moved) == 1:                # one batch: timed from the attempt's first point (rough: "~")
+        moved = [(a.history[0][0], *(0,) * (len(moved[0]) - 1)), moved[0]]
+    behind = moved[-1][0] - moved[0][0] if moved else 0.0   # how long the pace has been measured
+    moved = [p for p in moved if p[0] >= host_now - PACE_WINDOW_S] or moved[-2:]
+    if len(moved) < 2 or moved[-1][0] <= moved[0][0] or moved[-1][column] <= moved[0][column]:
         return None
-    steps = [(b[0] - x[0], b[1] - x[1], b[2] - x[2]) for x, b in zip(points, points[1:]) if b[0] > x[0]]
-    return fit(steps, points[-1][0] - points[0][0], use_tokens=record.total_tokens is not None)
-
-
-def fit(steps: list[tuple[float, float, float]], span: float, use_tokens: bool) -> Pace | None:
-    """Least squares of dt = a*samples + b*tokens over the steps, both costs >= 0 (a cost that
-    comes out negative is dropped and the other fitted alone)."""
-    dt = sum(s[0] for s in steps)
-    ds = sum(s[1] for s in steps)
-    dk = sum(s[2] for s in steps)
-    if dt <= 0 or (ds <= 0 and dk <= 0):
-        return None
-    if not use_tokens or dk <= 0:
-        return Pace(dt / ds, 0.0, span) if ds > 0 else None
-    ss = sum(s[1] * s[1] for s in steps)
-    kk = sum(s[2] * s[2] for s in steps)
-    sk = sum(s[1] * s[2] for s in steps)
-    ts = sum(s[0] * s[1] for s in steps)
-    tk = sum(s[0] * s[2] for s in steps)
-    det = ss * kk - sk * sk
-    if det > 1e-12 * ss * kk:
-        a, b = (ts * kk - tk * sk) / det, (tk * ss - ts * sk) / det
-        if a >= 0 and b >= 0:
-            return Pace(a, b, span)
-    return Pace(0.0, dt / dk, span)                # tokens alone (the common case on a GPU)
+    span = moved[-1][0] - moved[0][0]
+    return Pace(span / (moved[-1][column] - moved[0][column]), "tokens" if tokens else "samples", behind)
 
 
 def pace_eta(record: ShardRecord, p: Pace | None) -> float | None:
     """Seconds of work left for this shard at pace `p`."""
-    if p is None or not record.total:
+    if p is None:
         return None
-    samples_left = max(record.total - record.done - record.skipped, 0)
-    tokens_left = max(record.total_tokens - record.tokens, 0) if record.total_tokens is not None else 0
-    return p.seconds(samples_left, tokens_left)
+    if p.unit == "tokens":
+        return p.per_unit * max(record.total_tokens - record.tokens, 0)
+    return p.per_unit * max(record.total - record.done - record.skipped, 0) if record.total else None
 
 
 @dataclass(frozen=True)
