@@ -20,7 +20,7 @@ from .record import ShardRecord
 from .state import State
 
 # Results that mean the action is under way: the shard stays busy until its record shows it.
-UNDER_WAY = frozenset({"started", "stopping", "restarting", "done"})
+UNDER_WAY = frozenset({"started", "submitted", "refused", "stopping", "restarting", "done"})
 
 KINDS = ("restart", "stop")
 

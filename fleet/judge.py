@@ -33,6 +33,7 @@ from .state import MEASURED, State
 
 RATE_WINDOW_S = 30.0
 SLURM_WORD_WAIT_S = 30.0  # a restart waits this long (at most) for Slurm's account of an end
+WARMING_UP = "model loaded; reading its rows and running the first batch"
 STALL_SHOWN_S = 2.0       # a stalled shard is restarted no sooner than this after it is seen stalled:
                           # longer than the TUI's 1.5 s redraw, so STALLED is on screen at least once
 
@@ -143,6 +144,8 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
                     min_delay=STALL_SHOWN_S)
         return _kill_first(v) if v.state == State.FATAL else \
             Verdict(State.STALLED, v.reason, v.action, v.due_t, attempts)
+    if phase == Phase.RUNNING and not a.worked and not policy.custom_job:
+        return Verdict(State.LOADING, WARMING_UP, attempts=attempts)    # loaded, first batch not done
     return Verdict(State(phase.value), attempts=attempts)
 
 

@@ -101,6 +101,8 @@ class SlurmLauncher:
     async def act(self, t: Transport, host: HostSpec, actions: list[protocol.ShardAction],
                   places: dict[int, Placement], num_shards: int,
                   wait: float = 0.0) -> list[protocol.ActResult]:
+        if actions and all(a.kind == "stop" and a.why == "run" for a in actions):
+            return await self._cancel_all(t, host, actions, wait)
         results: dict[int, protocol.ActResult] = {}
         submit: dict[str, list[int]] = {}
         for a in actions:
@@ -128,6 +130,17 @@ class SlurmLauncher:
             args += ["--then", "launch", "--by", a.by]
         return await deploy.run_worker_module(t, self.config, host, "slurm", *args, timeout=timeout + 60)
 
+    async def _cancel_all(self, t: Transport, host: HostSpec, actions: list[protocol.ShardAction],
+                          wait: float) -> list[protocol.ActResult]:
+        """The run's stop: every task of the run, and any job of its name, in one scancel."""
+        timeout = max(actions[0].grace, 60.0) if wait else 1.0
+        r = await deploy.run_worker_module(t, self.config, host, "slurm", "cancel-all", "--run-dir",
+                                           self.config.run_dir(host), "--job-name", self.config.job_name,
+                                           "--timeout", str(timeout), timeout=timeout + 60)
+        if "error" in r:
+            return [protocol.ActResult(shard=a.shard, status="error", detail=r["error"]) for a in actions]
+        return [protocol.ActResult(shard=a.shard, status=r.get(str(a.shard), "not running")) for a in actions]
+
     async def _submit(self, t: Transport, host: HostSpec, places: list[Placement], num_shards: int,
                       by: str) -> dict[int, protocol.ActResult]:
         """One array for these shards; a shard the submission never reached (squeue did not answer)
@@ -137,13 +150,13 @@ class SlurmLauncher:
                                                 self.config.run_dir(host), input=json.dumps(spec).encode(),
                                                 timeout=180)
         states = result.get("shards", {})
-        status_of = {"submitted": "started", "refused": "started", "held": "running"}
         out = {}
         for p in places:
-            state = states.get(str(p.shard))
+            state = states.get(str(p.shard))            # submitted | refused (recorded) | held (live)
+            detail = (f"as job {result['job']}" if state == "submitted" and result.get("job")
+                      else result.get("error") or (None if state else "submission failed"))
             out[p.shard] = protocol.ActResult(
-                shard=p.shard, status=status_of.get(state, "running" if state else "error"),
-                detail=None if state else (result.get("error") or "submission failed"))
+                shard=p.shard, status={"held": "running"}.get(state, state or "error"), detail=detail)
         return out
 
     def log_argv(self, host: HostSpec, shard: int, last: int, follow: bool) -> list[str]:

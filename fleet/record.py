@@ -55,6 +55,8 @@ class Attempt:
     node: str | None = None               # the node it ran on (its `started`)
     gpus: list | None = None              # the node's GPU indices Slurm gave it
     slurm_end: protocol.SlurmEnded | None = None   # Slurm's final state of its task
+    base_done: int = 0                    # samples finished (or skipped) before this launch
+    worked: bool = False                  # this launch has finished a sample (warm-up is over)
 
     @property
     def ended(self) -> bool:
@@ -198,6 +200,7 @@ class ShardRecord:
                 self.gpu_mem_bytes = ev.gpu_mem_bytes
         elif isinstance(ev, protocol.Progress):               # Done is a Progress too
             self._count(ev)
+            a.worked = a.worked or self.done + self.skipped > a.base_done
             if isinstance(ev, protocol.Done):
                 a.done_event = True
             else:
@@ -244,7 +247,7 @@ class ShardRecord:
         if self.first_launch_t is None:
             self.first_launch_t = ev.t
         self.attempt = Attempt(n=ev.launch, t=ev.t, by=ev.by, gpu=ev.gpu, last_progress_t=ev.t,
-                               launcher=ev.launcher)
+                               launcher=ev.launcher, base_done=self.done + self.skipped)
         self.reopened = None
         self.unlaunched_stop = None
         self.last_event, self.last_event_t = ev.KIND, ev.t

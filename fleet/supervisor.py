@@ -532,15 +532,22 @@ class Supervisor:
             self.on_log(f"shards {_ids([a.shard for a in actions])}: {actions[0].kind} failed: {why}")
             self.on_change()
             return [protocol.ActResult(shard=a.shard, status="error", detail=str(e)) for a in actions]
+        told: dict[tuple, list[int]] = {}
+        asked = {a.shard: a for a in actions}
         for r in results:
             s = self.shards.get(r.shard)
             if s is not None and r.status not in UNDER_WAY:
                 s.busy_since = None          # nothing was done (stale, busy, refused): judge again
-            place = self.shards[r.shard].placement if s is not None else None
-            where = f" ({place.host}:{place.gpu})" if place else ""
-            kind = next((a.kind for a in actions if a.shard == r.shard), "act")
-            self.on_log(f"shard {r.shard}{where}: {kind}: {r.status}" + (f" ({r.detail})" if r.detail else ""))
+            a = asked.get(r.shard)
+            told.setdefault((a.kind if a else "act", a.by if a else "", r.status, r.detail), []).append(r.shard)
+        for (kind, by, status, detail), ids in told.items():   # one line per outcome: a submission is one
+            who = f"shard {ids[0]} ({self._where(ids[0])})" if len(ids) == 1 else f"shards {_ids(ids)}"
+            self.on_log(f"{who}: {kind} ({by}): {status}" + (f": {detail}" if detail else ""))
         return results
+
+    def _where(self, shard_id: int) -> str:
+        s = self.shards.get(shard_id)
+        return f"{s.placement.host}:{s.placement.gpu}" if s is not None else "?"
 
     # --- the user's actions (the TUI's keys, fleet restart / down) -------------------------------
     def refusal(self, shard_id: int, kind: str) -> str | None:

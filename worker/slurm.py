@@ -471,11 +471,11 @@ def cancel_all(run_dir: str, job_name: str | None, timeout: float) -> dict:
         live: dict[int, LaunchState] = {}
         for k in shards:
             state = LaunchState.read(events_path(protocol.shard_dir(run_dir, k)))
+            protocol.append_jsonl(events_path(protocol.shard_dir(run_dir, k)),   # a shard waiting to
+                                  protocol.StopRequested(launch=state.n or None, why="run"))  # be resubmitted too
             if state.ended or not state.n:
                 out[str(k)] = "not running"
                 continue
-            protocol.append_jsonl(events_path(protocol.shard_dir(run_dir, k)),
-                                  protocol.StopRequested(launch=state.n, why="run"))
             live[k] = state
         jobs = [s.job for s in live.values() if s.job]
         error = _scancel(jobs, [f"--name={job_name}", f"--user={getpass.getuser()}"] if job_name else None)

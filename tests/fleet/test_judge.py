@@ -33,8 +33,11 @@ def test_happy_path_states():
     evs += [p.Started(t=2, launch=1, pid=42, total=10), p.Loading(t=2, launch=1)]
     assert verdict(evs, 2, True).state == State.LOADING
     evs += [p.Loaded(t=5, launch=1)]
-    assert verdict(evs, 5, True).state == State.RUNNING
+    v = verdict(evs, 5, True)                      # loaded, no sample finished yet: still warming up
+    assert (v.state, v.reason) == (State.LOADING, "model loaded; reading its rows and running the first batch")
+    assert verdict(evs + [p.Progress(t=6, launch=1, done=0, total=10)], 6, True).state == State.LOADING
     evs += [p.Progress(t=7, launch=1, done=4, total=10, tokens=400, bytes=1000)]
+    assert verdict(evs, 7, True).state == State.RUNNING
     r = fold(evs)
     assert (r.done, r.tokens, r.total) == (4, 400, 10)
     evs += [p.Done(t=9, launch=1, done=10, total=10, tokens=1000, bytes=2500), p.Exited(t=9.1, launch=1, code=0)]

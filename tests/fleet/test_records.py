@@ -26,7 +26,7 @@ JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 def job_toml(tmp_path, script: dict, *, max_restarts: int = 3, backoff: str = "0.5s",
              python: str | None = None, gpus=(0, 1), extra_job: str = "", stall: str = "60s",
-             grace: str = "0.5s") -> str:
+             grace: str = "0.5s", fail: str = "FAIL|ERROR") -> str:
     (tmp_path / "script.json").write_text(json.dumps(script))
     (tmp_path / "fleet.toml").write_text(f"""
 [run]
@@ -43,7 +43,7 @@ stop_grace = "{grace}"
 [job]
 command = "{{python}} {JOB} {tmp_path / 'script.json'} {{shard}}"
 done = "extract-only mode"
-fail = "FAIL|ERROR"
+fail = "{fail}"
 progress = "processed (?P<done>\\\\d+)/(?P<total>\\\\d+)"
 {extra_job}
 
@@ -224,5 +224,28 @@ async def test_a_launch_that_fails_backs_off_counts_and_goes_fatal(tmp_path):
         await asyncio.sleep(1.5)                                       # FATAL: nothing more is tried
         tries = [m for m in logs if "launch failed" in m]
         assert len(tries) == 3                                         # the manual one + 2 automatic
+    finally:
+        await sup.close()
+
+
+async def test_a_traceback_fails_with_its_exception_line_and_the_log_marks_each_attempt(tmp_path):
+    """A fail regex that matches a traceback's header: the reason is the exception it ends with,
+    not 'Traceback (most recent call last):'. The runner marks in the log where each attempt
+    began and how it ended."""
+    script = {"0": [[["progress", 1, 9], ["print", "Traceback (most recent call last):"],
+                     ["print", '  File "job.py", line 3, in <module>'], ["print", "    step()"],
+                     ["print", "RuntimeError: CUDA error: an illegal memory access was encountered"],
+                     ["exit", 1]]]}
+    sup = await started(job_toml(tmp_path, script, gpus=(0,), max_restarts=0, fail="Traceback|Error"))
+    try:
+        await until(lambda: shard(sup, 0).state == State.FATAL, what="FATAL")
+        assert shard(sup, 0).last_failure == "fail sentinel: RuntimeError: CUDA error: an illegal memory access " \
+                                             "was encountered"
+        sentinels = [e for e in file_events(tmp_path, 0) if isinstance(e, protocol.Sentinel)]
+        assert [e.line for e in sentinels] == ["RuntimeError: CUDA error: an illegal memory access was encountered"]
+        log = (tmp_path / "fleet" / "job" / "shards" / "0" / "log").read_text()
+        marks = [line for line in log.splitlines() if line.startswith("── fleet:")]
+        assert len(marks) == 2 and "launch 1 (started by the user)" in marks[0]
+        assert "launch 1 ended: exit code 1" in marks[1]
     finally:
         await sup.close()

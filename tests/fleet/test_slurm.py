@@ -119,7 +119,7 @@ def test_the_tiny_model_runs_as_a_two_task_array_to_done_through_ssh_to_the_logi
                             expected="[expected]\nsamples_per_s_per_gpu = 5")
         r = fleet("up", "--headless", "-c", config, env={k: v for k, v in os.environ.items() if k != "SLURM_CONF"})
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "shards 0,1: submitted (manual) as job" in r.stderr
+        assert "shards 0,1: launch (manual): submitted: as job" in r.stderr
         for k in (0, 1):
             assert f"shard {k} localhost:0 RUNNING -> DONE 30/30" in r.stdout, r.stdout
         # The record: the launch at submission, Slurm's job, then the task's own `started` on its node.
@@ -228,7 +228,7 @@ def test_a_task_queued_behind_a_full_node_is_queued_with_slurms_reason_and_fleet
     assert slurm.live_jobs() == [blocker]                                  # the array is gone
     for k in (0, 1):
         evs = events(tmp_path, k)
-        assert of(protocol.StopRequested, evs)[0].why == "user" and not of(protocol.Started, evs)
+        assert of(protocol.StopRequested, evs)[0].why == "run" and not of(protocol.Started, evs)
         assert [e.state for e in of(protocol.SlurmEnded, evs)] == ["CANCELLED"]
         assert of(protocol.Exited, evs)[0].vanished                         # it never ran to record one
     st = status(config)
@@ -320,9 +320,9 @@ async def test_the_tuis_keys_k_cancels_a_task_for_good_r_resubmits_its_index_and
     assert app.return_value.startswith("fleet: nothing of run t is running (2 STOPPED)."), app.return_value
     assert slurm.live_jobs() == []
     evs0, evs1 = events(tmp_path, 0), events(tmp_path, 1)
-    assert [(e.why, e.launch) for e in of(protocol.StopRequested, evs0)] == [("restart", 1), ("user", 2)]
+    assert [(e.why, e.launch) for e in of(protocol.StopRequested, evs0)] == [("restart", 1), ("run", 2)]
     assert [e.by for e in of(protocol.Launch, evs0)] == ["manual", "manual"]
-    assert [(e.why, e.launch) for e in of(protocol.StopRequested, evs1)] == [("user", 1)]
+    assert [(e.why, e.launch) for e in of(protocol.StopRequested, evs1)] == [("user", 1), ("run", 1)]   # D records the run stop for every shard
     assert len(of(protocol.Launch, evs1)) == 1                               # never restarted
     assert [e.state for e in of(protocol.SlurmEnded, evs1)] == ["CANCELLED"]
 
@@ -370,7 +370,7 @@ def test_what_sbatch_refuses_is_one_line_quoting_slurm_and_the_policy_gives_up(t
     r = fleet("up", "--headless", "-c", config)
     assert r.returncode == 1, r.stdout + r.stderr
     refusal = "sbatch refused: sbatch: error: Batch job submission failed: Requested node configuration is not available"
-    assert f"shards 0,1: submitted (manual): {refusal}" in r.stderr, r.stderr
+    assert f"shards 0,1: launch (manual): refused: {refusal}" in r.stderr, r.stderr
     for k in (0, 1):
         assert f"shard {k} slurm:0 PENDING -> BACKOFF 0/0 ({refusal}; restart in 0.5s)" in r.stdout, r.stdout
         assert out_has(r.stdout, f"shard {k} slurm:0", f"-> FATAL 0/0 (gave up after 1 restart(s); last: {refusal})")

@@ -252,7 +252,9 @@ async def test_question_mark_help_is_generated_from_every_binding_and_never_wrap
 async def test_q_and_ctrl_c_quit_with_a_message_true_to_what_is_left(ui):
     f, app, pilot, table = ui
     await pilot.press("ctrl+c")
-    assert app.return_value == QUIT_MESSAGE
+    assert app.return_value.startswith(QUIT_MESSAGE)
+    named = [s for s in f.snapshot().shards if s.state.value in ("FATAL", "STALLED", "FAILED")]
+    assert named and all(f"shard {s.id} ({s.host}:{s.gpu})" in app.return_value for s in named)
     f2 = fleet(failed=(), backoff=())
     f2.finish()
     app2 = FleetApp(f2, interval=3600)
