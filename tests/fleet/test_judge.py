@@ -236,7 +236,7 @@ class World:
         self.n = 0
         self.running = False          # the process (or its runner) holds the lock
         self.done = 0
-        self.checkpoints: list[tuple[int, float, bool]] = []
+        self.checkpoints: list[tuple] = []
 
     def add(self, ev: p.Record) -> None:
         self.events.append(ev)
@@ -282,21 +282,27 @@ class World:
             self.end(code=-9) if arg else self.end(vanished=True)
 
     def supervise(self) -> None:
-        """What Supervisor.decide does with the verdict."""
+        """What the supervisor and the host's one door do with the verdict (fleet/actions.py)."""
         v = judge(self.live, self.running, self.t, self.policy)
-        before = judge(self.live, self.running, self.t, self.policy).state
         if v.action == Action.RESTART:
-            assert before not in (State.DONE, State.STOPPED)
+            assert v.state not in (State.DONE, State.STOPPED)
             assert v.due_t is not None and self.t >= v.due_t
-            if self.running:
-                self.add(p.StopRequested(t=self.t, launch=self.n, why="restart", reason=v.reason))
+            if self.running:                  # the intent first, then the signal, then the launch
+                self.add(p.StopRequested(t=self.t, launch=self.n, why="restart", reason=v.reason,
+                                         then="launch", by=v.by))
                 self.end(code=-15)
-            self.launch("auto")
+            self.launch(v.by)
+        elif v.action == Action.STOP:         # giving up with the process alive: kill what is left
+            assert self.running and v.state == State.STOPPING
+            self.add(p.StopRequested(t=self.t, launch=self.n, why="fatal", reason=v.reason))
+            self.end(code=-15)
         elif v.action == Action.LAUNCH:
-            assert before == State.PENDING
+            assert v.state == State.PENDING
             self.launch("manual")
         assert self.live.auto_attempts <= self.policy.max_restarts
-        self.checkpoints.append((len(self.events), self.t, self.running))
+        after = judge(self.live, self.running, self.t, self.policy)
+        assert not (self.running and after.state in (State.DONE, State.FATAL, State.STOPPED)), after
+        self.checkpoints.append((len(self.events), self.t, self.running, after))
 
 
 def assert_within_restart_budget(events: list, max_restarts: int) -> None:
@@ -321,9 +327,8 @@ def test_judge_invariants_over_random_histories(steps, max_restarts, needs_done,
     assert_within_restart_budget(w.events, max_restarts)
     # Every prefix replayed from scratch (and through the agent's replay thinning) is judged as the
     # live stream judged it at that point.
-    for length, t, alive in w.checkpoints:
+    for length, t, alive, live in w.checkpoints:    # `live`: the verdict the live record gave then
         prefix = w.events[:length]
-        live = judge(fold(prefix, needs_done), alive, t, policy)
         replayed = judge(fold(prefix, needs_done), alive, t, policy)
         assert live == replayed
         raw = [e.to_dict() for e in prefix]
