@@ -72,12 +72,13 @@ class Progress:
     late: bool                    # age over LATE_FACTOR usual intervals: a stall in the making
 
 
-def progress_age(record: ShardRecord, host_now: float) -> Progress | None:
-    """How long the live attempt has gone without progress, against its own usual interval."""
+def progress_age(record: ShardRecord, host_now: float, idle_s: float | None = None) -> Progress | None:
+    """How long the live attempt has gone without progress (`idle_s`: as the host's monotonic
+    clock measured it; else from the record's stamps), against its own usual interval."""
     a = record.attempt
     if a is None or a.ended:
         return None
-    age = max(host_now - a.last_progress_t, 0.0)
+    age = idle_s if idle_s is not None else max(host_now - a.last_progress_t, 0.0)
     times = [p[0] for p in a.history]
     gaps = [b - x for x, b in zip(times, times[1:]) if b > x]
     usual = statistics.median(gaps) if len(gaps) >= 2 else None

@@ -87,9 +87,12 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
 
 def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Policy,
           launch_failures: tuple[LaunchFailure, ...] = (),
-          slurm: protocol.SlurmTask | None = None, acting: bool | None = None) -> Verdict:
+          slurm: protocol.SlurmTask | None = None, acting: bool | None = None,
+          idle_s: float | None = None) -> Verdict:
     """`slurm`: what Slurm says now of the newest launch's task (ignored if it is another's).
-    `acting`: a stop or restart is being carried out on the host now (None: nothing acts there)."""
+    `acting`: a stop or restart is being carried out on the host now (None: nothing acts there).
+    `idle_s`: seconds since the last progress on monotonic clocks (the host agent's): stalls are
+    judged on it when given, so a step of the host's wall clock neither stalls nor hides a shard."""
     a = record.attempt
     if slurm is not None and (a is None or slurm.launch != a.n):
         slurm = None
@@ -135,12 +138,12 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
     if a.failure is not None:              # a fail line or `failed` while the process still runs
         return _kill_first(_failed(a.failure, a.failure_t or a.t, attempts, host_now, policy,
                                    a.failure_fatal))
-    idle = host_now - a.last_progress_t
+    idle = idle_s if idle_s is not None else host_now - a.last_progress_t
     if phase == Phase.RUNNING and policy.stall_timeout is not None and idle > policy.stall_timeout:
         why = f"no progress for {idle:.0f}s"
         if not policy.restart_stalled:
             return Verdict(State.STALLED, why, attempts=attempts)
-        v = _failed(why, a.last_progress_t + policy.stall_timeout, attempts, host_now, policy,
+        v = _failed(why, host_now - idle + policy.stall_timeout, attempts, host_now, policy,
                     min_delay=STALL_SHOWN_S)
         return _kill_first(v) if v.state == State.FATAL else \
             Verdict(State.STALLED, v.reason, v.action, v.due_t, attempts)

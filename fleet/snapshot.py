@@ -252,6 +252,7 @@ class ShardView:
     node: str | None = None                # with [slurm]: the node its newest launch runs/ran on
     slurm: SlurmTaskStatus | None = None
     gpus: tuple[int, ...] = ()
+    idle_s: float | None = None            # monotonic seconds since its last progress (the agent's)
 
 
 def slurm_task(record: ShardRecord, live) -> SlurmTaskStatus | None:
@@ -403,7 +404,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
         a = r.attempt
         due = v.verdict.due_t
         shard_pace = pace(r, hn) if state in MEASURED else None
-        late = progress_age(r, hn) if state in LIVE_PROGRESS and host.reachable else None
+        late = progress_age(r, hn, v.idle_s) if state in LIVE_PROGRESS and host.reachable else None
         eta_s = 0.0 if state == State.DONE else pace_eta(r, shard_pace)
         if eta_s is None:
             eta_s = shard_eta(r, state, rate)

@@ -57,6 +57,8 @@ class ShardSlot:
     pid: int | None = None
     launch_failures: list[LaunchFailure] = field(default_factory=list)
     acting: bool | None = None           # a stop or restart is being carried out on the host
+    idle_s: float | None = None          # the host's monotonic seconds since its last progress...
+    idle_at: float = 0.0                 # ...as of this moment of ours (time.monotonic())
     busy_since: float | None = None      # an action is in flight (supervisor clock)
     busy_mark: tuple = ()                # the record's busy_mark when it began
     last_state: State | None = None
@@ -203,12 +205,21 @@ class Supervisor:
         host = self.links[slot.placement.host].host
         now = time.time() if now is None else now
         return judge(slot.record, slot.alive, host.host_now(now), self.policy,
-                     tuple(slot.launch_failures), slot.slurm, slot.acting)
+                     tuple(slot.launch_failures), slot.slurm, slot.acting, self.idle(slot))
+
+    @staticmethod
+    def idle(slot: ShardSlot) -> float | None:
+        """Seconds since the shard's last progress on monotonic clocks (the host's, then ours):
+        a step of either wall clock changes nothing. None: not reported (the record's stamps rule)."""
+        if slot.idle_s is None or not slot.alive:
+            return None
+        return slot.idle_s + max(time.monotonic() - slot.idle_at, 0.0)
 
     def snapshot(self, now: float | None = None) -> FleetSnapshot:
         now = time.time() if now is None else now
         views = [ShardView(s.id, s.placement.host, s.placement.gpu, s.record, self.verdict(s, now),
-                           s.alive, s.pid, self.sup.max_restarts, gpus=s.placement.all_gpus)
+                           s.alive, s.pid, self.sup.max_restarts, gpus=s.placement.all_gpus,
+                           idle_s=self.idle(s))
                  for s in sorted(self.shards.values(), key=lambda s: s.id)]
         hosts = {n: l.host for n, l in self.links.items()}
         if self.slurm is not None:
@@ -441,10 +452,13 @@ class Supervisor:
             if isinstance(ev, protocol.Launch):
                 slot.launch_failures.clear()
                 slot.alive = None            # liveness read before this launch says nothing of it
+            if isinstance(ev, protocol.PROGRESS_EVENTS) and host.replayed:     # followed live: it is news
+                slot.idle_s, slot.idle_at = 0.0, time.monotonic()
         elif isinstance(msg, protocol.Liveness):
             slot = self.shards.get(msg.shard)
             if slot is not None:
                 slot.alive, slot.pid, slot.acting = msg.alive, msg.pid, msg.acting
+                slot.idle_s, slot.idle_at = msg.idle_s, time.monotonic()
         elif isinstance(msg, protocol.SlurmTask):
             slot = self.shards.get(msg.shard)
             if slot is not None:

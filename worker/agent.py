@@ -41,6 +41,7 @@ REPLAY_RECENT_S = 120.0           # progress events kept in full on replay (rate
 REPLAY_BUCKET_S = 60.0            # older progress: one per minute (the throughput chart)
 SLURM_URGENT_S = 1.0              # squeue interval while a task is completing or its end is unread
 SLURM_END_WINDOW_S = 600.0        # a launch that ended this recently still gets Slurm's final word
+IDLE_EVERY_S = 1.0                # how often a live shard's idle time is sent
 
 
 class ShardFollower:
@@ -54,6 +55,8 @@ class ShardFollower:
         self.ended = True
         self.alive: bool | None = None
         self.acting: bool | None = None
+        self.progress_mono: float | None = None   # monotonic time of the newest launch's last progress
+        self.idle_sent = 0.0
         self.state = slurm.LaunchState()      # the newest launch as Slurm matters to it
         self.end_t: float | None = None       # host time the newest launch ended
         self.job_seen = 0.0                   # monotonic time its Slurm job was first read
@@ -75,7 +78,14 @@ class ShardFollower:
                 self.launch, self.ended, self.end_t, self.final_checked = ev.launch, False, None, False
             elif isinstance(ev, protocol.Exited) and ev.launch in (None, self.launch):
                 self.ended, self.end_t = True, self.end_t or ev.t
+            if isinstance(ev, protocol.PROGRESS_EVENTS) and (ev.launch in (None, self.launch)):
+                # When it happened, on the monotonic clock: now, less how old its stamp says it is
+                # (a replayed event); a stamp from the future (the wall clock stepped back) is now.
+                self.progress_mono = time.monotonic() - min(max(protocol.now() - ev.t, 0.0), 1e9)
         return records
+
+    def idle_s(self) -> float | None:
+        return None if self.progress_mono is None else round(time.monotonic() - self.progress_mono, 2)
 
     def end_vanished(self) -> list[dict]:
         """The lock is free but the newest launch has no end: its runner died with it. Append the
@@ -183,10 +193,11 @@ class Agent:
                 events = thin_progress(events)
             for raw in events:
                 self.send(protocol.EventMessage(shard=k, event=raw))
-            if force_liveness or (alive, acting) != (f.alive, f.acting):
-                f.alive, f.acting = alive, acting
+            due = alive and time.monotonic() - f.idle_sent >= IDLE_EVERY_S
+            if force_liveness or due or (alive, acting) != (f.alive, f.acting):
+                f.alive, f.acting, f.idle_sent = alive, acting, time.monotonic()
                 self.send(protocol.Liveness(shard=k, alive=alive, pid=read_pid(f.dir) if alive else None,
-                                            acting=acting))
+                                            acting=acting, idle_s=f.idle_s() if alive else None))
 
     def poll_slurm_shards(self, replay: bool, force_liveness: bool) -> None:
         """The record first, then Slurm: a task's end is only concluded from a query that began

@@ -321,6 +321,10 @@ class Exited(Record):
 Event = Record        # any of the above
 
 
+# Events after which a launch has made progress (the judge's last progress time moves on them).
+PROGRESS_EVENTS = (Launch, Loaded, Progress)
+
+
 def parse_event(d: Any) -> Optional[Record]:
     """A typed event from a JSON object, or None for anything that is not one (a line written by
     a newer worker, a hand edit): the record must never crash the reader."""
@@ -369,13 +373,16 @@ class EventMessage(Message):
 class Liveness(Message):
     """`alive`: the shard's lock is held (its runner or process lives). `acting`: a stop or restart
     is being carried out on the host (`hostctl act` holds the shard's act lock); None where nothing
-    acts on the host (Slurm: the supervisor resubmits)."""
+    acts on the host (Slurm: the supervisor resubmits). Sent on a change, and every second with
+    `idle_s` while the shard is alive."""
     KIND: ClassVar[str] = "shard"
     shard: int = 0
     alive: bool = False
     pid: Optional[int] = None
     t: float = field(default_factory=now)
     acting: Optional[bool] = None
+    idle_s: Optional[float] = None    # seconds since the newest launch last made progress, by the
+                                      # host's monotonic clock (a step of its wall clock changes nothing)
 
 
 @message

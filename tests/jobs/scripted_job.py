@@ -9,7 +9,8 @@ Steps: ["print", text] · ["progress", done, total] (prints "processed done/tota
 until it exists) · ["sleep", s] · ["ignore_term"] · ["exit", code] · ["hang"] · ["chatter"] (prints a
 line every 0.1 s for ever, never progress: a hung shard that still logs) · ["fork", "group" | "setsid"]
 (a child that ignores SIGTERM and hangs, in the job's process group or in a session of its own,
-keeping the job's open files; the parent goes on).
+keeping the job's open files; the parent goes on) · ["ticks", total, every] (prints "processed i/total"
+every `every` seconds, i = 1..total).
 """
 
 import json
@@ -44,6 +45,10 @@ for step in steps:
     elif kind == "hang":
         while True:
             time.sleep(1)
+    elif kind == "ticks":
+        for i in range(1, args[0] + 1):
+            print(f"processed {i}/{args[0]}", flush=True)
+            time.sleep(args[1])
     elif kind == "chatter":
         while True:
             print("still here, working on it", flush=True)
