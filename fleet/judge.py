@@ -34,6 +34,8 @@ from .state import MEASURED, State
 RATE_WINDOW_S = 30.0
 SLURM_WORD_WAIT_S = 30.0  # a restart waits this long (at most) for Slurm's account of an end
 WARMING_UP = "model loaded; reading its rows and running the first batch"
+RECORD_LOST = ("a process holds the shard's lock but its record has no launch (events.jsonl truncated "
+               "or replaced?): not launched again; fleet down stops it")
 STALL_SHOWN_S = 2.0       # a stalled shard is restarted no sooner than this after it is seen stalled:
                           # longer than the TUI's 1.5 s redraw, so STALLED is on screen at least once
 
@@ -105,6 +107,8 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
     if a is None:
         if record.unlaunched_stop is not None:
             return Verdict(State.STOPPED, "stopped before it started")
+        if alive:                          # its record lost the launch (truncated): never launch again
+            return Verdict(State.UNKNOWN, RECORD_LOST)
         return Verdict(State.PENDING, action=Action.LAUNCH)
     if a.ended:
         kind, why = outcome(a, record.needs_done_sentinel)

@@ -410,7 +410,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             eta_s = shard_eta(r, state, rate)
         rows.append(ShardStatus(
             id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), slurm=v.slurm, state=state,
-            reason=f"host unreachable: {host.error}" if state == State.UNKNOWN else v.verdict.reason,
+            reason=f"host unreachable: {host.error}" if host.reachable is False else v.verdict.reason,
             faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
             progress=shard_progress(r, state),
             tokens=r.tokens, total_tokens=r.total_tokens, bytes=r.bytes,

@@ -125,7 +125,8 @@ def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None
          *(["--cwd", cwd] if cwd else []),
          *(["--sentinels", json.dumps(sentinels)] if sentinels else []), "--", *argv],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,),
-        start_new_session=True, env={**os.environ, **env, protocol.LAUNCH_ENV: str(n)})
+        start_new_session=True, env={**os.environ, **env, protocol.LAUNCH_ENV: str(n),
+                                     SHARD_ENV: os.path.abspath(shard_dir)})
     _write_int(p["runner"], runner.pid)
     os.close(log)
     os.close(fd)
@@ -133,6 +134,34 @@ def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None
 
 
 MARKER = "── fleet:"                         # lines the runner writes into a shard's log
+
+
+def _reap_leftovers(shard_dir: str, pgid: int, lock_fd: int) -> int:
+    """The shard's process has ended: whatever it left (its process group, and forks that left the
+    group but hold the shard's lock) is killed, so no process outlives its launch — a DONE shard
+    holds no GPU and a stop means stopped. Returns how many there were."""
+    found = 0
+    if _group_alive(pgid):
+        found += 1
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+        deadline = time.monotonic() + 2.0
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in shard_processes(shard_dir):
+        if pid != os.getpid():
+            found += 1
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return found
 
 
 def _log_marker(path: str, text: str) -> None:
@@ -198,7 +227,10 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
         if watcher:
             for ev in watcher.poll(final=code is not None):
                 append(ev)
+    leftovers = _reap_leftovers(shard_dir, child.pid, lock_fd)
     append(protocol.Exited(launch=launch_n, code=code, pid=child.pid, stopped=bool(stopping)))
+    if leftovers:
+        _log_marker(p["log"], f"launch {launch_n}: {leftovers} process(es) it left behind were killed")
     intent = next((e for e in reversed(protocol.read_events(p["events"]))
                    if isinstance(e, protocol.StopRequested) and e.launch == launch_n), None)
     _log_marker(p["log"], f"launch {launch_n} ended: {_exit_words(code)}" +
@@ -266,6 +298,7 @@ def task(submission_path: str) -> int:
     job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', os.environ.get('SLURM_JOB_ID', '?'))}_{index}"
     os.environ.update(spec.get("env") or {})
     os.environ[protocol.LAUNCH_ENV] = str(n)
+    os.environ[SHARD_ENV] = os.path.abspath(shard_dir)
     _write_int(p["runner"], os.getpid())
     stop = threading.Event()
     reporter = threading.Thread(target=_report_gpus, daemon=True,
@@ -312,35 +345,30 @@ def _pgid(pid: int | None) -> int | None:
         return None
 
 
-def lock_holders(shard_dir: str) -> list[int]:
-    """Pids of every process holding the shard's lock file open (the runner, the process, and any
-    fork of it that left its process group): what must be gone before the shard counts as stopped.
-    Linux /proc; elsewhere nothing is found and the process group alone is relied on."""
-    try:
-        target = os.stat(_paths(shard_dir)["lock"])
-    except OSError:
-        return []
+SHARD_ENV = "FLEET_SHARD_DIR"     # set for a launch's runner and process: every fork inherits it
+
+
+def shard_processes(shard_dir: str) -> list[int]:
+    """Pids of every process of the shard's launches: the runner, the process, and any fork of it,
+    even one that left its process group and closed its files (a double-forked daemon), found by
+    the environment they inherit. What must be gone before the shard counts as stopped. Linux
+    /proc; elsewhere nothing is found and the process group alone is relied on."""
+    mark = f"{SHARD_ENV}={os.path.abspath(shard_dir)}".encode()
     found = []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
-        fd_dir = f"/proc/{entry}/fd"
         try:
-            for fd in os.listdir(fd_dir):
-                try:
-                    st = os.stat(f"{fd_dir}/{fd}")
-                except OSError:
-                    continue
-                if st.st_ino == target.st_ino and st.st_dev == target.st_dev:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
                     found.append(int(entry))
-                    break
         except OSError:
             continue
     return found
 
 
 def _gone(shard_dir: str, pgid: int | None) -> bool:
-    return not is_running(shard_dir) and not _group_alive(pgid)
+    return not is_running(shard_dir) and not _group_alive(pgid) and not shard_processes(shard_dir)
 
 
 def _wait_gone(shard_dir: str, pgid: int | None, seconds: float) -> bool:
@@ -375,8 +403,7 @@ def kill_shard(shard_dir: str, grace: float) -> str:
                 pass
         if _wait_gone(shard_dir, pgid, 2):
             return "killed"
-        holders = [h for h in lock_holders(shard_dir) if h != runner] or \
-            [h for h in lock_holders(shard_dir)]
+        holders = [h for h in shard_processes(shard_dir) if h != runner] or shard_processes(shard_dir)
         for h in holders:
             try:
                 os.kill(h, signal.SIGKILL)

@@ -28,9 +28,9 @@ def shard_dir(tmp_path, k: int) -> str:
 
 
 def live_launches(tmp_path, k: int) -> set[int]:
-    """The launch numbers of every process that holds shard k's lock (runner, job, forks)."""
+    """The launch numbers of every process of shard k (runner, job, forks: by their environment)."""
     out = set()
-    for pid in hostctl.lock_holders(shard_dir(tmp_path, k)):
+    for pid in hostctl.shard_processes(shard_dir(tmp_path, k)):
         try:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except OSError:
@@ -46,7 +46,7 @@ def launches(tmp_path, k: int) -> list[protocol.Launch]:
 
 
 async def nothing_left(tmp_path, k: int) -> None:
-    await until(lambda: not hostctl.lock_holders(shard_dir(tmp_path, k)), timeout=30, what="no process left")
+    await until(lambda: not hostctl.shard_processes(shard_dir(tmp_path, k)), timeout=30, what="no process left")
 
 
 @pytest.mark.parametrize("behaviour", [
@@ -205,8 +205,45 @@ async def _run_steps(tmp_path, config: str, steps: list[str]) -> None:
                 assert len(launches(tmp_path, 0)) == stopped_at, "a stop was undone"
             s = shard(sup, 0)
             if s.state in SETTLED:
-                await until(lambda: not hostctl.lock_holders(shard_dir(tmp_path, 0)), timeout=20,
+                await until(lambda: not hostctl.shard_processes(shard_dir(tmp_path, 0)), timeout=20,
                             what=f"no process in {s.state.value}")
     finally:
         await sup.close()
         await Supervisor(load_config(config)).stop_all(timeout=0.3)
+
+
+async def test_a_job_that_forks_a_daemon_and_exits_is_done_with_nothing_left(tmp_path):
+    """A [job] that double-forks a daemon (its own session, SIGTERM ignored) and then finishes: DONE,
+    and the daemon is killed with the launch — no process of the shard outlives it."""
+    script = {"0": [[["fork", "setsid"], ["progress", 9, 9], ["print", "extract-only mode"], ["exit", 0]]]}
+    sup = await started(job_toml(tmp_path, script, gpus=(0,)))
+    try:
+        await until(lambda: shard(sup, 0).state == State.DONE, what="DONE")
+        await nothing_left(tmp_path, 0)
+        log = (tmp_path / "fleet" / "job" / "shards" / "0" / "log").read_text()
+        assert "launch 1: 1 process(es) it left behind were killed" in log or \
+               "left behind were killed" in log, log
+        assert shard(sup, 0).state == State.DONE
+    finally:
+        await sup.close()
+
+
+async def test_a_record_truncated_under_a_live_shard_never_launches_it_twice(tmp_path):
+    script = {"0": [[["progress", 1, 9], ["hang"]]]}
+    config = job_toml(tmp_path, script, gpus=(0,))
+    sup = await started(config)
+    await until(lambda: shard(sup, 0).done == 1, what="running")
+    await sup.close()
+    open(os.path.join(shard_dir(tmp_path, 0), "events.jsonl"), "w").close()     # truncated, unwatched
+    logs: list[str] = []
+    sup = await started(config, logs)
+    try:
+        await until(lambda: shard(sup, 0).state == State.UNKNOWN, what="UNKNOWN: record lost")
+        assert "record has no launch" in shard(sup, 0).reason
+        await asyncio.sleep(2)
+        assert live_launches(tmp_path, 0) == {1} and not launches(tmp_path, 0)   # nothing launched
+        assert not any("launch" in m and "running" in m for m in logs), logs
+    finally:
+        await sup.close()
+        await Supervisor(load_config(config)).stop_all(timeout=1)
+    await nothing_left(tmp_path, 0)
