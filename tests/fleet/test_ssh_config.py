@@ -73,7 +73,7 @@ def test_an_alias_behind_a_jump_host_runs_to_done_with_logs_restart_and_down(tmp
     """`address = "gpubox"`, reached through its ProxyJump bastion (the same sshd, both only in
     ~/.ssh/config): up, logs, restart, down and up again to DONE, all through the alias."""
     from worker.demo import make_token_dataset
-    data = make_token_dataset(str(tmp_path / "data.jsonl"), 2000, vocab_size=500, mean_tokens=40, seed=11)
+    data = make_token_dataset(str(tmp_path / "data.jsonl"), 4000, vocab_size=500, mean_tokens=40, seed=11)
     write_ssh_config(home, host_entry("bastion", sshd.port),
                      host_entry("gpubox", sshd.port, "ProxyJump bastion"))
     config = alias_toml(tmp_path, sshd, "gpubox", dense_model, data)
@@ -81,7 +81,7 @@ def test_an_alias_behind_a_jump_host_runs_to_done_with_logs_restart_and_down(tmp
     proc = fleet_popen("up", "--headless", "-c", config)
     out = Output(proc)
     try:
-        wait_for(lambda: out.has("shard 0", "-> RUNNING"), 120, what="shard 0 running")
+        wait_for(lambda: out.has("shard 0", "-> LOADING"), 120, what="shard 0 live")   # long before DONE
         proc.send_signal(signal.SIGKILL)                  # the workers run on, unsupervised
         proc.wait(10)
     finally:
@@ -108,7 +108,7 @@ def test_an_alias_behind_a_jump_host_runs_to_done_with_logs_restart_and_down(tmp
         assert up.returncode == 0, up.stdout + up.stderr
         snap = json.loads(fleet("status", "--json", "-c", config).stdout)
         assert [s["state"] for s in snap["shards"]] == ["DONE", "DONE"]
-        assert snap["totals"]["done"] == 2000
+        assert snap["totals"]["done"] == 4000
     finally:
         fleet("down", "--yes", "-c", config)
 
