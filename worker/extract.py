@@ -347,7 +347,7 @@ def run_meta(layout: Layout, layers: str, loss_mask: str, out: str) -> dict:
     return {**layout.stored(), "format": layout.format, "data_dir": os.path.abspath(layout.data_dir(out)),
             "layers": layers, "layer_ids": list(plan.ids), "last_layer_norm": plan.last_layer_norm,
             "num_layers": plan.num_layers, "target_last_hidden_states": plan.target_last,
-            "trainer_setting": trainer_setting(layout.format, plan), "loss_mask": loss_mask,
+            "trainer_setting": trainer_setting(layout.format, plan, layout.dtype), "loss_mask": loss_mask,
             "loss_mask_convention": LOSS_MASK_CONVENTIONS[loss_mask]}
 
 
@@ -456,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                                stats, args.progress_interval, stop - start)
         if problem := too_many_skipped(args.out, start, stop, args.max_skip_fraction):
             raise NotRetryable(problem)
+        if args.format == "speculators":           # issue 22: speculators train reads its rows here
+            from .prepared import write_prepared
+            write_prepared(args.out)
         log.emit(protocol.Done(**stats.snapshot(), total=stop - start,
                                host_peak_bytes=host_peak_bytes(), **gpu_memory(shard_gpus)))
         return 0

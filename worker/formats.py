@@ -100,12 +100,14 @@ def supervision_problem(fmt: str, loss_mask) -> str | None:
     return None
 
 
-def trainer_setting(fmt: str, plan: LayerPlan) -> str:
+def trainer_setting(fmt: str, plan: LayerPlan, dtype: str = "bf16") -> str:
     """The flag or draft-config value with which this format's trainer reads exactly these layers
-    (its own numbering: speculators' ids are hs indices, SpecForge's are hs index - 1)."""
+    (its own numbering: speculators' ids are hs indices, SpecForge's are hs index - 1), and for
+    fp8 files the reader that dequantises them (without it speculators trains on raw fp8 values)."""
     ctx = [plan.ids[s] for s in context_slots(fmt, plan)]
     if fmt == "speculators":                 # it splits the last slot off as the verifier state
-        return "--target-layer-ids " + " ".join(map(str, plan.ids[:-1]))
+        return "--target-layer-ids " + " ".join(map(str, plan.ids[:-1])) + \
+            (" --hidden-states-backend fp8" if dtype == "fp8" else "")
     if fmt == "specforge-eagle3":
         return f"model.aux_hidden_state_layer_ids = {[k - 1 for k in ctx]}"
     if fmt == "specforge-dflash":
