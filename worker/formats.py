@@ -73,6 +73,11 @@ def check_plan(fmt: str, plan: LayerPlan) -> None:
     if fmt not in FORMATS:
         raise FormatError(f"format {fmt!r}: expected one of {', '.join(FORMATS)}")
     L, ids = plan.num_layers, plan.ids
+    if fmt == "speculators" and ids and ids[-1] == L and plan.last_layer_norm == "post":
+        raise FormatError(f"format speculators: its trainer applies the final norm to the last slot "
+                          f"itself (verifier_norm), so hs[{L}] post-norm would be normed twice; use "
+                          f"layers = \"speculators\" (hs[{L}] pre-norm), or the format of the trainer "
+                          f"these layers are for (specforge-eagle3)")
     if fmt == "specforge-eagle3":
         if len(ids) != 4 or ids[-1] != L or plan.last_layer_norm != "post" or L in ids[:-1]:
             raise FormatError(f"format specforge-eagle3 reads 3 aux layers + hs[{L}] post-norm "
@@ -83,6 +88,10 @@ def check_plan(fmt: str, plan: LayerPlan) -> None:
             raise FormatError(f"target_last_hidden_states must be hs[{L}] post-norm")
         if not context_slots(fmt, plan):
             raise FormatError("format specforge-dflash needs at least one context layer")
+        if L in [ids[k] for k in context_slots(fmt, plan)] and plan.last_layer_norm != "post":
+            raise FormatError(f"format specforge-dflash reads hs[{L}] (target layer id {L - 1}) "
+                              f"final-normed, as output_hidden_states gives it; these layers hold it "
+                              f"{plan.last_layer_norm}-norm: extract with format = \"specforge-dflash\"")
     elif fmt == "eagle":
         if ids != (L,) or plan.last_layer_norm != "post":
             raise FormatError(f"format eagle (EAGLE-1/2) reads hs[{L}] post-norm only "
@@ -132,10 +141,12 @@ class Layout:
     format: str
     plan: LayerPlan
     dtype: str = "bf16"                  # bf16 | fp8 (worker/fp8.py)
+    strict: bool = True                  # False: reading a folder written before a refusal existed
 
     def __post_init__(self) -> None:
-        check_plan(self.format, self.plan)
-        check_dtype(self.format, self.dtype)
+        if self.strict:
+            check_plan(self.format, self.plan)
+            check_dtype(self.format, self.dtype)
 
     # --- where --------------------------------------------------------------------------------
     def data_dir(self, out: str) -> str:

@@ -120,8 +120,9 @@ def from_draft_config(path: str, L: int) -> tuple[list[int], str, bool]:
         else:
             raise LayerError(f"layers from:{path}: DFlash config without dflash_config.target_layer_ids "
                              f"or num_target_layers/num_hidden_layers")
-        # SpecForge/z-lab read hidden_states[layer_id + 1]; DSpark also reads the final state.
-        return [k + 1 for k in tl], "none", "DSpark" in arch
+        # SpecForge/z-lab read hidden_states[layer_id + 1] (hs[L] among them is final-normed, as
+        # output_hidden_states gives it); DSpark also reads the final state.
+        return [k + 1 for k in tl], "post", "DSpark" in arch
     eagle = cfg.get("eagle_config")
     if isinstance(eagle, dict) and eagle.get("eagle_aux_hidden_state_layer_ids") is not None:
         aux = _int_list(eagle["eagle_aux_hidden_state_layer_ids"],
