@@ -290,7 +290,7 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
             yield BadRow(index, f"longer than the model's {options.max_positions} positions: "
                                 f"{sample.length} tokens")
             continue
-        if problem := supervision_problem(options.format, sample.loss_mask):
+        if problem := supervision_problem(options.format, sample.loss_mask, options.max_length):
             yield BadRow(index, problem)
             continue
         chunk.append(sample)

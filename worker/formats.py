@@ -98,14 +98,28 @@ def check_plan(fmt: str, plan: LayerPlan) -> None:
                               f"(layers = \"eagle\"); these layers are {list(ids)}")
 
 
-def supervision_problem(fmt: str, loss_mask) -> str | None:
-    """Why a sample teaches this trainer nothing (then it is skipped, not written), or None.
+# The window each trainer reads of a sample by default (it cuts the rest off at load): SpecForge's
+# data.max_length (config/schema.py), EAGLE-1/2's max_len (train/main.py), speculators'
+# --total-seq-len (a packed batch; its collator clips there). `[run] max_length` replaces it.
+TRAINER_WINDOW = {"speculators": 8192, "specforge-eagle3": 2048, "specforge-dflash": 2048, "eagle": 2048}
+_WINDOW_NAME = {"speculators": "speculators' --total-seq-len", "specforge-eagle3": "SpecForge's data.max_length",
+                "specforge-dflash": "SpecForge's data.max_length", "eagle": "EAGLE-1/2's max_len"}
+
+
+def supervision_problem(fmt: str, loss_mask, max_length: int | None = None) -> str | None:
+    """Why a sample teaches this trainer nothing (then it is skipped, not written), or None; judged
+    inside the window the trainer reads (`max_length`, else its default).
 
     SpecForge's DFlash normaliser raises on a sample without two consecutive supervised tokens."""
-    if not loss_mask.any():
-        return "no supervised token (loss_mask is all 0)"
-    if fmt == "specforge-dflash" and not (loss_mask[:-1] & loss_mask[1:]).any():
-        return "no two consecutive supervised tokens (SpecForge DFlash needs them)"
+    window = max_length or TRAINER_WINDOW.get(fmt)
+    where = "" if window is None or len(loss_mask) <= window else \
+        f" within the first {window} tokens ({'[run] max_length' if max_length else _WINDOW_NAME[fmt]}, " \
+        f"where the trainer cuts the sample; [run] max_length sets yours)"
+    mask = loss_mask[:window]
+    if not mask.any():
+        return f"no supervised token{where}" if where else "no supervised token (loss_mask is all 0)"
+    if fmt == "specforge-dflash" and not (mask[:-1] & mask[1:]).any():
+        return f"no two consecutive supervised tokens{where} (SpecForge DFlash needs them)"
     return None
 
 

@@ -1,0 +1,62 @@
+"""Trainer limits judged at extraction: the loss mask and SpecForge DFlash's two-consecutive-
+supervised-tokens rule inside the window the trainer reads (SpecForge's data.max_length, 2048 by
+default, or [run] max_length); a row that supervises nothing there is recorded as skipped with
+the reason, not written for the trainer to crash on (DFlash) or learn nothing from (EAGLE-3)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from worker.formats import supervision_problem
+from worker.writer import load_finished
+from tests.conftest import run_worker
+
+LATE, LONE, FINE = 0, 1, 2
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> str:
+    late = [0] * 2060 + [1] * 40                      # the answer starts past token 2048
+    lone = [0, 1] * 20                                # supervised tokens, never two in a row
+    fine = [0] * 10 + [1] * 20
+    path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": [(7 * i) % 400 + 3 for i in range(len(m))],
+                                        "loss_mask": m}) + "\n" for m in (late, lone, fine)))
+    return str(path)
+
+
+def skipped(out: str) -> dict[int, str]:
+    return {i: r["skipped"] for i, r in load_finished(out).items() if "skipped" in r}
+
+
+@pytest.mark.parametrize("fmt", ["specforge-dflash", "specforge-eagle3"])
+def test_rows_without_supervision_inside_specforges_window_are_skipped(dense_model, rows, tmp_path, fmt):
+    out = str(tmp_path / "out")
+    r = run_worker("--model", dense_model, "--data", rows, "--out", out, "--format", fmt,
+                   "--max-skip-fraction", "1", "--max-tokens-per-batch", "4096")
+    assert r.returncode == 0, r.stderr
+    why = skipped(out)
+    assert "within the first 2048 tokens (SpecForge's data.max_length" in why[LATE]
+    if fmt == "specforge-dflash":
+        assert why[LONE].startswith("no two consecutive supervised tokens")
+        assert sorted(why) == [LATE, LONE]
+    else:
+        assert sorted(why) == [LATE]
+    # [run] max_length = 4096 (the trainer's data.max_length raised): the late answer is inside it
+    out2 = str(tmp_path / "out2")
+    r = run_worker("--model", dense_model, "--data", rows, "--out", out2, "--format", fmt,
+                   "--max-skip-fraction", "1", "--max-tokens-per-batch", "4096", "--max-length", "4096")
+    assert r.returncode == 0, r.stderr
+    assert LATE not in skipped(out2)
+
+
+def test_window_rule_itself():
+    late = np.array([0] * 3000 + [1, 1], dtype=np.uint8)
+    assert "2048" in supervision_problem("specforge-eagle3", late)
+    assert supervision_problem("specforge-eagle3", late, max_length=4096) is None
+    assert "8192" not in (supervision_problem("speculators", late) or "")       # speculators reads 8192
+    assert supervision_problem("specforge-dflash", np.array([1, 0, 1], dtype=np.uint8)).startswith(
+        "no two consecutive")
