@@ -425,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             "hidden_size": config.hidden_size,
             "num_samples": dataset.num_rows, "data": os.path.abspath(args.data),
             "random_weights": args.random_weights, "identity": identity,
+            "max_length": args.max_length,              # the trainer window the mask was judged in
             "versions": {"worker": __version__, "torch": torch.__version__,
                          "transformers": __import__("transformers").__version__,
                          "safetensors": __import__("safetensors").__version__}})

@@ -55,17 +55,39 @@ def test_prepared_dataset_is_what_speculators_arrow_dataset_checks(outs):
     assert meta["trainer_setting"].startswith("--target-layer-ids 2 4 5")
 
 
+def test_verify_prints_the_command_and_flags_what_speculators_would_miss(outs, dense_model, tmp_path):
+    import shutil
+    from worker.verify import verify
+    for dtype, out in outs.items():
+        rep = verify(out)
+        assert rep["problems"] == []
+        fp8 = " --hidden-states-backend fp8" if dtype == "fp8" else ""
+        assert rep["command"] == (f"speculators train --speculator-type eagle3 --verifier-name-or-path "
+                                  f"{dense_model} --data-path {out}/prepared --target-layer-ids 2 4 5{fp8}")
+    copy = str(tmp_path / "copy")
+    shutil.copytree(outs["bf16"], copy, symlinks=True)
+    os.unlink(os.path.join(copy, "prepared", "hidden_states", "hs_0.safetensors"))
+    open(os.path.join(copy, ".tmp-hs_3.safetensors-1a2b"), "w").close()      # an interrupted write
+    problems = verify(copy)["problems"]
+    assert any("prepared holds 7 rows, the manifests 8 written samples" in p for p in problems)
+    assert any(".tmp-hs_3.safetensors-1a2b: left by an interrupted write or export" in p for p in problems)
+    from worker.prepared import main as rewrite
+    assert rewrite([copy]) == 0 and not any("prepared" in p for p in verify(copy)["problems"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["eagle3", "dflash"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_speculators_trains_on_every_sample(outs, dense_model, tmp_path, algo, dtype):
     out = outs[dtype]
+    import shlex
+    from worker.verify import verify
     meta = json.load(open(os.path.join(out, "meta.json")))
-    flags = meta["trainer_setting"].split()          # --target-layer-ids ... [--hidden-states-backend fp8]
-    assert ("--hidden-states-backend" in flags) == (dtype == "fp8")
-    r = subprocess.run([sys.executable, "-m", "tests.trainers.run_speculators",
-                        "--verifier-name-or-path", dense_model, "--data-path", os.path.join(out, "prepared"),
-                        "--speculator-type", algo, *flags, "--save-path", str(tmp_path / "ckpt"),
+    assert ("--hidden-states-backend fp8" in meta["trainer_setting"]) == (dtype == "fp8")
+    flags = shlex.split(verify(out)["command"])[2:]          # the command verify prints, as it is
+    flags[flags.index("--speculator-type") + 1] = algo
+    r = subprocess.run([sys.executable, "-m", "tests.trainers.run_speculators", *flags,
+                        "--save-path", str(tmp_path / "ckpt"),
                         "--epochs", "2", "--total-seq-len", "1024", "--num-workers", "0",
                         "--loss-implementation", "eager", "--draft-attn-impl", "sdpa",
                         "--no-resume-from-checkpoint"],
