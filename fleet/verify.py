@@ -27,6 +27,7 @@ class VerifyResult:
     repaired: dict[str, dict] = field(default_factory=dict)   # host -> what --repair did there
     shared: dict[str, str] = field(default_factory=dict)      # host -> the host whose folder it shares
     commands: dict[str, str] = field(default_factory=dict)    # host -> the command that trains on its folder
+    notes: list[str] = field(default_factory=list)            # what the trainer would miss, not wrong
 
     @property
     def skip_fraction(self) -> float | None:
@@ -71,6 +72,7 @@ def merge_reports(reports: dict[str, dict]) -> VerifyResult:
         result.problems += [f"{host}: {p}" for p in rep.get("problems", [])]
         if rep.get("command"):
             result.commands[host] = rep["command"]
+        result.notes += [f"{host}: {n}" for n in rep.get("notes", [])]
         if rep.get("repaired"):
             result.repaired[host] = rep["repaired"]
         result.unrecorded_files += rep.get("unrecorded_files", 0)

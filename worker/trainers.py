@@ -51,26 +51,27 @@ def training_command(meta: dict, out: str | None = None) -> str:
             f"  # train_config max_len = {window}")
 
 
-def trainer_problems(out: str, meta: dict) -> list[str]:
-    """What would make the trainer misread or miss this folder: layers its reader refuses (a folder
-    written before the refusal), speculators' prepared dataset missing or stale, a temp file an
-    interrupted write or export left (no reader lists it; its sample is not in a manifest)."""
+def trainer_problems(out: str, meta: dict) -> tuple[list[str], list[str]]:
+    """(problems, notes) for the trainer of this folder. Problem: layers its reader would misread (a
+    folder written before the refusal). Notes (a run still going or killed has them too):
+    speculators' prepared dataset missing or stale, a temp file an interrupted write or export left
+    (no reader lists it; its sample is not in a manifest)."""
     from . import protocol
     from .formats import FormatError, check_plan
     from .prepared import check_prepared
     if not meta:
-        return []
-    problems = []
+        return [], []
+    problems, notes = [], []
     fmt = meta.get("format", "speculators")
     try:
         check_plan(fmt, _plan(meta))
     except FormatError as e:
         problems.append(f"meta.json: {e}")
     if fmt == "speculators" and (why := check_prepared(out)):
-        problems.append(why)
+        notes.append(why)
     for top in {os.path.abspath(out), os.path.abspath(meta.get("data_dir") or out)}:
         for name in sorted(os.listdir(top)) if os.path.isdir(top) else []:
             if name.startswith(protocol.TEMP_PREFIX):
-                problems.append(f"{os.path.join(top, name)}: left by an interrupted write or export "
-                                f"(no trainer reads it); remove it")
-    return problems
+                notes.append(f"{os.path.join(top, name)}: left by an interrupted write or export "
+                             f"(no trainer reads it); remove it")
+    return problems, notes

@@ -111,7 +111,8 @@ def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) 
                    "skipped": {str(i): why for i, why in sorted(skipped.items())},
                    "unrecorded_files": len(unrecorded), "problems": problems})
     from .trainers import trainer_problems, training_command      # issue 22: what trains on it
-    problems += trainer_problems(out, meta)
+    more, report["notes"] = trainer_problems(out, meta)
+    problems += more
     report["command"] = training_command(meta, out) if meta else None
     return report
 

@@ -68,11 +68,11 @@ def test_verify_prints_the_command_and_flags_what_speculators_would_miss(outs, d
     shutil.copytree(outs["bf16"], copy, symlinks=True)
     os.unlink(os.path.join(copy, "prepared", "hidden_states", "hs_0.safetensors"))
     open(os.path.join(copy, ".tmp-hs_3.safetensors-1a2b"), "w").close()      # an interrupted write
-    problems = verify(copy)["problems"]
-    assert any("prepared holds 7 rows, the manifests 8 written samples" in p for p in problems)
-    assert any(".tmp-hs_3.safetensors-1a2b: left by an interrupted write or export" in p for p in problems)
+    notes = verify(copy)["notes"]
+    assert any("prepared holds 7 rows, the manifests 8 written samples" in n for n in notes)
+    assert any(".tmp-hs_3.safetensors-1a2b: left by an interrupted write or export" in n for n in notes)
     from worker.prepared import main as rewrite
-    assert rewrite([copy]) == 0 and not any("prepared" in p for p in verify(copy)["problems"])
+    assert rewrite([copy]) == 0 and not any("prepared" in n for n in verify(copy)["notes"])
 
 
 @pytest.mark.slow
