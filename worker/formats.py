@@ -113,7 +113,7 @@ def supervision_problem(fmt: str, loss_mask, max_length: int | None = None) -> s
     SpecForge's DFlash normaliser raises on a sample without two consecutive supervised tokens."""
     window = max_length or TRAINER_WINDOW.get(fmt)
     where = "" if window is None or len(loss_mask) <= window else \
-        f" within the first {window} tokens ({'[run] max_length' if max_length else _WINDOW_NAME[fmt]}, " \
+        f" within the first {window} tokens ({'max_length' if max_length else _WINDOW_NAME[fmt]}, " \
         f"where the trainer cuts the sample; [run] max_length sets yours)"
     mask = loss_mask[:window]
     if not mask.any():

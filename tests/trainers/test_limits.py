@@ -60,3 +60,48 @@ def test_window_rule_itself():
     assert "8192" not in (supervision_problem("speculators", late) or "")       # speculators reads 8192
     assert supervision_problem("specforge-dflash", np.array([1, 0, 1], dtype=np.uint8)).startswith(
         "no two consecutive")
+
+
+def write_yaml(tmp_path, text: str) -> str:
+    (tmp_path / "draft.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "num_hidden_layers": 3,
+                                                     "num_target_layers": 8,
+                                                     "dflash_config": {"target_layer_ids": [1, 3, 5]}}))
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_from_a_specforge_run_yaml_reads_what_specforge_will(tmp_path):
+    from worker.layers import LayerError, resolve_layers, yaml_max_length
+    ok = write_yaml(tmp_path, "model:\n  draft_model_config: draft.json\n  draft_num_hidden_layers: 3\n"
+                              "training:\n  strategy: dflash\ndata:\n  max_length: 4096\n")
+    plan = resolve_layers(f"from:{ok}", 8)          # build_target_layer_ids(8, 3) == the config's ids
+    assert plan.ids == (2, 4, 6) and yaml_max_length(f"from:{ok}") == 4096
+    generated = write_yaml(tmp_path, "model:\n  draft_num_hidden_layers: 2\ntraining:\n  strategy: dflash\n")
+    assert resolve_layers(f"from:{generated}", 8).ids == (2, 6) and yaml_max_length(f"from:{generated}") == 2048
+    eagle = write_yaml(tmp_path, "model:\n  aux_hidden_state_layer_ids: [1, 3, 4]\n")
+    plan = resolve_layers(f"from:{eagle}", 8)
+    assert plan.ids == (2, 4, 5, 8) and plan.last_layer_norm == "post"
+    override = write_yaml(tmp_path, "model:\n  draft_model_config: draft.json\n  draft_num_hidden_layers: 2\n"
+                                    "training:\n  strategy: dflash\n")
+    with pytest.raises(LayerError, match=r"draft_num_hidden_layers = 2 makes SpecForge replace the "
+                                         r"target_layer_ids \[1, 3, 5\] of draft.json with "
+                                         r"build_target_layer_ids\(8, 2\) = \[1, 5\]"):
+        resolve_layers(f"from:{override}", 8)
+
+
+def test_worker_refuses_a_yaml_that_overrides_its_draft_config_and_judges_in_its_window(dense_model, rows, tmp_path):
+    override = write_yaml(tmp_path, "model:\n  draft_model_config: draft.json\n  draft_num_hidden_layers: 2\n"
+                                    "training:\n  strategy: dflash\n")
+    r = run_worker("--model", dense_model, "--data", rows, "--out", str(tmp_path / "o"), "--format",
+                   "specforge-dflash", "--layers", f"from:{override}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "model.draft_num_hidden_layers = 2 makes SpecForge replace" in r.stderr
+    wide = write_yaml(tmp_path, "model:\n  draft_model_config: draft.json\ntraining:\n  strategy: dflash\n"
+                                "data:\n  max_length: 4096\n")
+    out = str(tmp_path / "wide")
+    r = run_worker("--model", dense_model, "--data", rows, "--out", out, "--format", "specforge-dflash",
+                   "--layers", f"from:{wide}", "--max-skip-fraction", "1", "--max-tokens-per-batch", "4096")
+    assert r.returncode == 0, r.stderr
+    assert sorted(skipped(out)) == [LONE]            # the late answer is inside data.max_length 4096
+    assert json.load(open(f"{out}/meta.json"))["max_length"] == 4096
