@@ -40,9 +40,9 @@ def training_command(meta: dict, out: str | None = None) -> str:
         ids = [plan.ids[s] - 1 for s in context_slots(fmt, plan)]
         cmd = ["specforge", "train", "-c", "run.yaml", f"model.target_model_path={q(model)}",
                f"data.hidden_states_path={q(out)}", f"data.max_length={window}"]
-        if fmt == "specforge-eagle3":
-            cmd += ["training.strategy=eagle3", f"model.aux_hidden_state_layer_ids=[{','.join(map(str, ids))}]"]
-            return " ".join(cmd)
+        if fmt == "specforge-eagle3":      # a dotted override cannot set a list the yaml leaves unset
+            return " ".join(cmd + ["training.strategy=eagle3"]) + \
+                f"  # run.yaml: model.aux_hidden_state_layer_ids: {ids}"
         cmd += [f"training.strategy={'dspark' if plan.target_last else 'dflash'}"]
         return " ".join(cmd) + f"  # draft config: dflash_config.target_layer_ids = {ids}, " \
                                f"no model.draft_num_hidden_layers (it would replace them)"
