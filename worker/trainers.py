@@ -38,14 +38,28 @@ def training_command(meta: dict, out: str | None = None) -> str:
         return " ".join(cmd)
     if fmt in ("specforge-eagle3", "specforge-dflash"):
         ids = [plan.ids[s] - 1 for s in context_slots(fmt, plan)]
-        cmd = ["specforge", "train", "-c", "run.yaml", f"model.target_model_path={q(model)}",
-               f"data.hidden_states_path={q(out)}", f"data.max_length={window}"]
-        if fmt == "specforge-eagle3":      # a dotted override cannot set a list the yaml leaves unset
-            return " ".join(cmd + ["training.strategy=eagle3"]) + \
-                f"  # run.yaml: model.aux_hidden_state_layer_ids: {ids}"
-        cmd += [f"training.strategy={'dspark' if plan.target_last else 'dflash'}"]
-        return " ".join(cmd) + f"  # draft config: dflash_config.target_layer_ids = {ids}, " \
-                               f"no model.draft_num_hidden_layers (it would replace them)"
+        spec = str(meta.get("layers") or "")
+        source = spec[len("from:"):] if spec.startswith("from:") else ""
+        own_yaml = source.endswith((".yaml", ".yml"))      # the user's run config: it holds the ids
+        cmd = ["specforge", "train", "-c", q(source if own_yaml else "run.yaml"),
+               f"model.target_model_path={q(model)}", f"data.hidden_states_path={q(out)}",
+               f"data.max_length={window}"]
+        if source and not own_yaml:
+            cmd.append(f"model.draft_model_config={q(source)}")
+        if fmt == "specforge-eagle3":
+            cmd += [] if own_yaml else ["training.strategy=eagle3"]
+            if source:
+                return " ".join(cmd)
+            # a dotted override cannot set a list the yaml leaves unset
+            return " ".join(cmd) + f"  # run.yaml: model.aux_hidden_state_layer_ids: {ids}"
+        if not own_yaml:
+            cmd.append(f"training.strategy={'dspark' if plan.target_last else 'dflash'}")
+        if spec.startswith("specforge-dflash:") and spec != "specforge-dflash:1":
+            cmd.append(f"model.draft_num_hidden_layers={spec.partition(':')[2]}")   # SpecForge's own ids
+        elif not source and not spec.startswith("specforge-dflash"):
+            return " ".join(cmd) + f"  # draft config: dflash_config.target_layer_ids = {ids}, " \
+                                   f"no model.draft_num_hidden_layers (it would replace them)"
+        return " ".join(cmd)
     return (f"accelerate launch -m --mixed_precision=bf16 eagle.train.main --basepath {q(model)} "
             f"--tmpdir {q(os.path.join(out, 'data'))} --cpdir ./ckpt --configpath <your draft config.json>"
             f"  # train_config max_len = {window}")

@@ -70,3 +70,33 @@ def test_specforge_eagle3_trains_on_every_sample(tmp_path, target):
     names = sorted(int(os.path.basename(p)[5:-5]) for p in got["loaded"])
     assert names == list(range(ROWS)) and all(n > 0 for n in got["loaded"].values())
     assert len(got["losses"]) == 2 and all(math.isfinite(x) for x in got["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers, draft_layers", [("specforge-dflash", 1), ("specforge-dflash:3", 3)])
+def test_specforge_dflash_trains_on_every_sample(tmp_path, target, layers, draft_layers):
+    """Its auto-generated draft (1 layer, or 3 through model.draft_num_hidden_layers, which the
+    printed command carries): the target layers SpecForge derives are the ones written."""
+    from worker.demo import make_chat_dataset
+    from worker.verify import verify
+    chats = make_chat_dataset(str(tmp_path / "chat.jsonl"), ROWS, mean_words=24)
+    out = str(tmp_path / "out")
+    r = run_worker("--model", target, "--data", chats, "--out", out, "--format", "specforge-dflash",
+                   "--layers", layers)
+    assert r.returncode == 0, r.stderr
+    command = verify(out)["command"]
+    assert "#" not in command and ("model.draft_num_hidden_layers=3" in command) == (draft_layers == 3)
+    words = shlex.split(command)
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(f"model:\n  target_model_path: {target}\ndata:\n  hidden_states_path: {out}\n"
+                        f"training:\n  fsdp_sharding: NO_SHARD\n  attention_backend: sdpa\n"
+                        f"  batch_size: {ROWS}\n  num_epochs: 2\noutput_dir: {tmp_path / 'ckpt'}\n")
+    r = subprocess.run([sys.executable, "-m", "tests.trainers.run_specforge", "train", "-c", str(run_yaml),
+                        *words[4:]], cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["rc"] == 0
+    names = sorted(int(os.path.basename(p)[5:-5]) for p in got["loaded"])
+    assert names == list(range(ROWS)) and all(n > 0 for n in got["loaded"].values())
+    assert len(got["losses"]) == 2 and all(math.isfinite(x) for x in got["losses"])
