@@ -44,11 +44,14 @@ def write_prepared(out: str) -> int:
 
     with open(os.path.join(out, ".prepared.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        written = sorted(i for i, rec in load_finished(out).items() if "skipped" not in rec)
-        ids_col, mask_col, lens = [], [], []
-        for i in written:
-            with safe_open(os.path.join(out, f"hs_{i}.safetensors"), framework="numpy") as f:
-                ids, mask = f.get_tensor("token_ids"), f.get_tensor("loss_mask")
+        ids_col, mask_col, lens, written = [], [], [], []
+        for i in sorted(i for i, rec in load_finished(out).items() if "skipped" not in rec):
+            try:
+                with safe_open(os.path.join(out, f"hs_{i}.safetensors"), framework="numpy") as f:
+                    ids, mask = f.get_tensor("token_ids"), f.get_tensor("loss_mask")
+            except Exception:            # missing or damaged: left out (verify names the file)
+                continue
+            written.append(i)
             ids_col.append(ids.astype("int64"))
             mask_col.append(mask.astype("int64"))
             lens.append(len(ids))
