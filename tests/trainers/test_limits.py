@@ -105,3 +105,12 @@ def test_worker_refuses_a_yaml_that_overrides_its_draft_config_and_judges_in_its
     assert r.returncode == 0, r.stderr
     assert sorted(skipped(out)) == [LONE]            # the late answer is inside data.max_length 4096
     assert json.load(open(f"{out}/meta.json"))["max_length"] == 4096
+
+
+def test_worker_refuses_a_post_norm_last_layer_in_the_speculators_layout(dense_model, rows, tmp_path):
+    """speculators' trainer applies the final norm to the last slot itself: hs[L] post-norm (the
+    layers SpecForge EAGLE-3 reads) would be normed twice."""
+    r = run_worker("--model", dense_model, "--data", rows, "--out", str(tmp_path / "o"),
+                   "--format", "speculators", "--layers", "specforge-eagle3")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "hs[8] post-norm would be normed twice" in r.stderr
