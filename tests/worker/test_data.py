@@ -229,3 +229,30 @@ def test_either_key_style_under_either_list_name(real):
                s.loss_mask.tolist() == samples[-1].loss_mask.tolist() for s in samples)
     bad = row_to_sample(3, {"messages": [{"role": "robot", "content": "x"}]}, len(tok), lambda: tok)
     assert isinstance(bad, BadRow) and "turn 0 has unknown role 'robot'" in bad.reason
+
+
+def test_worker_writes_every_tool_and_thinking_chat(tmp_path, dense_model):
+    """Through the real worker, under the Qwen3 template (tools, reasoning_content): a tool dataset
+    (which used to end FATAL: every row skipped) is written whole, and speculators' reader takes
+    every row of the prepared dataset the worker wrote beside it."""
+    from transformers import AutoTokenizer
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in os.listdir(dense_model):
+        if not name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            os.symlink(os.path.join(dense_model, name), model / name)
+    tok = AutoTokenizer.from_pretrained(dense_model)
+    tok.chat_template = open(os.path.join(TEMPLATES, "qwen3.jinja")).read()
+    tok.save_pretrained(str(model))
+    rows = [{"messages": TOOL_CHAT}, {"conversations": THINK_CHAT}, {"messages": FIRST_CHAT},
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]
+    data = tmp_path / "tools.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "out")
+    r = run_worker("--model", str(model), "--data", str(data), "--out", out)
+    assert r.returncode == 0, r.stderr
+    from worker.writer import load_finished
+    assert sorted(i for i, rec in load_finished(out).items() if "skipped" not in rec) == [0, 1, 2, 3]
+    speculators = pytest.importorskip("speculators.train.data")
+    ds = speculators.ArrowDataset(max_len=4096, datapath=os.path.join(out, "prepared"), on_missing="raise")
+    assert len(ds) == 4 and all(isinstance(ds[k], dict) and ds[k]["loss_mask"].sum() > 0 for k in range(4))
