@@ -391,6 +391,11 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
             click.echo(f"problem: {p}")
         if result.unrecorded_files:
             click.echo(f"note: {result.unrecorded_files} file(s) not in a manifest (a restart rewrites them)")
+        for note in result.notes[:20]:
+            click.echo(f"note: {note}")
+        for command in dict.fromkeys(result.commands.values()):       # one line per distinct folder
+            hosts = [h for h, c in result.commands.items() if c == command]
+            click.echo(f"train ({', '.join(hosts)}): {command}")
         if failures:
             return EXIT_UNREACHABLE
         if result.ok:

@@ -66,7 +66,8 @@ def format_status(snap: FleetSnapshot) -> str:
                                               if t.usd_projected is not None and not t.settled else "")
             if t.usd_spent is not None else "")
     if t.finished:
-        lines = [f"run {snap.run}: finished, {finished_summary(snap)}; check the output: fleet verify"]
+        lines = [f"run {snap.run}: finished, {finished_summary(snap)}; check the output and get the "
+                 f"exact training command: fleet verify"]
     else:
         lines = [f"run {snap.run}: {t.done}/{t.total} samples, "
                  f"{rate_text(t.tokens_per_s, 0)} tokens/s, {rate_text(t.samples_per_s)} samples/s"
@@ -121,7 +122,8 @@ def quit_message(snap: FleetSnapshot | None) -> str:
         return QUIT_MESSAGE + needing_a_look(snap)
     t = snap.totals
     if t.finished:
-        return f"fleet: run {snap.run} is finished: {finished_summary(snap)}. Check the output: fleet verify"
+        return (f"fleet: run {snap.run} is finished: {finished_summary(snap)}. Check the output and get the "
+                f"exact training command: fleet verify")
     counts = ", ".join(f"{n} {s}" for s, n in t.by_state.items())
     return (f"fleet: nothing of run {snap.run} is running ({counts}). `fleet up` launches every shard "
             f"that is not DONE; `fleet status` shows them." + needing_a_look(snap))

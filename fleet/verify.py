@@ -26,6 +26,8 @@ class VerifyResult:
     unrecorded_files: int = 0
     repaired: dict[str, dict] = field(default_factory=dict)   # host -> what --repair did there
     shared: dict[str, str] = field(default_factory=dict)      # host -> the host whose folder it shares
+    commands: dict[str, str] = field(default_factory=dict)    # host -> the command that trains on its folder
+    notes: list[str] = field(default_factory=list)            # what the trainer would miss, not wrong
 
     @property
     def skip_fraction(self) -> float | None:
@@ -68,6 +70,9 @@ def merge_reports(reports: dict[str, dict]) -> VerifyResult:
                 result.problems.append(f"{host}: hidden states in {dtype}, another host's in {result.dtype}")
             result.dtype = dtype
         result.problems += [f"{host}: {p}" for p in rep.get("problems", [])]
+        if rep.get("command"):
+            result.commands[host] = rep["command"]
+        result.notes += [f"{host}: {n}" for n in rep.get("notes", [])]
         if rep.get("repaired"):
             result.repaired[host] = rep["repaired"]
         result.unrecorded_files += rep.get("unrecorded_files", 0)

@@ -132,28 +132,34 @@ def open_dataset(path: str) -> Dataset:
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
           "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
-          "system": "system"}
+          "system": "system", "tool": "tool", "function": "tool", "observation": "tool",
+          "ipython": "ipython"}
+_TURN_KEYS = ("role", "from", "content", "value")
 
 
 def _chat_messages(row: dict) -> list[dict]:
-    """ShareGPT `conversations: [{from, value}]` or OpenAI `messages: [{role, content}]`."""
-    if "messages" in row:
-        turns, role_key, text_key = row["messages"], "role", "content"
-    else:
-        turns, role_key, text_key = row["conversations"], "from", "value"
+    """`messages` or `conversations`, each a list of turns with `role`/`content` (OpenAI) or
+    `from`/`value` (ShareGPT) keys. A turn's other keys (`tool_calls`, `reasoning_content`,
+    `tool_call_id`, `name`) go to the chat template as they are; an assistant turn with
+    `tool_calls` may have no text."""
+    turns = row["messages"] if "messages" in row else row["conversations"]
     if not isinstance(turns, list) or not turns:
         raise ValueError("conversation is empty or not a list")
     messages = []
     for n, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise ValueError(f"turn {n} is not an object")
-        role = _ROLES.get(str(turn.get(role_key, "")).lower())
-        text = turn.get(text_key)
+        said = turn.get("role", turn.get("from"))
+        role = _ROLES.get(str(said or "").lower())
+        text = turn.get("content", turn.get("value"))
         if role is None:
-            raise ValueError(f"turn {n} has unknown role {turn.get(role_key)!r}")
+            raise ValueError(f"turn {n} has unknown role {said!r}")
+        if text is None and turn.get("tool_calls"):
+            text = ""
         if not isinstance(text, str):
             raise ValueError(f"turn {n} has no text")
-        messages.append({"role": role, "content": text})
+        messages.append({"role": role, "content": text,
+                         **{k: v for k, v in turn.items() if k not in _TURN_KEYS}})
     return messages
 
 
@@ -210,22 +216,27 @@ def _turn_span(messages: list[dict], i: int, text: str, tokenizer: Any) -> tuple
     """Characters of assistant turn `i` in the full rendering `text`, from the end of the
     generation prompt through the turn's end-of-turn token.
 
-    The start is the length of the conversation before the turn rendered with the generation
-    prompt. The end-of-turn token is the last special token of the turn rendered as the last
-    message (after it comes only whitespace); its first occurrence from the start ends the turn in
-    `text` (a template may render a turn differently once later turns follow it, e.g. Qwen3 drops
-    the empty think block, so the turn's own rendering cannot be measured)."""
-    before = _render(tokenizer, messages[:i], True) if i else ""
-    if i and before == _render(tokenizer, messages[:i], False):
+    The start is where the conversation before the turn, rendered with the generation prompt,
+    stops matching `text`: all of it, except a prefill the template puts in the prompt but drops
+    from earlier turns (`<think>\n` of Qwen3-Thinking-2507 and QwQ). The first turn's prompt is the
+    empty conversation's, so a default system prompt the template adds is not supervised. The
+    end-of-turn token is the last special token of the turn rendered as the last message (after it
+    comes only whitespace); its first occurrence from the start ends the turn in `text` (a template
+    may render a turn differently once later turns follow it, e.g. Qwen3 drops the empty think
+    block, so the turn's own rendering cannot be measured). Trainers differ on the newline after
+    `<|im_end|>`: SpecForge's Qwen pattern supervises it, this mask (like speculators') stops at
+    the token."""
+    before, plain = _prompt_before(messages, i, tokenizer, text)
+    if i and before == plain:
         raise DataError("the chat template adds no generation prompt (add_generation_prompt "
                         "changes nothing), so an assistant turn's start is unknown: use "
                         "loss_mask = \"assistant-content\" or \"all\"")
-    if not text.startswith(before):
+    start = len(os.path.commonprefix([before, text]))
+    if not text.startswith(plain) or start < len(plain):
         raise ValueError(f"turn {i}: the chat template renders the conversation before it "
                          f"differently on its own")
-    start = len(before)
     own = _render(tokenizer, messages[: i + 1], False)
-    if not own.startswith(before):
+    if not own.startswith(text[:start]):
         raise ValueError(f"turn {i}: the chat template renders its generation prompt differently "
                          f"from the turn")
     turn = own[start:].rstrip()
@@ -237,6 +248,20 @@ def _turn_span(messages: list[dict], i: int, text: str, tokenizer: Any) -> tuple
     if text.startswith(turn, start):                 # no special end marker: the turn as rendered
         return start, start + len(turn)
     raise ValueError(f"turn {i}: cannot find where it ends in the rendered conversation")
+
+
+def _prompt_before(messages: list[dict], i: int, tokenizer: Any, text: str) -> tuple[str, str]:
+    """(the conversation before turn i with the generation prompt, and without). Before a first
+    turn that is the empty conversation's rendering (a default system prompt); where a template
+    cannot render an empty conversation (Qwen3, QwQ and Llama-3.3 read messages[0]), `text` up to
+    where the first message's content begins (found by rendering it with other content)."""
+    try:
+        return _render(tokenizer, messages[:i], True), _render(tokenizer, messages[:i], False)
+    except (ValueError, IndexError, TypeError):
+        if i:
+            raise
+    probe = _render(tokenizer, [{**messages[0], "content": "\x00"}], False)
+    return text[:len(os.path.commonprefix([probe, text]))], ""
 
 
 def _last_special_token(tokenizer: Any, turn: str) -> str | None:

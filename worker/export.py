@@ -94,7 +94,7 @@ def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> dic
                       dict(meta, **dst_layout.stored(), format=fmt,
                            data_dir=os.path.abspath(dst_layout.data_dir(dst)),
                            layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm,
-                           trainer_setting=trainer_setting(fmt, plan),
+                           trainer_setting=trainer_setting(fmt, plan, dst_layout.dtype),
                            exported_from=os.path.abspath(src)))
     manifest = Manifest(manifest_path(dst, "export"))
     summary = {"source": src, "out": dst, "format": fmt, "dtype": dst_layout.dtype, "to_do": len(todo),
@@ -125,6 +125,9 @@ def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> dic
                     summary["written"] += 1
             if progress:
                 progress(min(start + CHUNK, len(todo)), len(todo), time.monotonic() - t0)
+    if fmt == "speculators":                   # what speculators train reads beside the files
+        from .prepared import write_prepared
+        write_prepared(dst)
     return summary
 
 

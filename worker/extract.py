@@ -36,7 +36,7 @@ from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, L
                       supervision_problem, trainer_setting)
 from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
                        upgraded, work_identity)
-from .layers import LayerError, LayerPlan, choices, resolve_layers
+from .layers import LayerError, LayerPlan, choices, resolve_layers, yaml_max_length
 from .model import (Capture, ModelError, compile_layers, find_decoder, is_hybrid, load_model,
                     missing_fast_kernels, model_devices, move, text_config, uncompile_layers,
                     use_fla_conv)
@@ -158,6 +158,7 @@ class Options:
     bucket_rows: bool = False            # batch row counts from a few buckets (batching.row_bucket)
     dtype: str = "bf16"                  # hidden states as stored: bf16 | fp8
     micro_batches: int | None = None     # row groups per batch (None: one per GPU of the shard)
+    window: int | None = None            # the trainer's window (from:<run.yaml> data.max_length)
 
 
 def gpu_memory(devices: torch.device | list[torch.device]) -> dict:
@@ -290,7 +291,7 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
             yield BadRow(index, f"longer than the model's {options.max_positions} positions: "
                                 f"{sample.length} tokens")
             continue
-        if problem := supervision_problem(options.format, sample.loss_mask):
+        if problem := supervision_problem(options.format, sample.loss_mask, options.max_length or options.window):
             yield BadRow(index, problem)
             continue
         chunk.append(sample)
@@ -347,7 +348,7 @@ def run_meta(layout: Layout, layers: str, loss_mask: str, out: str) -> dict:
     return {**layout.stored(), "format": layout.format, "data_dir": os.path.abspath(layout.data_dir(out)),
             "layers": layers, "layer_ids": list(plan.ids), "last_layer_norm": plan.last_layer_norm,
             "num_layers": plan.num_layers, "target_last_hidden_states": plan.target_last,
-            "trainer_setting": trainer_setting(layout.format, plan), "loss_mask": loss_mask,
+            "trainer_setting": trainer_setting(layout.format, plan, layout.dtype), "loss_mask": loss_mask,
             "loss_mask_convention": LOSS_MASK_CONVENTIONS[loss_mask]}
 
 
@@ -425,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             "hidden_size": config.hidden_size,
             "num_samples": dataset.num_rows, "data": os.path.abspath(args.data),
             "random_weights": args.random_weights, "identity": identity,
+            "max_length": args.max_length or yaml_max_length(args.layers),   # the window the mask was judged in
             "versions": {"worker": __version__, "torch": torch.__version__,
                          "transformers": __import__("transformers").__version__,
                          "safetensors": __import__("safetensors").__version__}})
@@ -449,13 +451,16 @@ def main(argv: list[str] | None = None) -> int:
                           args.writer_queue, args.writer_threads, args.sort_window,
                           pad_multiple=pad, loss_mask=args.loss_mask, format=args.format,
                           max_positions=shape.max_positions, bucket_rows=few_shapes, dtype=args.dtype,
-                          micro_batches=args.micro_batches)
+                          micro_batches=args.micro_batches, window=yaml_max_length(args.layers))
         items = iter_shard(dataset, start, stop, set(finished), vocab_size, tokenizer, options)
         sizing.start(log, dataset, start, stop, vocab_size, args.model, options)  # total_tokens
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                stats, args.progress_interval, stop - start)
         if problem := too_many_skipped(args.out, start, stop, args.max_skip_fraction):
             raise NotRetryable(problem)
+        if args.format == "speculators":           # issue 22: speculators train reads its rows here
+            from .prepared import write_prepared
+            write_prepared(args.out)
         log.emit(protocol.Done(**stats.snapshot(), total=stop - start,
                                host_peak_bytes=host_peak_bytes(), **gpu_memory(shard_gpus)))
         return 0

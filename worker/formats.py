@@ -73,6 +73,11 @@ def check_plan(fmt: str, plan: LayerPlan) -> None:
     if fmt not in FORMATS:
         raise FormatError(f"format {fmt!r}: expected one of {', '.join(FORMATS)}")
     L, ids = plan.num_layers, plan.ids
+    if fmt == "speculators" and ids and ids[-1] == L and plan.last_layer_norm == "post":
+        raise FormatError(f"format speculators: its trainer applies the final norm to the last slot "
+                          f"itself (verifier_norm), so hs[{L}] post-norm would be normed twice; use "
+                          f"layers = \"speculators\" (hs[{L}] pre-norm), or the format of the trainer "
+                          f"these layers are for (specforge-eagle3)")
     if fmt == "specforge-eagle3":
         if len(ids) != 4 or ids[-1] != L or plan.last_layer_norm != "post" or L in ids[:-1]:
             raise FormatError(f"format specforge-eagle3 reads 3 aux layers + hs[{L}] post-norm "
@@ -83,29 +88,49 @@ def check_plan(fmt: str, plan: LayerPlan) -> None:
             raise FormatError(f"target_last_hidden_states must be hs[{L}] post-norm")
         if not context_slots(fmt, plan):
             raise FormatError("format specforge-dflash needs at least one context layer")
+        if L in [ids[k] for k in context_slots(fmt, plan)] and plan.last_layer_norm != "post":
+            raise FormatError(f"format specforge-dflash reads hs[{L}] (target layer id {L - 1}) "
+                              f"final-normed, as output_hidden_states gives it; these layers hold it "
+                              f"{plan.last_layer_norm}-norm: extract with format = \"specforge-dflash\"")
     elif fmt == "eagle":
         if ids != (L,) or plan.last_layer_norm != "post":
             raise FormatError(f"format eagle (EAGLE-1/2) reads hs[{L}] post-norm only "
                               f"(layers = \"eagle\"); these layers are {list(ids)}")
 
 
-def supervision_problem(fmt: str, loss_mask) -> str | None:
-    """Why a sample teaches this trainer nothing (then it is skipped, not written), or None.
+# The window each trainer reads of a sample by default (it cuts the rest off at load): SpecForge's
+# data.max_length (config/schema.py), EAGLE-1/2's max_len (train/main.py), speculators'
+# --total-seq-len (a packed batch; its collator clips there). `[run] max_length` replaces it.
+TRAINER_WINDOW = {"speculators": 8192, "specforge-eagle3": 2048, "specforge-dflash": 2048, "eagle": 2048}
+_WINDOW_NAME = {"speculators": "speculators' --total-seq-len", "specforge-eagle3": "SpecForge's data.max_length",
+                "specforge-dflash": "SpecForge's data.max_length", "eagle": "EAGLE-1/2's max_len"}
+
+
+def supervision_problem(fmt: str, loss_mask, max_length: int | None = None) -> str | None:
+    """Why a sample teaches this trainer nothing (then it is skipped, not written), or None; judged
+    inside the window the trainer reads (`max_length`, else its default).
 
     SpecForge's DFlash normaliser raises on a sample without two consecutive supervised tokens."""
-    if not loss_mask.any():
-        return "no supervised token (loss_mask is all 0)"
-    if fmt == "specforge-dflash" and not (loss_mask[:-1] & loss_mask[1:]).any():
-        return "no two consecutive supervised tokens (SpecForge DFlash needs them)"
+    window = max_length or TRAINER_WINDOW.get(fmt)
+    where = "" if window is None or len(loss_mask) <= window else \
+        f" within the first {window} tokens ({'max_length' if max_length else _WINDOW_NAME[fmt]}, " \
+        f"where the trainer cuts the sample; [run] max_length sets yours)"
+    mask = loss_mask[:window]
+    if not mask.any():
+        return f"no supervised token{where}" if where else "no supervised token (loss_mask is all 0)"
+    if fmt == "specforge-dflash" and not (mask[:-1] & mask[1:]).any():
+        return f"no two consecutive supervised tokens{where} (SpecForge DFlash needs them)"
     return None
 
 
-def trainer_setting(fmt: str, plan: LayerPlan) -> str:
+def trainer_setting(fmt: str, plan: LayerPlan, dtype: str = "bf16") -> str:
     """The flag or draft-config value with which this format's trainer reads exactly these layers
-    (its own numbering: speculators' ids are hs indices, SpecForge's are hs index - 1)."""
+    (its own numbering: speculators' ids are hs indices, SpecForge's are hs index - 1), and for
+    fp8 files the reader that dequantises them (without it speculators trains on raw fp8 values)."""
     ctx = [plan.ids[s] for s in context_slots(fmt, plan)]
     if fmt == "speculators":                 # it splits the last slot off as the verifier state
-        return "--target-layer-ids " + " ".join(map(str, plan.ids[:-1]))
+        return "--target-layer-ids " + " ".join(map(str, plan.ids[:-1])) + \
+            (" --hidden-states-backend fp8" if dtype == "fp8" else "")
     if fmt == "specforge-eagle3":
         return f"model.aux_hidden_state_layer_ids = {[k - 1 for k in ctx]}"
     if fmt == "specforge-dflash":
@@ -130,10 +155,12 @@ class Layout:
     format: str
     plan: LayerPlan
     dtype: str = "bf16"                  # bf16 | fp8 (worker/fp8.py)
+    strict: bool = True                  # False: reading a folder written before a refusal existed
 
     def __post_init__(self) -> None:
-        check_plan(self.format, self.plan)
-        check_dtype(self.format, self.dtype)
+        if self.strict:
+            check_plan(self.format, self.plan)
+            check_dtype(self.format, self.dtype)
 
     # --- where --------------------------------------------------------------------------------
     def data_dir(self, out: str) -> str:

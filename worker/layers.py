@@ -43,7 +43,7 @@ class LayerPlan:
 
 
 def choices() -> str:
-    return ", ".join(PRESETS) + f", {FROM_PREFIX}<draft config.json> or a comma list of hs indices"
+    return ", ".join(PRESETS) + f", {FROM_PREFIX}<draft config.json or SpecForge run.yaml> or a comma list of hs indices"
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -89,6 +89,71 @@ def preset_ids(name: str, L: int) -> tuple[list[int], str]:
     raise KeyError(name)
 
 
+_DFLASH_STRATEGIES = ("dflash", "domino", "dspark")
+
+
+def _trainer_yaml(path: str) -> dict:
+    try:
+        import yaml                      # PyYAML comes with transformers on the GPU hosts
+    except ImportError:
+        raise LayerError(f"layers from:{path}: reading a YAML run config needs PyYAML") from None
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise LayerError(f"layers from:{path}: no such file") from None
+    except (OSError, yaml.YAMLError) as e:
+        raise LayerError(f"layers from:{path}: not a readable YAML run config: {str(e).splitlines()[0]}") from None
+    if not isinstance(cfg, dict):
+        raise LayerError(f"layers from:{path}: not a YAML mapping")
+    return cfg
+
+
+def yaml_max_length(spec: str | None) -> int | None:
+    """`data.max_length` of a SpecForge run config named by `from:<run.yaml>` (its default 2048
+    when unset), else None: the window in which the loss mask is judged."""
+    if not spec or not spec.strip().startswith(FROM_PREFIX) or not spec.strip().endswith((".yaml", ".yml")):
+        return None
+    data = _trainer_yaml(os.path.expanduser(spec.strip()[len(FROM_PREFIX):])).get("data") or {}
+    value = data.get("max_length", 2048)
+    return value if isinstance(value, int) and value > 0 else 2048
+
+
+def from_trainer_yaml(path: str, L: int) -> tuple[list[int], str, bool]:
+    """(hs ids, norm of hs[L], DSpark) that SpecForge will read, from its run config: the draft
+    config it names (model.draft_model_config, relative to the yaml) or its generated defaults,
+    with `model.draft_num_hidden_layers`, which makes SpecForge replace a DFlash draft config's
+    target_layer_ids by build_target_layer_ids(L, N) (algorithms/model_providers.py
+    apply_dflash_overrides): refused when that differs from the ids the draft config declares."""
+    cfg = _trainer_yaml(path)
+    model = cfg.get("model") or {}
+    strategy = str((cfg.get("training") or {}).get("strategy", "eagle3"))
+    n = model.get("draft_num_hidden_layers")
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise LayerError(f"layers from:{path}: model.draft_num_hidden_layers = {n!r}: expected a positive integer")
+    draft = model.get("draft_model_config")
+    if strategy not in _DFLASH_STRATEGIES:
+        aux = model.get("aux_hidden_state_layer_ids")
+        if aux is not None:
+            return [k + 1 for k in _int_list(aux, f"model.aux_hidden_state_layer_ids in {path}")] + [L], "post", False
+        if draft:
+            return from_draft_config(os.path.join(os.path.dirname(path), os.path.expanduser(draft)), L)
+        return (*preset_ids("specforge-eagle3", L), False)
+    if not draft:
+        return [k + 1 for k in build_target_layer_ids(L, n or 1)], "post", strategy == "dspark"
+    draft_path = os.path.join(os.path.dirname(path), os.path.expanduser(draft))
+    ids, norm, dspark = from_draft_config(draft_path, L)
+    if n is not None:
+        theirs = [k + 1 for k in build_target_layer_ids(L, n)]
+        declared = ids                   # DSpark's hs[L] is added by resolve_layers, not here
+        if declared != theirs:
+            raise LayerError(
+                f"layers from:{path}: model.draft_num_hidden_layers = {n} makes SpecForge replace the "
+                f"target_layer_ids {[k - 1 for k in declared]} of {draft} with build_target_layer_ids({L}, "
+                f"{n}) = {[k - 1 for k in theirs]}: remove model.draft_num_hidden_layers, or the ids")
+    return ids, norm, dspark
+
+
 def from_draft_config(path: str, L: int) -> tuple[list[int], str, bool]:
     """(hs ids, norm of hs[L], DSpark) from the target layer ids a draft model's config.json
     declares, with the offset of the trainer that wrote that kind of config."""
@@ -120,8 +185,9 @@ def from_draft_config(path: str, L: int) -> tuple[list[int], str, bool]:
         else:
             raise LayerError(f"layers from:{path}: DFlash config without dflash_config.target_layer_ids "
                              f"or num_target_layers/num_hidden_layers")
-        # SpecForge/z-lab read hidden_states[layer_id + 1]; DSpark also reads the final state.
-        return [k + 1 for k in tl], "none", "DSpark" in arch
+        # SpecForge/z-lab read hidden_states[layer_id + 1] (hs[L] among them is final-normed, as
+        # output_hidden_states gives it); DSpark also reads the final state.
+        return [k + 1 for k in tl], "post", "DSpark" in arch
     eagle = cfg.get("eagle_config")
     if isinstance(eagle, dict) and eagle.get("eagle_aux_hidden_state_layer_ids") is not None:
         aux = _int_list(eagle["eagle_aux_hidden_state_layer_ids"],
@@ -153,7 +219,9 @@ def resolve_layers(spec: str, num_layers: int, last_layer_norm: str | None = Non
     if spec in REFUSED:
         raise LayerError(f"layers {spec!r} is {REFUSED[spec]}; use one of {choices()}")
     if spec.startswith(FROM_PREFIX):
-        ids, norm, dspark = from_draft_config(os.path.expanduser(spec[len(FROM_PREFIX):]), L)
+        path = os.path.expanduser(spec[len(FROM_PREFIX):])
+        read = from_trainer_yaml if path.endswith((".yaml", ".yml")) else from_draft_config
+        ids, norm, dspark = read(path, L)
         target_last = target_last or dspark
     elif spec.partition(":")[0] in PRESETS:
         try:

@@ -14,7 +14,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from . import protocol
-from .formats import FormatError, Layout
+from .formats import FORMATS, FormatError, Layout
 from .layers import LayerPlan
 
 
@@ -41,10 +41,11 @@ def layout_of(meta: dict) -> Layout:
         dtype = dtype_of_name(meta.get("dtype"))
     except ValueError:
         dtype = "bf16"
+    fmt = meta.get("format", "speculators")
     try:
-        return Layout(meta.get("format", "speculators"), plan, dtype)
-    except FormatError:                    # an unreadable meta.json: check what can be checked
-        return Layout("speculators", plan, dtype)
+        return Layout(fmt, plan, dtype)
+    except FormatError:                    # files its trainer would misread (verify says so), or
+        return Layout(fmt if fmt in FORMATS else "speculators", plan, dtype, strict=False)  # unreadable meta
 
 
 def check_file(layout: Layout, out: str, rec: dict, hidden: int | None) -> str | None:
@@ -109,6 +110,10 @@ def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) 
     report.update({"written": to_ranges(r["index"] for r in written),
                    "skipped": {str(i): why for i, why in sorted(skipped.items())},
                    "unrecorded_files": len(unrecorded), "problems": problems})
+    from .trainers import trainer_problems, training_command      # issue 22: what trains on it
+    more, report["notes"] = trainer_problems(out, meta)
+    problems += more
+    report["command"] = training_command(meta, out) if meta else None
     return report
 
 

@@ -29,6 +29,10 @@ def test_up_in_specforge_format_verify_then_export_to_eagle(tmp_path, sshd, dens
     v = fleet("verify", "-c", path)
     assert v.returncode == 0 and "40 written" in v.stdout and "verify: OK" in v.stdout
     assert "(format specforge-eagle3)" in v.stdout
+    # the exact command that trains on it, every flag from meta.json (SpecForge's numbering: hs - 1)
+    assert (f"train (box): specforge train -c run.yaml model.target_model_path={meta['model']} "
+            f"data.hidden_states_path={out} data.max_length=2048 training.strategy=eagle3  "
+            f"# run.yaml: model.aux_hidden_state_layer_ids: [1, 3, 4]") in v.stdout
 
     eagle = os.path.join(tmp_path, "remote", "eagle")
     e = fleet("export", "--format", "eagle", "--out", eagle, "-c", path)

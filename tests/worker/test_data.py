@@ -4,11 +4,12 @@ through its end-of-turn token, found through the chat template itself, on three 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 
-from worker.data import BadRow, DataError, row_to_sample, tokenize_chat
+from worker.data import BadRow, DataError, _chat_messages, row_to_sample, tokenize_chat
 from tests.conftest import read_events, run_worker
 
 # Qwen3's rule, cut down: an assistant turn after the last user message gets an (empty) think block
@@ -150,3 +151,108 @@ def test_worker_masks_chats_and_skips_unsupervised_samples(tmp_path, dense_model
     meta = json.load(open(f"{out}/meta.json"))
     assert meta["loss_mask"] == "assistant" and "end-of-turn token" in meta["loss_mask_convention"]
     assert verify(out)["problems"] == []
+
+
+# --- real chat templates (written into tests/worker/chat_templates: no hub access in CI) -----------
+
+TEMPLATES = os.path.join(os.path.dirname(__file__), "chat_templates")
+TOOL_CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+             {"role": "tool", "content": "sunny"},
+             {"role": "assistant", "content": "It is sunny.", "reasoning_content": "the tool said sunny"}]
+THINK_CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nsay hi\n</think>\n\nhello"},
+              {"role": "user", "content": "bye"}, {"role": "assistant", "content": "<think>\nsay bye\n</think>\n\ngoodbye"}]
+FIRST_CHAT = [{"role": "assistant", "content": "I start"}, {"role": "user", "content": "ok"},
+              {"role": "assistant", "content": "done"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+
+
+@pytest.fixture(scope="module")
+def real(dense_model):
+    from transformers import AutoTokenizer
+    out = {}
+    for name in ("qwen3", "qwen3_thinking_2507", "qwq", "llama3_3"):
+        tok = AutoTokenizer.from_pretrained(dense_model)
+        if name.startswith("llama"):
+            tok.add_special_tokens({"bos_token": "<|begin_of_text|>", "additional_special_tokens":
+                                    ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+        else:                                   # plain added tokens, as in the Qwen tokenizers
+            tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                            "</tool_response>"])
+        tok.chat_template = open(os.path.join(TEMPLATES, f"{name}.jinja")).read()
+        out[name] = tok
+    return out
+
+
+# By hand, per template: what the model generates in each assistant turn, end-of-turn token included;
+# a think block the generation prompt opens (Qwen3-Thinking-2507, QwQ) is the prompt's, not the turn's.
+EXPECTED = {
+    ("qwen3", "tools"): [CALL, "<think>\nthe tool said sunny\n</think>\n\nIt is sunny.<|im_end|>"],
+    ("qwen3", "think"): ["hello<|im_end|>", "<think>\nsay bye\n</think>\n\ngoodbye<|im_end|>"],
+    ("qwen3", "first"): ["I start<|im_end|>", "<think>\n\n</think>\n\ndone<|im_end|>"],
+    ("qwen3_thinking_2507", "tools"): [CALL, "the tool said sunny\n</think>\n\nIt is sunny.<|im_end|>"],
+    ("qwen3_thinking_2507", "think"): ["hello<|im_end|>", "say bye\n</think>\n\ngoodbye<|im_end|>"],
+    ("qwen3_thinking_2507", "first"): ["I start<|im_end|>", "\n</think>\n\ndone<|im_end|>"],
+    ("qwq", "tools"): [CALL, "It is sunny.<|im_end|>"],                    # QwQ drops reasoning_content
+    ("qwq", "think"): ["hello<|im_end|>", "goodbye<|im_end|>"],            # and the thinking of every turn
+    ("qwq", "first"): ["I start<|im_end|>", "done<|im_end|>"],
+    ("llama3_3", "tools"): ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
+                            "It is sunny.<|eot_id|>"],
+    ("llama3_3", "think"): ["<think>\nsay hi\n</think>\n\nhello<|eot_id|>",
+                            "<think>\nsay bye\n</think>\n\ngoodbye<|eot_id|>"],
+    # its default system block ("Cutting Knowledge Date ...") comes first and is not supervised
+    ("llama3_3", "first"): ["I start<|eot_id|>", "done<|eot_id|>"],
+}
+CHATS = {"tools": TOOL_CHAT, "think": THINK_CHAT, "first": FIRST_CHAT}
+
+
+@pytest.mark.parametrize("name, chat", list(EXPECTED))
+def test_real_templates_mask_what_the_model_generates(real, name, chat):
+    tok = real[name]
+    sample = row_to_sample(0, {"messages": CHATS[chat]}, len(tok), lambda: tok)
+    assert not isinstance(sample, BadRow), sample.reason
+    text = tok.apply_chat_template(_chat_messages({"messages": CHATS[chat]}), tokenize=False)
+    assert sample.input_ids.tolist() == encode(tok, text)      # (a tool call's None content is "")
+    assert [tok.decode(r) for r in supervised_runs(sample.input_ids, sample.loss_mask)] == EXPECTED[name, chat]
+
+
+def test_either_key_style_under_either_list_name(real):
+    tok = real["qwen3"]
+    styles = [{"conversations": [{"role": m["role"], "content": m["content"]} for m in THINK_CHAT]},
+              {"messages": [{"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
+                            for m in THINK_CHAT]},
+              {"messages": THINK_CHAT}]
+    samples = [row_to_sample(0, row, len(tok), lambda: tok) for row in styles]
+    assert all(not isinstance(s, BadRow) for s in samples)
+    assert all(s.input_ids.tolist() == samples[-1].input_ids.tolist() and
+               s.loss_mask.tolist() == samples[-1].loss_mask.tolist() for s in samples)
+    bad = row_to_sample(3, {"messages": [{"role": "robot", "content": "x"}]}, len(tok), lambda: tok)
+    assert isinstance(bad, BadRow) and "turn 0 has unknown role 'robot'" in bad.reason
+
+
+def test_worker_writes_every_tool_and_thinking_chat(tmp_path, dense_model):
+    """Through the real worker, under the Qwen3 template (tools, reasoning_content): a tool dataset
+    (which used to end FATAL: every row skipped) is written whole, and speculators' reader takes
+    every row of the prepared dataset the worker wrote beside it."""
+    from transformers import AutoTokenizer
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in os.listdir(dense_model):
+        if not name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            os.symlink(os.path.join(dense_model, name), model / name)
+    tok = AutoTokenizer.from_pretrained(dense_model)
+    tok.chat_template = open(os.path.join(TEMPLATES, "qwen3.jinja")).read()
+    tok.save_pretrained(str(model))
+    rows = [{"messages": TOOL_CHAT}, {"conversations": THINK_CHAT}, {"messages": FIRST_CHAT},
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]
+    data = tmp_path / "tools.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "out")
+    r = run_worker("--model", str(model), "--data", str(data), "--out", out)
+    assert r.returncode == 0, r.stderr
+    from worker.writer import load_finished
+    assert sorted(i for i, rec in load_finished(out).items() if "skipped" not in rec) == [0, 1, 2, 3]
+    speculators = pytest.importorskip("speculators.train.data")
+    ds = speculators.ArrowDataset(max_len=4096, datapath=os.path.join(out, "prepared"), on_missing="raise")
+    assert len(ds) == 4 and all(isinstance(ds[k], dict) and ds[k]["loss_mask"].sum() > 0 for k in range(4))

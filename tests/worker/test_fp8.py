@@ -344,7 +344,7 @@ def test_export_keeps_fp8_where_the_reader_dequantises_and_writes_bf16_where_it_
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     src = str(tmp_path / "src")
-    r = worker(model, str(data), src, "--dtype", "fp8", "--layers", "eagle3")
+    r = worker(model, str(data), src, "--dtype", "fp8", "--layers", "2,4,5")    # no hs[L]: DFlash reads them
     assert r.returncode == 0, r.stderr
     same = export(src, "speculators", str(tmp_path / "same"))
     assert same["dtype"] == "fp8" and same["written"] == 6 and not same["problems"]
@@ -353,13 +353,12 @@ def test_export_keeps_fp8_where_the_reader_dequantises_and_writes_bf16_where_it_
         assert torch.equal(a["hidden_states"].view(torch.uint8), b["hidden_states"].view(torch.uint8))
         assert torch.equal(a[fp8.SCALES_KEY], b[fp8.SCALES_KEY])
     assert verify(str(tmp_path / "same"))["problems"] == []
-    sf = export(src, "specforge-eagle3", str(tmp_path / "sf"))
+    sf = export(src, "specforge-dflash", str(tmp_path / "sf"))
     assert sf["dtype"] == "bf16" and sf["written"] == 6
     meta = json.load(open(tmp_path / "sf" / "meta.json"))
     assert meta["dtype"] == "bfloat16" and "hidden_states_scales" not in meta and meta["identity"]["dtype"] == "bf16"
     for i in range(6):
         states = load_sample(os.path.join(src, f"hs_{i}.safetensors"))["hidden_states"]
         ckpt = load_sample(str(next((tmp_path / "sf").rglob(f"data_{i}.ckpt"))))
-        assert torch.equal(ckpt["aux_hidden_state"][0], states[:, :3].reshape(len(states), -1))
-        assert torch.equal(ckpt["hidden_state"][0], states[:, 3])
+        assert torch.equal(ckpt["hidden_states"][0], states.reshape(len(states), -1))
     assert verify(str(tmp_path / "sf"))["problems"] == []
