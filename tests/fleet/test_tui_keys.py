@@ -340,3 +340,31 @@ async def test_a_toast_never_covers_the_selected_shards_detail_line(size):
         detail = app.screen.query_one(ShardDetail).region
         assert toasts and all(t.region.area and not t.region.overlaps(detail) for t in toasts), \
             ([t.region for t in toasts], detail)
+
+
+async def test_r_and_k_on_a_done_shard_are_refused_by_the_same_rule_as_fleet_restart():
+    """The one rule (fleet/actions.py) behind every caller: `r` on a DONE shard asks nothing and says
+    why, as `fleet restart` does; with a DONE and a running shard marked, only the running one is
+    asked about."""
+    f = fleet(failed=(), backoff=())
+    f.finish([1])
+    app = FleetApp(f, interval=3600)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause(0.3)
+        table = app.main.query_one(ShardTable)
+        table.move_to_key("1")
+        await pilot.press("r")
+        await pilot.pause(0.1)
+        assert app.screen is app.main                                   # no question asked
+        told = [n.message for n in app._notifications]
+        assert any("shard 1 is DONE: nothing to redo" in m for m in told), told
+        await pilot.press("k")
+        await pilot.pause(0.1)
+        assert app.screen is app.main
+        assert any("shard 1 is DONE: nothing to stop" in n.message for n in app._notifications)
+        table.move_to_key("0")
+        await pilot.press("space")                                      # marks 0
+        table.move_to_key("1")
+        await pilot.press("space", "r")                                 # marks 1, restart both
+        assert "Restart shard(s) 0?" in question(app)
+        await pilot.press("n")
