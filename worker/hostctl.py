@@ -487,7 +487,7 @@ def act(run_dir: str, action: protocol.ShardAction) -> protocol.ActResult:
         if not running:
             if action.kind == "restart":
                 return result(launch(**_launch_spec(action, d))["status"])
-            return result("stopped" if newest else "not running")
+            return result("not running")          # recorded all the same: it is not restarted
         _spawn_finisher(run_dir, action, fd)
         return result("restarting" if action.kind == "restart" else "stopping")
     finally:

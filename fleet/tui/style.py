@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from rich.style import Style
 
-from ..render import gib  # noqa: F401  (GPU memory: one formatter for status and the view)
 from ..state import State
 
 GLYPH = {

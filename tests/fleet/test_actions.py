@@ -89,7 +89,7 @@ async def test_fleet_down_during_a_backoff_leaves_nothing_running_and_nothing_re
         await other.read_once()
         results = await other.stop_all(timeout=0.5)
         await other.close()
-        assert results["local"] == {"0": "stopped", "1": "killed"}
+        assert results["local"] == {"0": "not running", "1": "killed"}
         await until(lambda: [shard(sup, k).state for k in (0, 1)] == [State.STOPPED, State.STOPPED],
                     what="both STOPPED")
         await asyncio.sleep(5)                                # past shard 0's backoff
