@@ -32,41 +32,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fleet.config import load_config
 from fleet.state import State
 from fleet.supervisor import Supervisor
+from bench.ssh_latency import write_config
 from tests.sshd_server import start_sshd
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def write_config(tmp: str, server, hosts: int, gpus: int) -> str:
-    parts = [f"""
-[run]
-name = "storm"
-output = "{tmp}/out"
-
-[supervise]
-max_restarts = 3
-max_concurrent_connects = 8
-
-[job]
-command = "{{python}} -c 'import time; time.sleep(3600)'"
-"""]
-    for h in range(hosts):
-        parts.append(f"""
-[[hosts]]
-name = "h{h}"
-address = "127.0.0.1"
-port = {server.port}
-user = "root"
-identity_file = "{server.client_key}"
-known_hosts = "{server.known_hosts}"
-python = "{sys.executable}"
-gpus = {list(range(gpus))}
-root = "{tmp}/root{h}"
-""")
-    path = os.path.join(tmp, f"fleet-{hosts}.toml")
-    with open(path, "w") as f:
-        f.write("".join(parts))
-    return path
 
 
 def cpu_s() -> float:
@@ -121,7 +90,8 @@ def main() -> None:
         tmp = tempfile.mkdtemp(prefix="fleet-storm-")
         server, proc = start_sshd(os.path.join(tmp, "sshd"))
         try:
-            cfg = write_config(tmp, server, hosts, args.gpus)
+            cfg = write_config(tmp, server, hosts, args.gpus, name="storm",
+                               supervise="max_restarts = 3\nmax_concurrent_connects = 8")
             r = {"hosts": hosts, "gpus_per_host": args.gpus, **asyncio.run(storm(cfg, args.timeout))}
             walls = []
             for _ in range(3):

@@ -34,14 +34,17 @@ from tests.sshd_server import start_sshd
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def write_config(tmp: str, server, hosts: int) -> str:
+def write_config(tmp: str, server, hosts: int, gpus: int = 1, name: str = "bench",
+                 supervise: str = "max_restarts = 0") -> str:
+    """fleet.toml for `hosts` names of the same loopback sshd (each its own root), `gpus` shards
+    each, running a sleeping [job]."""
     parts = [f"""
 [run]
-name = "bench"
+name = "{name}"
 output = "{tmp}/out"
 
 [supervise]
-max_restarts = 0
+{supervise}
 
 [job]
 command = "{{python}} -c 'import time; time.sleep(3600)'"
@@ -56,10 +59,10 @@ user = "root"
 identity_file = "{server.client_key}"
 known_hosts = "{server.known_hosts}"
 python = "{sys.executable}"
-gpus = [0]
+gpus = {list(range(gpus))}
 root = "{tmp}/root{h}"
 """)
-    path = os.path.join(tmp, f"fleet-{hosts}.toml")
+    path = os.path.join(tmp, f"fleet-{hosts}x{gpus}.toml")
     with open(path, "w") as f:
         f.write("".join(parts))
     return path

@@ -65,18 +65,7 @@ def try_lock(fd: int, kind: int, tries: int = 10) -> bool:
 
 def is_running(shard_dir: str) -> bool:
     """True while the shard's lock is held (by its runner or its process)."""
-    path = _paths(shard_dir)["lock"]
-    if not os.path.exists(path):
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    return _held(_paths(shard_dir)["lock"])
 
 
 def _read_int(path: str) -> int | None:
@@ -418,6 +407,7 @@ def is_acting(shard_dir: str) -> bool:
 
 
 def _held(path: str) -> bool:
+    """Someone holds an flock on `path` (tried shared, without waiting, and let go at once)."""
     if not os.path.exists(path):
         return False
     fd = os.open(path, os.O_RDONLY)
