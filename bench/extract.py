@@ -440,6 +440,9 @@ def main() -> None:
                 r["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             r["tunings"] = len(tuning) - before
             result[name + (f"_pass{k + 1}" if k else "")] = rate(r, params, peak)
+            print(json.dumps({name + f"_pass{k + 1}": result[name + (f"_pass{k + 1}" if k else "")]}), flush=True)
+            if args.json:                                  # kept if a later step dies
+                json.dump(result, open(args.json, "w"), indent=2)
             shutil.rmtree(d)
             d = scratch(root)
         shutil.rmtree(d)
