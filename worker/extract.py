@@ -125,8 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch.compile the decoder layers: auto = on a GPU for dense models (hybrid "
                         "Gated DeltaNet models run fla's own Triton kernels eagerly), off on the CPU")
     p.add_argument("--cache-dir", default=None,
-                   help="compile and Triton autotuning caches, shared by the shards of a host (fleet "
-                        "passes <root>/<run>/cache): a restart pays no compile it has paid before")
+                   help="compile and Triton autotuning caches, shared by every run and shard of a host "
+                        "(fleet passes <root>/cache): a launch pays no compile or tuning the host has paid before")
     p.add_argument("--random-weights", action="store_true",
                    help="initialise from config.json with random weights (benchmarks, dry runs)")
     args = p.parse_args(argv)
@@ -479,8 +479,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def use_cache_dir(cache_dir: str | None) -> None:
-    """Point Inductor's and Triton's caches (and Triton's autotuning results) at the run's shared
-    folder; set before anything compiles. The flag wins over an inherited environment (torch
+    """Point Inductor's and Triton's caches (and Triton's autotuning results, fla's included) at
+    the host's shared folder (every run and shard of the host); set before anything compiles. The flag wins over an inherited environment (torch
     itself exports its default cache folder to its children)."""
     if not cache_dir:
         return
