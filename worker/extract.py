@@ -480,8 +480,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def use_cache_dir(cache_dir: str | None) -> None:
     """Point Inductor's and Triton's caches (and Triton's autotuning results, fla's included) at
-    the host's shared folder (every run and shard of the host); set before anything compiles. The flag wins over an inherited environment (torch
-    itself exports its default cache folder to its children)."""
+    the host's shared folder (every run and shard of the host); set before anything compiles.
+    The flag wins over an inherited environment (torch exports its default cache folder to its
+    children)."""
     if not cache_dir:
         return
     os.makedirs(cache_dir, exist_ok=True)
