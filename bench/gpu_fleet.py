@@ -24,6 +24,9 @@ caches), then the same run again under a new name (the host's caches warm). For 
 minute, and the whole run with its load. The host's caches live under the host's root (`<root>/cache`).
 
     python bench/gpu_fleet.py --shape hybrid27 --out $OUT --samples 2600
+
+flash-linear-attention must be importable by the python that fleet launches the worker with
+(`pip install` it there; a PYTHONPATH of the bench's shell does not reach the worker).
 """
 
 from __future__ import annotations
@@ -193,7 +196,7 @@ def hybrid27(args, result: dict, peak: float, ngpu: int) -> None:
     params = result["nonembedding_params"] = counted_params(HYBRID27)
     data = f"{work}/data.jsonl"
     result["tokens"] = make_data(data, args.samples, 2)
-    for name in ("first", "again"):
+    for name in ("first",) if args.once else ("first", "again"):
         cfg = write_config(f"{work}/{name}.toml", work, data, f"{work}/out-{name}", list(range(ngpu)), name,
                            dtype=args.dtype)
         t0 = time.time()
@@ -290,6 +293,7 @@ def main() -> None:
                    help="the dense 27B (scaling, kill and restart, split) or the 27B hybrid (first launch "
                         "and a second one on the warm host cache)")
     p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="hidden states as stored")
+    p.add_argument("--once", action="store_true", help="hybrid27: the first launch only")
     p.add_argument("--micro-batches", default="2",
                    help="comma list: the spanning shard is run once per value (worker --micro-batches)")
     args = p.parse_args()

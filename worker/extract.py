@@ -539,19 +539,19 @@ def warm_hybrid(model: torch.nn.Module, device: torch.device, args: argparse.Nam
     missing = missing_fast_kernels(model)
     conv = ", fla's causal conv" if device.type == "cuda" and use_fla_conv(model) else ""
     compiled = ""
-    if hasattr(torch, "compile"):                 # --compile on, or auto on a GPU
-        log.emit(protocol.Loading(model=args.model, detail="compiling the norms, MLPs and attention "
-                                                           "(the linear-attention kernels stay eager)"))
-        t0 = time.perf_counter()
-        regions = compile_regions(model)
-        if why := try_compiled(model, device, log, [(2, 2 * pad), (1, pad)]):
-            compiled = f", {why.removeprefix('eager (').removesuffix(')')}"
-        else:
-            compiled = f", {regions} norm/MLP/attention modules compiled in {time.perf_counter() - t0:.0f} s"
-    if device.type != "cuda" or missing:
-        return "eager (hybrid model" + (": fast kernels missing" if missing else "") + f"{conv}{compiled})"
-    buckets = row_buckets(args.max_tokens_per_batch, pad)
-    with quick_tuning():
+    with quick_tuning():                          # the compile's first forwards tune fla's kernels too
+        if hasattr(torch, "compile"):             # --compile on, or auto on a GPU
+            log.emit(protocol.Loading(model=args.model, detail="compiling the norms, MLPs and attention "
+                                                               "(the linear-attention kernels stay eager)"))
+            t0 = time.perf_counter()
+            regions = compile_regions(model)
+            if why := try_compiled(model, device, log, [(2, 2 * pad), (1, pad)]):
+                compiled = f", {why.removeprefix('eager (').removesuffix(')')}"
+            else:
+                compiled = f", {regions} norm/MLP/attention modules compiled in {time.perf_counter() - t0:.0f} s"
+        if device.type != "cuda" or missing:
+            return "eager (hybrid model" + (": fast kernels missing" if missing else "") + f"{conv}{compiled})"
+        buckets = row_buckets(args.max_tokens_per_batch, pad)
         seconds = warm_rows(model, device, [(rows, pad) for rows in buckets], lambda i: log.emit(protocol.Loading(
             model=args.model, detail=f"tuning fla's kernels: batch shape {i + 1} of {len(buckets)}")))
     return f"fla's kernels{conv}{compiled} ({len(buckets)} batch shapes tuned in {seconds:.0f} s)"
