@@ -37,9 +37,9 @@ from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, L
 from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
                        upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers
-from .model import (Capture, ModelError, compile_layers, compile_regions, find_decoder, is_hybrid, load_model,
-                    missing_fast_kernels, model_devices, move, quick_tuning, text_config,
-                    uncompile_layers, use_fla_conv)
+from .model import (Capture, ModelError, compile_layers, find_decoder, is_hybrid, load_model,
+                    missing_fast_kernels, model_devices, move, text_config, uncompile_layers,
+                    use_fla_conv)
 from .writer import (BackgroundWriter, DiskFullError, Manifest, Stats, load_finished, manifest_path,
                      write_json_atomic)
 
@@ -536,6 +536,7 @@ def warm_hybrid(model: torch.nn.Module, device: torch.device, args: argparse.Nam
     batch row count, run one small batch of every row bucket the shard can use, each a LOADING
     step with its count, so the first minutes of the shard run at full speed. The compiled code
     and the tuning land in the host's cache (--cache-dir) for every later process of the host."""
+    from .model import compile_regions, quick_tuning
     missing = missing_fast_kernels(model)
     conv = ", fla's causal conv" if device.type == "cuda" and use_fla_conv(model) else ""
     compiled = ""
