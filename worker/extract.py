@@ -122,8 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-skip-fraction", type=float, default=0.01,
                    help="fail the shard when more than this fraction of its rows are skipped (default 0.01)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="torch.compile the decoder layers: auto = on a GPU for dense models (hybrid "
-                        "Gated DeltaNet models run fla's own Triton kernels eagerly), off on the CPU")
+                   help="torch.compile at load: auto = on a GPU (dense models: whole decoder layers; hybrid "
+                        "Gated DeltaNet models: their norms, MLPs and attention, fla's kernels eager), off on the CPU")
     p.add_argument("--cache-dir", default=None,
                    help="compile and Triton autotuning caches, shared by every run and shard of a host "
                         "(fleet passes <root>/cache): a launch pays no compile or tuning the host has paid before")
