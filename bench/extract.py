@@ -23,6 +23,7 @@ Prints a table and writes JSON (``--json``). MFU = 2 x non-embedding parameters 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -262,6 +263,27 @@ def conv_source(base) -> list[str]:
     return [f"{i}: {l.strip()}" for i, l in enumerate(src.splitlines(), 1) if "conv1d" in l][:60]
 
 
+def track_tuning(log: list) -> None:
+    """Record every Triton autotuning run (fla's kernels tune on first sight of a key): kernel,
+    key, seconds, and when (perf_counter), by wrapping the Autotuner's run."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:                              # no Triton (the CPU smoke test): nothing tunes
+        return
+    run = Autotuner.run
+
+    def tracked(self, *args, **kwargs):
+        n = len(self.cache)
+        t0 = time.perf_counter()
+        out = run(self, *args, **kwargs)
+        if len(self.cache) > n:
+            fn = getattr(self, "base_fn", None) or getattr(self, "fn", None)
+            log.append({"kernel": getattr(fn, "__name__", str(fn))[:60], "key": str(list(self.cache)[-1])[:160],
+                        "s": round(time.perf_counter() - t0, 3), "t": round(t0, 2)})
+        return out
+    Autotuner.run = tracked
+
+
 def rate(r: dict, params: int, peak: float) -> dict:
     tps = r["tokens"] / r["seconds"]
     return dict(r, tokens_per_s=round(tps), samples_per_s=round(r["samples"] / r["seconds"], 2),
@@ -279,8 +301,18 @@ def main() -> None:
     p.add_argument("--skip-shm", action="store_true")
     p.add_argument("--skip-naive", action="store_true")
     p.add_argument("--pads", default="8", help="comma list of batch-width pad multiples to run ours with")
-    p.add_argument("--compile", choices=("off", "on", "both"), default="both",
-                   help="run ours eager, with compiled decoder layers, or both (compiled on disk and tmpfs)")
+    p.add_argument("--compile", choices=("off", "on", "both", "regions"), default="both",
+                   help="run ours eager, with compiled decoder layers, or both (compiled on disk and tmpfs); "
+                        "regions: the non-fla modules of a hybrid's layers compiled (worker.model.compile_regions, "
+                        "the worker's hybrid path)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="timed passes over the samples in one process (the first is a shard's first pass, "
+                        "later ones the steady state)")
+    p.add_argument("--quick-tuning", action="store_true",
+                   help="the warm-up (--warm) times Triton's autotuning candidates briefly "
+                        "(worker.model.quick_tuning, as the worker's load does)")
+    p.add_argument("--track-tuning", action="store_true",
+                   help="log every Triton autotuning (kernel, key, seconds) and when it happened")
     p.add_argument("--skip-disk-probe", action="store_true")
     p.add_argument("--json", default=None)
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU: checks the script runs")
@@ -332,6 +364,20 @@ def main() -> None:
         result["fla_norms"] = check_fla_norms(base, vocab)
     result["ref_rel_err"] = reference_error(lm, base, warm, plan)
 
+    tuning: list = []
+    if args.track_tuning:
+        track_tuning(tuning)
+        result["tuning"] = tuning
+    if args.compile == "regions":
+        from worker.model import compile_regions
+        t1 = time.perf_counter()
+        result["regions"] = compile_regions(base)
+        with torch.inference_mode():                      # what the worker's load does
+            for rows, width in ((2, 128), (1, 64)):
+                base(input_ids=torch.zeros((rows, width), dtype=torch.long, device=DEVICE), use_cache=False)
+        sync()
+        result["compile_s"] = round(time.perf_counter() - t1, 1)
+        result["ref_rel_err_regions"] = reference_error(lm, base, warm, plan)
     if args.profile:
         result["profile"] = profile_forward(base, args.profile, vocab)
         result["conv_source"] = conv_source(base)
@@ -351,8 +397,8 @@ def main() -> None:
         shutil.rmtree(d)
     pads = [int(x) for x in args.pads.split(",")]
     targets = []
-    if args.compile in ("off", "both"):
-        targets += [("ours_disk" + (f"_{i}_pad{pad}" if len(pads) > 1 else ""), args.disk, pad, False)
+    if args.compile in ("off", "both", "regions"):
+        targets += [(("regions_disk" if args.compile == "regions" else "ours_disk") + (f"_{i}_pad{pad}" if len(pads) > 1 else ""), args.disk, pad, False)
                     for i, pad in enumerate(pads)]
         targets += [] if args.skip_shm or args.compile == "both" else [("ours_tmpfs", "/dev/shm", pads[0], False)]
     if args.compile in ("on", "both"):
@@ -368,22 +414,37 @@ def main() -> None:
                     base(input_ids=torch.zeros((rows, width), dtype=torch.long, device=DEVICE), use_cache=False)
             sync()
             result["compile_s"] = round(time.perf_counter() - t1, 1)
-        elif not compiled:
+        elif not compiled and args.compile != "regions":
             uncompile_layers(base)
         d = scratch(root)
         if args.warm and "warm_s" not in result:
             from worker.extract import row_buckets, warm_rows
             buckets = row_buckets(args.budget, pad)
-            result["warm_s"] = round(warm_rows(base, torch.device(DEVICE), buckets, max(pad, 8)), 1)
+            steps = []
+            from worker.model import quick_tuning
+            with quick_tuning() if args.quick_tuning else contextlib.nullcontext():
+                result["warm_s"] = round(warm_rows(base, torch.device(DEVICE), [(r, max(pad, 8)) for r in buckets],
+                                                   lambda i: steps.append(time.perf_counter())), 1)
             result["warm_buckets"] = len(buckets)
+            result["warm_step_s"] = {buckets[i]: round(b - a, 2) for i, (a, b) in
+                                     enumerate(zip(steps, steps[1:] + [time.perf_counter()]))}
+            result["tuned_at_warm"] = len(tuning)
         if not args.skip_warmup_pass:
             ours(base, warm, plan, d, args.budget, pad, bucket_rows=args.bucket_rows)  # allocator, cuBLAS, Triton
-        if DEVICE == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        r = ours(base, samples, plan, d, args.budget, pad, bucket_rows=args.bucket_rows)
-        if DEVICE == "cuda":
-            r["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        result[name] = rate(r, params, peak)
+        for k in range(args.passes):
+            if DEVICE == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            before = len(tuning)
+            r = ours(base, samples, plan, d, args.budget, pad, bucket_rows=args.bucket_rows)
+            if DEVICE == "cuda":
+                r["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            r["tunings"] = len(tuning) - before
+            result[name + (f"_pass{k + 1}" if k else "")] = rate(r, params, peak)
+            print(json.dumps({name + f"_pass{k + 1}": result[name + (f"_pass{k + 1}" if k else "")]}), flush=True)
+            if args.json:                                  # kept if a later step dies
+                json.dump(result, open(args.json, "w"), indent=2)
+            shutil.rmtree(d)
+            d = scratch(root)
         shutil.rmtree(d)
     import resource
     result["host_peak_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
@@ -399,7 +460,7 @@ def main() -> None:
     print(f"\n{args.shape} on {result['gpu']} (peak {result['peak_tflops']} TFLOP/s, "
           f"{params / 1e9:.2f}B non-embedding params, fla={fla}, ref err {result['ref_rel_err']:.2e})")
     print(f"{'approach':<16}{'tokens/s':>10}{'samples/s':>11}{'MFU':>7}{'x naive':>9}{'first 60s':>11}")
-    for name in (["naive"] if n else []) + [t[0] for t in targets]:
+    for name in (["naive"] if n else []) + [k for t in targets for k in result if k.startswith(t[0])]:
         r = result[name]
         print(f"{name:<16}{r['tokens_per_s']:>10}{r['samples_per_s']:>11}{r['mfu']:>7.1%}"
               + (f"{r['tokens_per_s'] / n:>9.2f}" if n else f"{'':>9}")

@@ -15,6 +15,18 @@ a synthetic ShareGPT-like dataset (lognormal lengths, mean 728 tokens).
 Writes result.json, status.jsonl, headless.log, verify.txt under --out.
 
     python bench/gpu_fleet.py --out $OUT
+
+`--shape hybrid27`: the 27B Gated-DeltaNet hybrid our first users run (64 layers, hidden 5120,
+three linear-attention layers to one full-attention layer, 16 key / 48 value heads of 128), one
+shard per GPU through `fleet up --headless`, twice: a first launch on a bare host (empty kernel
+caches), then the same run again under a new name (the host's caches warm). For each: the load
+(LOADING's seconds), the first minute after it, the steady rate (from the end of that minute), per
+minute, and the whole run with its load. The host's caches live under the host's root (`<root>/cache`).
+
+    python bench/gpu_fleet.py --shape hybrid27 --out $OUT --samples 2600
+
+flash-linear-attention must be importable by the python that fleet launches the worker with
+(`pip install` it there; a PYTHONPATH of the bench's shell does not reach the worker).
 """
 
 from __future__ import annotations
@@ -42,6 +54,25 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=5120, intermediate_size=21504, num_hi
              rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu", torch_dtype="bfloat16")
 
 
+HYBRID27 = dict(vocab_size=VOCAB, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                num_attention_heads=24, num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
+                tie_word_embeddings=False, model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"],
+                layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(64)],
+                full_attention_interval=4, linear_num_key_heads=16, linear_key_head_dim=128,
+                linear_num_value_heads=48, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                rms_norm_eps=1e-6, hidden_act="silu", torch_dtype="bfloat16")
+
+
+def counted_params(shape: dict) -> int:
+    """Non-embedding parameters of `shape`, counted on a model built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+    config = AutoConfig.for_model(**{k: v for k, v in shape.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+
+
 def nonembedding_params() -> int:
     H, I, L = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_hidden_layers"]
     q = H * SHAPE["num_attention_heads"] * SHAPE["head_dim"]
@@ -62,7 +93,7 @@ def make_data(path: str, n: int, seed: int) -> int:
 
 
 def write_config(path: str, work: str, data: str, output: str, gpus: list[int], name: str,
-                 gpus_per_shard: int = 1, extra: tuple[str, ...] = ()) -> str:
+                 gpus_per_shard: int = 1, extra: tuple[str, ...] = (), dtype: str = "bf16") -> str:
     with open(path, "w") as f:
         f.write(f"""
 [run]
@@ -75,6 +106,7 @@ max_tokens_per_batch = 16384
 device = "cuda"
 extra_args = {json.dumps(["--random-weights", *extra])}
 gpus_per_shard = {gpus_per_shard}
+dtype = "{dtype}"
 
 [expected]
 tokens_per_s_per_gpu = 6000
@@ -125,6 +157,61 @@ def steady_rate(events: list[dict]) -> dict:
                     "gpu_peak_gib": round(last.get("gpu_peak_bytes", 0) / 2**30, 1),
                     "writer_wait_s": last.get("writer_wait_s")})
     return {"launches": out}
+
+
+def minutes(events: list[dict], first_s: float = 60.0) -> dict:
+    """A launch's rates from its own events: the load (LOADING's seconds), tokens/s over the
+    first minute after `loaded`, the steady rate from the end of that minute to the last
+    progress, each minute's rate, and the whole launch (load included) from `started`."""
+    started = next(e for e in events if e["event"] == "started")
+    loaded = next(e for e in events if e["event"] == "loaded")
+    prog = [(loaded["t"], 0)] + [(e["t"], e["tokens"]) for e in events
+                                 if e["event"] in ("progress", "done") and "tokens" in e and e["t"] >= loaded["t"]]
+    base = next((e["tokens"] for e in reversed(events) if e["event"] in ("progress", "done")
+                 and "tokens" in e and e["t"] < loaded["t"]), 0)
+    prog = [(t, max(0, n - base)) if i else (t, 0) for i, (t, n) in enumerate(prog)]
+
+    def at(t: float) -> float:                   # tokens written by time t (linear between events)
+        for (t0, n0), (t1, n1) in zip(prog, prog[1:]):
+            if t0 <= t <= t1:
+                return n0 + (n1 - n0) * (t - t0) / max(t1 - t0, 1e-9)
+        return prog[-1][1]
+    end, total = prog[-1]
+    t0 = loaded["t"]
+    per_minute = [round((at(t0 + 60 * (k + 1)) - at(t0 + 60 * k)) / 60) for k in range(int((end - t0) // 60))]
+    steady = (total - at(t0 + first_s)) / (end - t0 - first_s) if end - t0 > first_s + 10 else None
+    return {"load_s": loaded.get("seconds"), "path": loaded.get("path"),
+            "first_minute_tokens_per_s": round(at(t0 + first_s) / min(first_s, end - t0)),
+            "steady_tokens_per_s": round(steady) if steady else None, "per_minute": per_minute,
+            "whole_tokens_per_s_with_load": round(total / (end - started["t"])), "tokens": total,
+            "seconds_after_load": round(end - t0, 1),
+            "loading_details": [e.get("detail") for e in events if e["event"] == "loading"][-3:]}
+
+
+def hybrid27(args, result: dict, peak: float, ngpu: int) -> None:
+    """The 27B hybrid through fleet, one shard per GPU: a first launch on a bare host, then the
+    same again with the host's caches warm."""
+    work = args.work
+    json.dump(HYBRID27, open(f"{work}/model/config.json", "w"))
+    params = result["nonembedding_params"] = counted_params(HYBRID27)
+    data = f"{work}/data.jsonl"
+    result["tokens"] = make_data(data, args.samples, 2)
+    for name in ("first",) if args.once else ("first", "again"):
+        cfg = write_config(f"{work}/{name}.toml", work, data, f"{work}/out-{name}", list(range(ngpu)), name,
+                           dtype=args.dtype)
+        t0 = time.time()
+        rc, lines, _ = run_headless(cfg, f"{args.out}/{name}.log")
+        per = []
+        for k in range(ngpu):
+            m = minutes(shard_events(work, name, k))
+            m["mfu_steady"] = round(2 * params * m["steady_tokens_per_s"] / peak, 3) if m["steady_tokens_per_s"] else None
+            m["mfu_first_minute"] = round(2 * params * m["first_minute_tokens_per_s"] / peak, 3)
+            per.append(m)
+        v = fleet("verify", "-c", cfg)
+        result[name] = {"rc": rc, "wall_s": round(time.time() - t0, 1), "per_gpu": per, "verify_rc": v.returncode}
+        shutil.rmtree(f"{work}/out-{name}", ignore_errors=True)
+        print(json.dumps({name: result[name]}), flush=True)
+        json.dump(result, open(f"{args.out}/result.json", "w"), indent=2)
 
 
 def compare_outputs(a: str, b: str, n: int = 16) -> dict:
@@ -202,6 +289,11 @@ def main() -> None:
     p.add_argument("--split-only", action="store_true",
                    help="only the shard spanning every GPU: against one shard per GPU, and its files "
                         "against one GPU's run of the same batches")
+    p.add_argument("--shape", choices=("dense27", "hybrid27"), default="dense27",
+                   help="the dense 27B (scaling, kill and restart, split) or the 27B hybrid (first launch "
+                        "and a second one on the warm host cache)")
+    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="hidden states as stored")
+    p.add_argument("--once", action="store_true", help="hybrid27: the first launch only")
     p.add_argument("--micro-batches", default="2",
                    help="comma list: the spanning shard is run once per value (worker --micro-batches)")
     args = p.parse_args()
@@ -224,7 +316,12 @@ def main() -> None:
     json.dump(SHAPE, open(f"{work}/model/config.json", "w"))
     params = nonembedding_params()
     result = {"gpus": ngpu, "gpu_name": torch.cuda.get_device_name(0), "peak_tflops": round(peak / 1e12, 1),
-              "nonembedding_params": params, "torch": torch.__version__}
+              "nonembedding_params": params, "torch": torch.__version__, "shape": args.shape,
+              "fla": __import__("importlib.util").util.find_spec("fla") is not None}
+    if args.shape == "hybrid27":
+        hybrid27(args, result, peak, ngpu)
+        print(json.dumps(result, indent=1))
+        return
     # 1. scaling, 1 GPU then all
     scale_data = f"{work}/scale.jsonl"
     result["scale_tokens"] = make_data(scale_data, args.scale_samples, 1)

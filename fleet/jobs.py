@@ -80,7 +80,7 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
     argv += output_args(run) + ["--plan", os.path.join(config.run_dir(host), "plan.json"),
                                 "--max-skip-fraction", str(run.max_skip_fraction),
                                 "--compile", run.compile,
-                                "--cache-dir", os.path.join(config.run_dir(host), "cache")]
+                                "--cache-dir", os.path.join(config.host_path(host, host.root), "cache")]
     if run.last_layer_norm:
         argv += ["--last-layer-norm", run.last_layer_norm]
     if run.max_length:

@@ -122,11 +122,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-skip-fraction", type=float, default=0.01,
                    help="fail the shard when more than this fraction of its rows are skipped (default 0.01)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="torch.compile the decoder layers: auto = on a GPU for dense models (hybrid "
-                        "Gated DeltaNet models run fla's own Triton kernels eagerly), off on the CPU")
+                   help="torch.compile at load: auto = on a GPU (dense models: whole decoder layers; hybrid "
+                        "Gated DeltaNet models: their norms, MLPs and attention, fla's kernels eager), off on the CPU")
     p.add_argument("--cache-dir", default=None,
-                   help="compile and Triton autotuning caches, shared by the shards of a host (fleet "
-                        "passes <root>/<run>/cache): a restart pays no compile it has paid before")
+                   help="compile and Triton autotuning caches, shared by every run and shard of a host "
+                        "(fleet passes <root>/cache): a launch pays no compile or tuning the host has paid before")
     p.add_argument("--random-weights", action="store_true",
                    help="initialise from config.json with random weights (benchmarks, dry runs)")
     args = p.parse_args(argv)
@@ -484,9 +484,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def use_cache_dir(cache_dir: str | None) -> None:
-    """Point Inductor's and Triton's caches (and Triton's autotuning results) at the run's shared
-    folder; set before anything compiles. The flag wins over an inherited environment (torch
-    itself exports its default cache folder to its children)."""
+    """Point Inductor's and Triton's caches (and Triton's autotuning results, fla's included) at
+    the host's shared folder (every run and shard of the host); set before anything compiles.
+    The flag wins over an inherited environment (torch exports its default cache folder to its
+    children)."""
     if not cache_dir:
         return
     os.makedirs(cache_dir, exist_ok=True)
@@ -505,41 +506,61 @@ def choose_path(model: torch.nn.Module, device: torch.device, args: argparse.Nam
         return "eager (--compile off)"
     if args.compile == "auto" and device.type != "cuda":
         return "eager (no GPU: compiling would cost more than it saves)"
-    if args.compile == "auto" and is_hybrid(model):
+    if is_hybrid(model):
         return warm_hybrid(model, device, args, log, pad)
     if not hasattr(torch, "compile"):
         return f"eager (torch {torch.__version__} has no torch.compile)"
     log.emit(protocol.Loading(model=args.model, detail="compiling the decoder layers"))
     t0 = time.perf_counter()
     compile_layers(model)
-    try:
-        with torch.inference_mode():
-            for rows, width in ((2, 2 * pad), (1, pad)):      # a batch, and the one-row case
-                model(input_ids=torch.zeros((rows, width), dtype=torch.long, device=device), use_cache=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception as e:                                      # no compiler, an unsupported op...
-        uncompile_layers(model)
-        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        log.emit(protocol.WarningEvent(message=f"torch.compile failed, running eager: {type(e).__name__}: {why}"))
-        return f"eager (torch.compile failed: {type(e).__name__})"
+    if why := try_compiled(model, device, log, [(2, 2 * pad), (1, pad)]):   # a batch, and one row
+        return why
     seconds = time.perf_counter() - t0
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     return f"compiled ({seconds:.0f} s to compile{f', cache {cache}' if cache else ''})"
 
 
+def try_compiled(model: torch.nn.Module, device: torch.device, log: EventLog,
+                 shapes: list[tuple[int, int]]) -> str | None:
+    """Run the compiled model on `shapes` (rows, width); on any failure (no compiler, an
+    unsupported op...) back to eager with a warning: the path to report, else None."""
+    try:
+        warm_rows(model, device, shapes)
+    except Exception as e:
+        uncompile_layers(model)
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        log.emit(protocol.WarningEvent(message=f"torch.compile failed, running eager: {type(e).__name__}: {why}"))
+        return f"eager (torch.compile failed: {type(e).__name__})"
+    return None
+
+
 def warm_hybrid(model: torch.nn.Module, device: torch.device, args: argparse.Namespace,
                 log: EventLog, pad: int) -> str:
-    """flash-linear-attention tunes some kernels per batch row count: run one small batch of every
-    row bucket the shard can use at load (shown as LOADING), so the first minutes of the shard run
-    at full speed; the tuning results land in the run's Triton cache for the next process."""
-    if device.type != "cuda" or missing_fast_kernels(model):
-        return "eager (hybrid model" + (": fast kernels missing)" if missing_fast_kernels(model) else ")")
-    conv = ", fla's causal conv" if use_fla_conv(model) else ""
-    buckets = row_buckets(args.max_tokens_per_batch, pad)
-    log.emit(protocol.Loading(model=args.model, detail=f"tuning fla's kernels for {len(buckets)} batch shapes"))
-    seconds = warm_rows(model, device, buckets, pad)
-    return f"eager with fla's kernels{conv} ({len(buckets)} batch shapes tuned in {seconds:.0f} s)"
+    """A hybrid (Gated DeltaNet) model: the parts of each layer that hold no fla kernel are
+    compiled (`compile_regions`; fla's kernels stay eager), then fla's kernels, which tune per
+    batch row count, run one small batch of every row bucket the shard can use, each a LOADING
+    step with its count, so the first minutes of the shard run at full speed. The compiled code
+    and the tuning land in the host's cache (--cache-dir) for every later process of the host."""
+    from .model import compile_regions, quick_tuning
+    missing = missing_fast_kernels(model)
+    conv = ", fla's causal conv" if device.type == "cuda" and use_fla_conv(model) else ""
+    compiled = ""
+    with quick_tuning():                          # the compile's first forwards tune fla's kernels too
+        if hasattr(torch, "compile"):             # --compile on, or auto on a GPU
+            log.emit(protocol.Loading(model=args.model, detail="compiling the norms, MLPs and attention "
+                                                               "(the linear-attention kernels stay eager)"))
+            t0 = time.perf_counter()
+            regions = compile_regions(model)
+            if why := try_compiled(model, device, log, [(2, 2 * pad), (1, pad)]):
+                compiled = f", {why.removeprefix('eager (').removesuffix(')')}"
+            else:
+                compiled = f", {regions} norm/MLP/attention modules compiled in {time.perf_counter() - t0:.0f} s"
+        if device.type != "cuda" or missing:
+            return "eager (hybrid model" + (": fast kernels missing" if missing else "") + f"{conv}{compiled})"
+        buckets = row_buckets(args.max_tokens_per_batch, pad)
+        seconds = warm_rows(model, device, [(rows, pad) for rows in buckets], lambda i: log.emit(protocol.Loading(
+            model=args.model, detail=f"tuning fla's kernels: batch shape {i + 1} of {len(buckets)}")))
+    return f"fla's kernels{conv}{compiled} ({len(buckets)} batch shapes tuned in {seconds:.0f} s)"
 
 
 def row_buckets(budget: int, pad: int) -> list[int]:
@@ -547,11 +568,15 @@ def row_buckets(budget: int, pad: int) -> list[int]:
     return sorted({row_bucket(r) for r in range(1, max(1, budget // pad) + 1)})
 
 
-def warm_rows(model: torch.nn.Module, device: torch.device, buckets: list[int], width: int) -> float:
-    """One small forward per row bucket (kernels tune on first sight of a row count); seconds."""
+def warm_rows(model: torch.nn.Module, device: torch.device, shapes: list[tuple[int, int]],
+              step: Callable[[int], None] | None = None) -> float:
+    """One forward of zeros per (rows, width) shape (kernels compile and tune on first sight of
+    a shape), `step(i)` before the i-th; seconds."""
     t0 = time.perf_counter()
     with torch.inference_mode():
-        for rows in buckets:
+        for i, (rows, width) in enumerate(shapes):
+            if step:
+                step(i)
             model(input_ids=torch.zeros((rows, width), dtype=torch.long, device=device), use_cache=False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

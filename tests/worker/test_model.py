@@ -136,3 +136,16 @@ def test_fused_norms_are_swapped_in_only_where_they_agree_with_the_models_own(mo
     x = torch.randn(3, final.weight.numel())
     with torch.inference_mode():
         assert rel_err(final(x), torch_norm_kernels()[0](x, final.weight + 1, None, final.eps)) < 1e-6
+
+
+def test_preflight_names_the_fix_for_a_hybrid_without_fla(models):
+    """On a GPU host, preflight warns for a hybrid model when flash-linear-attention is absent
+    (as here), with the pip command and what it costs; never for a dense model."""
+    import importlib.util
+
+    from worker.preflight import hybrid_kernels
+    assert importlib.util.find_spec("fla") is None       # the CI/dev install has no fla
+    warning = hybrid_kernels(models["qwen3_5_text"])
+    assert warning and warning.startswith("qwen3_5_text is a Gated DeltaNet hybrid")
+    assert "pip install 'flash-linear-attention>=0.4'" in warning and "tokens/s" in warning
+    assert hybrid_kernels(models["qwen3"]) is None

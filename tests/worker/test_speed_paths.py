@@ -8,6 +8,7 @@ import glob
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -73,3 +74,44 @@ def test_compiling_shows_as_loading_with_its_detail(tmp_path, dense_model, token
     v = judge(record, True, events[at].t + 1, Policy())
     assert v.state == State.LOADING and record.attempt.detail == "compiling the decoder layers"
     assert fold(launch + events).path.startswith("compiled (")
+
+
+@pytest.mark.slow
+def test_hybrid_regions_compiled_agree_with_eager(tmp_path, models, token_data):
+    """A hybrid model's regional compile (norms, MLPs, attention compiled; the linear-attention
+    blocks eager) computes the model's own function: the files agree with eager in fp32 within
+    one bf16 rounding, the load says what was compiled, and the compile shows as its own LOADING
+    step."""
+    runs = {}
+    for name, extra in (("eager", ("--compile", "off")),
+                        ("regions", ("--compile", "on", "--cache-dir", str(tmp_path / "cache")))):
+        out, state = str(tmp_path / name), str(tmp_path / f"state-{name}")
+        r = run_worker("--model", models["qwen3_5_text"], "--data", token_data, "--out", out, "--state", state,
+                       "--model-dtype", "fp32", *extra, timeout=900)
+        assert r.returncode == 0, r.stderr
+        runs[name] = (out, loaded(state)["path"], read_events(state))
+    assert "norm/MLP/attention modules compiled in" in runs["regions"][1], runs["regions"][1]
+    details = [e.get("detail") for e in runs["regions"][2] if e["event"] == "loading"]
+    assert any(d and d.startswith("compiling the norms, MLPs and attention") for d in details), details
+    files = sorted(glob.glob(os.path.join(runs["eager"][0], "hs_*.safetensors")))
+    assert len(files) == 60
+    worst = max(float((load_file(p.replace(runs["eager"][0], runs["regions"][0]))["hidden_states"].float()
+                       - load_file(p)["hidden_states"].float()).norm() / load_file(p)["hidden_states"].float().norm())
+                for p in files)
+    assert worst < 4e-3, worst
+
+
+def test_compile_regions_leaves_the_linear_attention_eager_and_matches_the_model(models):
+    """worker.model.compile_regions compiles the outermost norm, MLP and attention modules of
+    each layer (not the Gated DeltaNet blocks, which hold fla's kernels), and uncompile_layers
+    puts every one back."""
+    from worker.model import compile_regions, load_model, uncompile_layers
+    hybrid = load_model(models["qwen3_5_text"], "cpu", torch.float32)
+    n = compile_regions(hybrid)
+    compiled = [m for m in hybrid.modules() if "forward" in m.__dict__]
+    assert n == len(compiled) > 0
+    kinds = {type(m).__name__ for m in compiled}
+    assert kinds == {"Qwen3_5RMSNorm", "Qwen3_5RMSNormGated", "Qwen3_5MLP", "Qwen3_5Attention"}, kinds
+    assert compile_regions(hybrid) == 0                   # once only
+    uncompile_layers(hybrid)
+    assert not any("forward" in m.__dict__ for m in hybrid.modules())
