@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .units import bytes_text
+
 WARN_FRACTION = 0.8              # a need above this share of the free space is worth a warning
 
 
@@ -80,11 +82,8 @@ def needs(reports: dict[str, dict], outputs: dict[str, str], shards_by_host: dic
 
 
 def gb(n: float) -> str:
-    """Bytes as a person reads them: 12.41 TB, 3.20 GB, 5.04 MB, 800 B."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+    """Bytes as a person reads them, to two decimals: 12.41 TB, 3.20 GB, 5.04 MB, 800 B."""
+    return bytes_text(n, 2)
 
 
 def describe(fp: dict) -> str:

@@ -24,7 +24,8 @@ from typing import Callable, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .render import finished_summary, human_duration
+from .render import finished_summary
+from .units import duration
 from .snapshot import FleetSnapshot, ShardStatus, Totals
 from .state import State
 
@@ -95,7 +96,7 @@ def notices(seen: Seen | None, snap: FleetSnapshot, alert_after: float = 0.0) ->
     if held and ALERT_RANK[t.alert_level] > ALERT_RANK[seen.alert]:
         unit = t.ratio_unit or "samples"
         notice("alert", f"{snap.run}: throughput {t.ratio:.0%} of expected in {unit} ({t.alert_level}) "
-                        f"for {human_duration(snap.time - now.low_since)}", previous=seen.alert or "ok")
+                        f"for {duration(snap.time - now.low_since)}", previous=seen.alert or "ok")
         now.alert = t.alert_level
     if t.finished and not seen.finished:
         notice("finished", f"{snap.run}: {finished_summary(snap, ' · ')} → fleet verify")

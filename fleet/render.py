@@ -6,48 +6,17 @@ import time
 
 from .snapshot import FleetSnapshot
 from .state import MEASURED, State
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return "?"
-
-
-def gib(n: float | None, digits: int = 1) -> str:
-    """Bytes in GiB, as nvidia-smi's MiB figures read (an H200 is ~141 GiB): GPU memory everywhere."""
-    return "?" if n is None else f"{n / 2**30:.{digits}f}"
-
-
-def human_duration(s: float | None) -> str:
-    if s is None:
-        return "?"
-    s = int(s)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
-def rate_text(x: float | None, digits: int = 1) -> str:
-    return "?" if x is None else f"{x:,.{digits}f}"
+from .units import bytes_text, duration, gib, number
 
 
 def finished_summary(snap: FleetSnapshot, sep: str = ", ") -> str:
     """A finished run in one line, as status, the quit message, the live view's banner and the
     finished notice all say it: '2/2 shards DONE in 1m17s, avg 1,433 tok/s/GPU, 456.7 MB, $0.12'."""
     t = snap.totals
-    parts = [f"{t.shards}/{t.shards} shards DONE in {human_duration(t.elapsed_s)}"]
+    parts = [f"{t.shards}/{t.shards} shards DONE in {duration(t.elapsed_s)}"]
     if t.avg_tokens_per_s_per_gpu:
         parts.append(f"avg {t.avg_tokens_per_s_per_gpu:,.0f} tok/s/GPU")
-    parts.append(human_bytes(t.bytes_written))
+    parts.append(bytes_text(t.bytes_written))
     if t.usd_spent is not None:
         parts.append(f"${t.usd_spent:,.2f}")
     return sep.join(parts)
@@ -70,11 +39,11 @@ def format_status(snap: FleetSnapshot) -> str:
                  f"exact training command: fleet verify"]
     else:
         lines = [f"run {snap.run}: {t.done}/{t.total} samples, "
-                 f"{rate_text(t.tokens_per_s, 0)} tokens/s, {rate_text(t.samples_per_s)} samples/s"
+                 f"{number(t.tokens_per_s, 0)} tokens/s, {number(t.samples_per_s)} samples/s"
                  + (f" ({t.ratio:.0%} of expected in {t.ratio_unit})" if t.ratio is not None else "")
-                 + (f", ETA {human_duration(t.eta_s)}" + (f" ({t.eta_unit})" if t.eta_unit else "")
+                 + (f", ETA {duration(t.eta_s)}" + (f" ({t.eta_unit})" if t.eta_unit else "")
                     if not t.settled else ", nothing running")
-                 + f", written {human_bytes(t.bytes_written)}{cost}"]
+                 + f", written {bytes_text(t.bytes_written)}{cost}"]
     if t.by_state:
         lines.append("states: " + ", ".join(f"{k} {v}" for k, v in t.by_state.items()))
     for h in snap.hosts:
@@ -83,7 +52,7 @@ def format_status(snap: FleetSnapshot) -> str:
             continue
         tele = "no GPU telemetry" if not h.gpus else ", ".join(
             f"gpu{g.index} {gib(g.mem_used)}/{gib(g.mem_total)} GiB" for g in h.gpus)
-        lines.append(f"host {h.name}: {tele}; disk free {human_bytes(h.disk.free if h.disk else None)}")
+        lines.append(f"host {h.name}: {tele}; disk free {bytes_text(h.disk.free if h.disk else None)}")
     if not snap.shards:
         lines.append("shards: unknown (no reachable host holds the run's plan or records)")
         return "\n".join(lines)
@@ -92,7 +61,7 @@ def format_status(snap: FleetSnapshot) -> str:
     for s in snap.shards:
         prog = f"{s.done + s.skipped}/{s.total}"
         lines.append(f"{s.id:>5}  {s.host + ':' + str(s.gpu):<14}{s.state.value:<9}{prog:>16}"
-                     f"{rate_text(s.samples_per_s) if s.state in MEASURED else '—':>11}  "
+                     f"{number(s.samples_per_s) if s.state in MEASURED else '—':>11}  "
                      f"{restarts_text(s):<15}{s.reason or ''}")
     return "\n".join(lines)
 

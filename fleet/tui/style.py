@@ -99,22 +99,4 @@ def spark(values, width: int, top: float | None = None) -> str:
     return "".join(_SPARK[min(int(v / top * 7.999), 7)] if v > 0 else " " for v in values).rjust(width)
 
 
-def si(x: float | None, digits: int = 1) -> str:
-    """1234567 -> 1.2M: rates in a few cells."""
-    if x is None:
-        return "?"
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.{digits}f}{unit}"
-    if x == int(x) or x >= 100:
-        return f"{x:.0f}"                       # counts and large figures: no ".0"
-    return f"{x:.{digits}f}"
-
-
-def usd(x: float | None) -> str:
-    if x is None:
-        return "?"
-    return f"${x:,.2f}" if x < 10 else f"${x:,.0f}"
-
-
 ALL_STATES = [s.value for s in State]

@@ -18,9 +18,9 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Static
 
-from ...render import gib
 from ...snapshot import FleetSnapshot, HostStatus
-from ..style import (bar, level_style, memory_level, power_level, spark, temp_level, usd,
+from ...units import gib, usd
+from ..style import (bar, level_style, memory_level, power_level, spark, temp_level,
                      util_level)
 from .lines import Column, LineTable, show_text
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field, replace
 from rich.text import Text
 from textual.widgets import Static
 
-from ...render import human_duration, restarts_text
+from ...render import restarts_text
 from ...snapshot import FleetSnapshot, ShardStatus
 from ...state import MEASURED, SEVERITY as STATE_SEVERITY, State
-from ..style import GLYPH, bar, si, state_style
+from ...units import duration, si
+from ..style import GLYPH, bar, state_style
 from .lines import Column, LineTable, show_text
 
 COLUMNS = [
@@ -151,7 +152,7 @@ def shard_cells(s: ShardStatus, marked: bool, no_color: bool = False, replaying:
     unmeasured = "?" if s.state in MEASURED else "—"      # not yet measured / not applicable
     no_tokens = "—" if not (s.tokens or s.total_tokens is not None) else unmeasured   # a [job] of samples
     progress = f"{bar(s.progress or 0.0, 8)} {pct}"
-    event = f"{s.last_event or '—'} {human_duration(s.last_event_age_s)}" if s.last_event_age_s is not None \
+    event = f"{s.last_event or '—'} {duration(s.last_event_age_s)}" if s.last_event_age_s is not None \
         else (s.last_event or "—")
     reason = s.reason or (f"⚠ {s.warning}" if s.warning else "")
     return (("●" if marked else " ") + str(s.id), where(s), state_cell(s, no_color, False),
@@ -167,14 +168,14 @@ def eta_text(s: ShardStatus, unmeasured: str = "?") -> str:
         return "—"
     if s.eta_s is None:
         return unmeasured
-    return ("~" if s.eta_rough else "") + human_duration(s.eta_s)
+    return ("~" if s.eta_rough else "") + duration(s.eta_s)
 
 
 def since_cell(s: ShardStatus, no_color: bool) -> tuple | str:
     """How long ago the live attempt last made progress; amber once later than its usual pace."""
     if s.progress_age_s is None:
         return "—"
-    text = f"{human_duration(s.progress_age_s)} ago"
+    text = f"{duration(s.progress_age_s)} ago"
     return ((text, LATE[no_color]),) if s.progress_late else text
 
 
@@ -215,8 +216,8 @@ def detail(s: ShardStatus | None, no_color: bool = False) -> Text:
     if s.eta_s is not None and s.state != State.DONE:
         t.append(f"  ETA {eta_text(s)}")
     if s.progress_age_s is not None:
-        usual = f" (usually every {human_duration(s.progress_interval_s)})" if s.progress_interval_s else ""
-        t.append(f"  progress {human_duration(s.progress_age_s)} ago{usual}",
+        usual = f" (usually every {duration(s.progress_interval_s)})" if s.progress_interval_s else ""
+        t.append(f"  progress {duration(s.progress_age_s)} ago{usual}",
                  LATE[no_color] if s.progress_late else "")
     t.append(f"  restarts {restarts_text(s)}")
     if s.pid:

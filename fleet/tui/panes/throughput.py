@@ -16,9 +16,8 @@ from rich.style import Style
 from textual.strip import Strip
 from textual.widget import Widget
 
-from ...render import human_duration
 from ...snapshot import FleetSnapshot
-from ..style import si
+from ...units import duration, si
 
 BUCKET_S = 10.0                      # one column of the chart
 HISTORY_S = 3600.0                   # what is kept
@@ -102,7 +101,7 @@ class ThroughputChart(Widget):
             avg = t.avg_tokens_per_s if self.unit == "tokens" else t.avg_samples_per_s
             per_gpu = f" ({si(t.avg_tokens_per_s_per_gpu)}/GPU)" if self.unit == "tokens" and \
                 t.avg_tokens_per_s_per_gpu is not None else ""
-            self.title = f"throughput {label}: run average {si(avg)}{per_gpu} over {human_duration(t.elapsed_s)}"
+            self.title = f"throughput {label}: run average {si(avg)}{per_gpu} over {duration(t.elapsed_s)}"
         else:
             now = si(value) if value is not None else "not measured"
             exp = f" · expected {si(self.expected)} ┈" if self.expected else ""

@@ -9,10 +9,11 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from ...render import finished_summary, human_bytes, human_duration
+from ...render import finished_summary
 from ...snapshot import FleetSnapshot
 from ...state import SEVERITY as STATE_SEVERITY
-from ..style import ALERT, GLYPH, bar, si, state_style, usd
+from ...units import bytes_text, duration, si, usd
+from ..style import ALERT, GLYPH, bar, state_style
 from .lines import show_text
 
 
@@ -62,11 +63,11 @@ def lines(snap: FleetSnapshot, width: int, no_color: bool = False) -> list[Text]
     if t.tokens or t.total_tokens:                # a [job] that reports samples shows no tokens
         facts.append((2, Text(f"{si(t.tokens)}/{si(t.total_tokens)} tokens" if t.total_tokens
                               else f"{si(t.tokens)} tokens")))
-    facts.append((1, Text(f"elapsed {human_duration(t.elapsed_s)}")))
+    facts.append((1, Text(f"elapsed {duration(t.elapsed_s)}")))
     if t.bytes_written:
-        facts.append((3, Text(f"written {human_bytes(t.bytes_written)}")))
+        facts.append((3, Text(f"written {bytes_text(t.bytes_written)}")))
     if t.disk_full_eta_s:
-        facts.append((3, Text(f"disk full in {human_duration(t.disk_full_eta_s)}",
+        facts.append((3, Text(f"disk full in {duration(t.disk_full_eta_s)}",
                               "bold" if t.eta_s and t.disk_full_eta_s < t.eta_s else "")))
     facts += money
 
@@ -108,7 +109,7 @@ def run_eta_text(t) -> str:
     """'ETA ~1h02m (tokens)': '~' while the pace behind it is short."""
     if t.eta_s is None:
         return "ETA ?"
-    return f"ETA {'~' if t.eta_rough else ''}{human_duration(t.eta_s)}" + (f" ({t.eta_unit})" if t.eta_unit else "")
+    return f"ETA {'~' if t.eta_rough else ''}{duration(t.eta_s)}" + (f" ({t.eta_unit})" if t.eta_unit else "")
 
 
 class TopBar(Static):
