@@ -380,113 +380,117 @@ def disk_full_eta(records: list[ShardRecord], tokens_per_s: float, free: int) ->
     return None if left * per_token <= free else free / (tokens_per_s * per_token)
 
 
-def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView], now: float,
-                   expected) -> FleetSnapshot:
-    """`views`: every shard of the run's plan; `expected` the config's ExpectedSpec; `now` the
-    supervisor's clock."""
-    rows: list[ShardStatus] = []
-    by_state: dict[str, int] = {}
-    measured: list[tuple[ShardView, Rates]] = []
-    gpus_planned = gpus_expected = 0          # a shard over several GPUs counts each of them
-    for v in views:
-        host = hosts[v.host]
-        hn = host.host_now(now)
-        state = shown_state(v, host)
-        by_state[state.value] = by_state.get(state.value, 0) + 1
-        r = v.record
-        rate = rates(r, state, hn) if host.reachable else None
-        if rate is not None:
-            measured.append((v, rate))
-        n_gpus = len(v.gpus) if v.gpus else 1
-        gpus_planned += n_gpus
-        if state not in (State.DONE, State.STOPPED, State.UNKNOWN, State.QUEUED):
-            gpus_expected += n_gpus
-        a = r.attempt
-        due = v.verdict.due_t
-        shard_pace = pace(r, hn) if state in MEASURED else None
-        late = progress_age(r, hn, v.idle_s) if state in LIVE_PROGRESS and host.reachable else None
-        eta_s = 0.0 if state == State.DONE else pace_eta(r, shard_pace)
-        if eta_s is None:
-            eta_s = shard_eta(r, state, rate)
-        rows.append(ShardStatus(
-            id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), slurm=v.slurm, state=state,
-            reason=f"host unreachable: {host.error}" if host.reachable is False else v.verdict.reason,
-            faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
-            progress=shard_progress(r, state),
-            tokens=r.tokens, total_tokens=r.total_tokens, bytes=r.bytes,
-            samples_per_s=_finite(rate.samples_per_s) if rate else None,
-            tokens_per_s=_finite(rate.tokens_per_s, 1) if rate and counts_tokens(r) else None,
-            eta_s=_finite(eta_s, 0), eta_rough=state != State.DONE and eta_s is not None and not (
-                shard_pace is not None and shard_pace.settled),
-            progress_age_s=_finite(late.age_s, 1) if late else None,
-            progress_interval_s=_finite(late.usual_s, 1) if late and late.usual_s is not None else None,
-            progress_late=bool(late and late.late),
-            restarts=max(r.launches - 1, 0), auto_attempts=v.verdict.attempts,
-            max_restarts=v.max_restarts, failures=r.failures, last_failure=r.last_failure,
-            alive=v.alive if host.reachable else None,
-            pid=(v.pid or (a.pid if a and not a.ended else None)) if v.alive else None,
-            exit_code=a.end.code if a and a.end else None,
-            last_event=r.last_event,
-            last_event_age_s=_finite(hn - r.last_event_t, 1) if r.last_event_t else None,
-            backoff_s=_finite(max(due - hn, 0.0), 1) if due is not None and state != State.UNKNOWN else None,
-            writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
-            detail=a.detail if a and state == State.LOADING else None, path=r.path))
-    states = [row.state for row in rows]
-    settled = bool(states) and all(s in SETTLED for s in states)
-    finished = bool(states) and all(s == State.DONE for s in states)
+NOT_EXPECTED = (State.DONE, State.STOPPED, State.UNKNOWN, State.QUEUED)   # GPUs not expected to produce
 
-    # Throughput against expected: the per-GPU figure times the GPUs that should be working.
-    sps = sum(x.samples_per_s for _, x in measured)
-    tps = sum(x.tokens_per_s for _, x in measured)
+
+def shard_row(v: ShardView, host: HostView, now: float) -> tuple[ShardStatus, Rates | None]:
+    """One shard's row and its rates (None: not measured), from its record and verdict."""
+    hn = host.host_now(now)
+    state = shown_state(v, host)
+    r, a = v.record, v.record.attempt
+    rate = rates(r, state, hn) if host.reachable else None
+    shard_pace = pace(r, hn) if state in MEASURED else None
+    late = progress_age(r, hn, v.idle_s) if state in LIVE_PROGRESS and host.reachable else None
+    eta_s = 0.0 if state == State.DONE else pace_eta(r, shard_pace)
+    if eta_s is None:
+        eta_s = shard_eta(r, state, rate)
+    due = v.verdict.due_t
+    row = ShardStatus(
+        id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), slurm=v.slurm, state=state,
+        reason=f"host unreachable: {host.error}" if host.reachable is False else v.verdict.reason,
+        faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
+        progress=shard_progress(r, state),
+        tokens=r.tokens, total_tokens=r.total_tokens, bytes=r.bytes,
+        samples_per_s=_finite(rate.samples_per_s) if rate else None,
+        tokens_per_s=_finite(rate.tokens_per_s, 1) if rate and counts_tokens(r) else None,
+        eta_s=_finite(eta_s, 0), eta_rough=state != State.DONE and eta_s is not None and not (
+            shard_pace is not None and shard_pace.settled),
+        progress_age_s=_finite(late.age_s, 1) if late else None,
+        progress_interval_s=_finite(late.usual_s, 1) if late and late.usual_s is not None else None,
+        progress_late=bool(late and late.late),
+        restarts=max(r.launches - 1, 0), auto_attempts=v.verdict.attempts,
+        max_restarts=v.max_restarts, failures=r.failures, last_failure=r.last_failure,
+        alive=v.alive if host.reachable else None,
+        pid=(v.pid or (a.pid if a and not a.ended else None)) if v.alive else None,
+        exit_code=a.end.code if a and a.end else None,
+        last_event=r.last_event,
+        last_event_age_s=_finite(hn - r.last_event_t, 1) if r.last_event_t else None,
+        backoff_s=_finite(max(due - hn, 0.0), 1) if due is not None and state != State.UNKNOWN else None,
+        writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
+        detail=a.detail if a and state == State.LOADING else None, path=r.path)
+    return row, rate
+
+
+def gpus_of(v: ShardView) -> int:
+    return len(v.gpus) if v.gpus else 1           # a shard over several GPUs counts each of them
+
+
+@dataclass(frozen=True)
+class Against:
+    """Throughput against the expected figure (per GPU, times the GPUs that should be working)."""
+    unit: str | None
+    rate: float | None                 # expected, in `unit`
+    tokens: float | None               # expected, in tokens
+    ratio: float | None
+    ratio_unit: str | None
+    level: AlertLevel | None
+
+
+def against_expected(expected, views: list[ShardView], gpus_expected: int, sps: float, tps: float,
+                     measured: bool) -> Against:
     per_gpu, unit = (expected.samples_per_s_per_gpu, "samples") if expected.samples_per_s_per_gpu \
         else (expected.tokens_per_s_per_gpu, "tokens")
-    expected_rate = per_gpu * gpus_expected if per_gpu and gpus_expected else None
+    rate = per_gpu * gpus_expected if per_gpu and gpus_expected else None
     sized = [v.record for v in views if v.record.total_tokens is not None and v.record.total]
-    tokens_per_sample = (sum(r.total_tokens for r in sized) / sum(r.total for r in sized)) if sized else None
-    expected_tokens = expected_rate if unit == "tokens" else (
-        expected_rate * tokens_per_sample if expected_rate and tokens_per_sample else None)
+    per_sample = (sum(r.total_tokens for r in sized) / sum(r.total for r in sized)) if sized else None
+    tokens = rate if unit == "tokens" else (rate * per_sample if rate and per_sample else None)
     ratio, ratio_unit = None, None
-    if expected_tokens:
-        ratio, ratio_unit = (tps / expected_tokens if measured else None), "tokens"
-    elif expected_rate:
-        ratio, ratio_unit = (sps / expected_rate if measured else None), "samples"
-    level = alert_level(_finite(ratio, 3), expected.alert_ratio)
+    if tokens:
+        ratio, ratio_unit = (tps / tokens if measured else None), "tokens"
+    elif rate:
+        ratio, ratio_unit = (sps / rate if measured else None), "samples"
+    return Against(unit if per_gpu else None, rate, tokens, ratio, ratio_unit,
+                   alert_level(_finite(ratio, 3), expected.alert_ratio))
 
-    # What is left, in tokens when every unfinished shard knows its total.
+
+def run_eta(views: list[ShardView], rows: list[ShardStatus], measured: list, finished: bool) -> tuple[str, float | None]:
+    """What is left, in tokens when every unfinished shard knows its total, and when the run ends."""
+    open_ = [v.record for v, row in zip(views, rows) if row.state != State.DONE]
     total = sum(v.record.total for v in views)
-    finished_samples = sum(v.record.done + v.record.skipped for v in views)
-    tokens = sum(v.record.tokens for v in views)
-    open_ = [v.record for v, st in zip(views, states) if st != State.DONE]
     if open_ and all(r.total_tokens is not None for r in open_):
-        eta_unit, remaining = "tokens", sum(max(r.total_tokens - r.tokens, 0) for r in open_)
+        unit, remaining = "tokens", sum(max(r.total_tokens - r.tokens, 0) for r in open_)
     else:
-        eta_unit, remaining = "samples", max(total - finished_samples, 0)
-    run_eta = 0.0 if finished or (total and remaining == 0) else last_shard_eta(rows, views, measured)
-    all_sized = bool(views) and all(v.record.total_tokens is not None for v in views)
+        unit = "samples"
+        remaining = max(total - sum(v.record.done + v.record.skipped for v in views), 0)
+    eta = 0.0 if finished or (total and remaining == 0) else last_shard_eta(rows, views, measured)
+    return unit, eta
 
-    # Elapsed on the supervisor's clock: from the first launch; once settled, to the last end.
+
+def elapsed_s(views: list[ShardView], hosts: dict[str, HostView], settled: bool, now: float) -> float | None:
+    """From the first launch, on the supervisor's clock; once settled, to the last event."""
     starts = [v.record.first_launch_t - hosts[v.host].clock_offset for v in views
               if v.record.first_launch_t is not None]
-    elapsed = None
-    if starts:
-        ends = [v.record.last_event_t - hosts[v.host].clock_offset for v in views
-                if v.record.last_event_t is not None]
-        end = max(ends) if settled and ends else now
-        elapsed = max(end - min(starts), 0.0)
+    if not starts:
+        return None
+    ends = [v.record.last_event_t - hosts[v.host].clock_offset for v in views if v.record.last_event_t is not None]
+    end = max(ends) if settled and ends else now
+    return max(end - min(starts), 0.0)
 
+
+def host_rows(hosts: dict[str, HostView], views: list[ShardView], measured: list, hours: float | None,
+              now: float) -> tuple[list[HostStatus], float | None]:
+    """Each host as status shows it, and the soonest time a host's disk fills at its current rate."""
     host_tps: dict[str, float] = {}
     for v, x in measured:
         host_tps[v.host] = host_tps.get(v.host, 0.0) + x.tokens_per_s
-    disk_eta = None
-    host_rows = []
-    hours = elapsed / 3600 if elapsed is not None else None
+    disk_eta, out = None, []
     for h in hosts.values():
         free = (h.disk or {}).get("free")
         fills = disk_full_eta([v.record for v in views if v.host == h.name], host_tps.get(h.name, 0.0),
                               free) if free is not None and h.reachable else None
         if fills is not None:
             disk_eta = min(disk_eta if disk_eta is not None else math.inf, fills)
-        host_rows.append(HostStatus(
+        out.append(HostStatus(
             name=h.name, address=h.address, role=h.role, reachable=h.reachable, error=h.error,
             telemetry=h.telemetry if h.reachable else None,
             gpus=[Gpu(**g) for g in h.gpus] if h.reachable else None,
@@ -496,29 +500,63 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             replayed=h.replayed, usd_per_hour=h.usd_per_hour,
             usd_spent=_finite(h.usd_per_hour * hours) if h.usd_per_hour is not None and hours is not None
             else None))
+    return out, disk_eta
 
-    # Money: what the priced hosts cost over the run's elapsed time, and at this rate to the end.
+
+def money(hosts: dict[str, HostView], hours: float | None, settled: bool,
+          eta: float | None) -> tuple[float | None, float | None, float | None]:
+    """What the priced hosts cost an hour, over the run's elapsed time, and at this rate to the end."""
     priced = [h.usd_per_hour for h in hosts.values() if h.usd_per_hour is not None]
-    usd_rate = sum(priced) if priced else None
-    spent = usd_rate * hours if usd_rate is not None and hours is not None else None
+    rate = sum(priced) if priced else None
+    spent = rate * hours if rate is not None and hours is not None else None
     projected = None
     if spent is not None:
-        projected = spent if settled else (spent + usd_rate * run_eta / 3600 if run_eta is not None else None)
+        projected = spent if settled else (spent + rate * eta / 3600 if eta is not None else None)
+    return rate, spent, projected
+
+
+def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView], now: float,
+                   expected) -> FleetSnapshot:
+    """`views`: every shard of the run's plan; `expected` the config's ExpectedSpec; `now` the
+    supervisor's clock. Each figure is one of the small functions above."""
+    rows, measured = [], []
+    for v in views:
+        row, rate = shard_row(v, hosts[v.host], now)
+        rows.append(row)
+        if rate is not None:
+            measured.append((v, rate))
+    states = [row.state for row in rows]
+    by_state: dict[str, int] = {}
+    for st in states:
+        by_state[st.value] = by_state.get(st.value, 0) + 1
+    settled = bool(states) and all(s in SETTLED for s in states)
+    finished = bool(states) and all(s == State.DONE for s in states)
+    gpus_planned = sum(gpus_of(v) for v in views)
+    gpus_expected = sum(gpus_of(v) for v, st in zip(views, states) if st not in NOT_EXPECTED)
+    sps = sum(x.samples_per_s for _, x in measured)
+    tps = sum(x.tokens_per_s for _, x in measured)
+    vs = against_expected(expected, views, gpus_expected, sps, tps, bool(measured))
+    eta_unit, eta = run_eta(views, rows, measured, finished)
+    elapsed = elapsed_s(views, hosts, settled, now)
+    hours = elapsed / 3600 if elapsed is not None else None
+    hosts_out, disk_eta = host_rows(hosts, views, measured, hours, now)
+    usd_rate, spent, projected = money(hosts, hours, settled, eta)
+    finished_samples = sum(v.record.done + v.record.skipped for v in views)
+    tokens = sum(v.record.tokens for v in views)
+    all_sized = bool(views) and all(v.record.total_tokens is not None for v in views)
     return FleetSnapshot(
-        run=run, time=round(now, 3), hosts=host_rows, shards=rows,
+        run=run, time=round(now, 3), hosts=hosts_out, shards=rows,
         totals=Totals(
-            shards=len(rows), by_state=by_state, done=finished_samples, total=total,
+            shards=len(rows), by_state=by_state, done=finished_samples, total=sum(v.record.total for v in views),
             samples_per_s=_finite(sps) if measured else None,
             tokens_per_s=_finite(tps, 1) if any(counts_tokens(v.record) for v, _ in measured) else None,
             tokens=tokens, total_tokens=sum(v.record.total_tokens for v in views) if all_sized else None,
             gpus_planned=gpus_planned, gpus_expected=gpus_expected,
-            expected_unit=unit if per_gpu else None,
-            expected_per_s=_finite(expected_rate), expected_tokens_per_s=_finite(expected_tokens, 1),
-            ratio=_finite(ratio, 3), ratio_unit=ratio_unit,
-            alert=level in ("low", "critical"), alert_level=level,
-            eta_s=_finite(run_eta, 0), eta_unit=eta_unit if views else None,
-            eta_rough=run_eta is not None and not settled and any(r.eta_rough for r in rows
-                                                                  if r.state not in SETTLED),
+            expected_unit=vs.unit, expected_per_s=_finite(vs.rate), expected_tokens_per_s=_finite(vs.tokens, 1),
+            ratio=_finite(vs.ratio, 3), ratio_unit=vs.ratio_unit,
+            alert=vs.level in ("low", "critical"), alert_level=vs.level,
+            eta_s=_finite(eta, 0), eta_unit=eta_unit if views else None,
+            eta_rough=eta is not None and not settled and any(r.eta_rough for r in rows if r.state not in SETTLED),
             eta_left_out=[r.id for r in rows if r.state in (State.FATAL, State.STOPPED)],
             elapsed_s=_finite(elapsed, 1), finished=finished,
             avg_samples_per_s=_finite(finished_samples / elapsed) if elapsed else None,
@@ -526,8 +564,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
             avg_tokens_per_s_per_gpu=_finite(tokens / elapsed / gpus_planned, 1) if elapsed and gpus_planned
             else None,
             bytes_written=sum(v.record.bytes for v in views), disk_full_eta_s=_finite(disk_eta, 0),
-            usd_per_hour=_finite(usd_rate), usd_spent=_finite(spent),
-            usd_projected=_finite(projected),
+            usd_per_hour=_finite(usd_rate), usd_spent=_finite(spent), usd_projected=_finite(projected),
             usd_per_million_tokens=_finite(spent / tokens * 1e6, 3) if spent is not None and tokens else None,
             replayed=all_replayed(hosts.values()), settled=settled))
 
