@@ -105,24 +105,9 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
     if failures:
         return _failed(f"launch failed: {failures[-1].reason}", failures[-1].t, attempts, host_now, policy)
     if a is None:
-        if record.unlaunched_stop is not None:
-            return Verdict(State.STOPPED, "stopped before it started")
-        if alive:                          # its record lost the launch (truncated): never launch again
-            return Verdict(State.UNKNOWN, RECORD_LOST)
-        return Verdict(State.PENDING, action=Action.LAUNCH)
+        return _unlaunched(record, alive)
     if a.ended:
-        kind, why = outcome(a, record.needs_done_sentinel)
-        if kind == Outcome.DONE and record.reopened:
-            return Verdict(State.PENDING, record.reopened, Action.LAUNCH)
-        if kind == Outcome.DONE:
-            return Verdict(State.DONE)
-        if a.stop is not None and a.stop.restart:
-            return _restarting(a.stop, a.end.t, acting, host_now, attempts)
-        if kind == Outcome.STOPPED:
-            return Verdict(State.STOPPED, why, attempts=attempts)
-        if awaiting_slurm(a) and host_now < a.end.t + SLURM_WORD_WAIT_S:
-            return Verdict(State.FAILED, why, attempts=attempts)    # the agent records it in a moment
-        return _failed(why, a.end.t, attempts, host_now, policy, a.failure_fatal)
+        return _ended(record, a, acting, host_now, policy, attempts)
     if a.slurm and a.pid is None and alive is not False and (slurm is None or slurm.state in WAITING):
         if a.stop is not None:
             return Verdict(State.QUEUED, "cancelling", attempts=attempts)
@@ -130,6 +115,35 @@ def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Poli
         return Verdict(State.QUEUED, why, attempts=attempts)
     if alive is False:                     # dead, its end not yet in the record (the agent adds it)
         return Verdict(State.FAILED, "process vanished without an exit status", attempts=attempts)
+    return _live(a, acting, host_now, policy, attempts, idle_s)
+
+
+def _unlaunched(record: ShardRecord, alive: bool | None) -> Verdict:
+    if record.unlaunched_stop is not None:
+        return Verdict(State.STOPPED, "stopped before it started")
+    if alive:                              # its record lost the launch (truncated): never launch again
+        return Verdict(State.UNKNOWN, RECORD_LOST)
+    return Verdict(State.PENDING, action=Action.LAUNCH)
+
+
+def _ended(record: ShardRecord, a, acting: bool | None, host_now: float, policy: Policy,
+           attempts: int) -> Verdict:
+    """The newest attempt has ended: DONE, STOPPED, a restart under way, or a failure's backoff."""
+    kind, why = outcome(a, record.needs_done_sentinel)
+    if kind == Outcome.DONE:
+        return Verdict(State.PENDING, record.reopened, Action.LAUNCH) if record.reopened else Verdict(State.DONE)
+    if a.stop is not None and a.stop.restart:
+        return _restarting(a.stop, a.end.t, acting, host_now, attempts)
+    if kind == Outcome.STOPPED:
+        return Verdict(State.STOPPED, why, attempts=attempts)
+    if awaiting_slurm(a) and host_now < a.end.t + SLURM_WORD_WAIT_S:
+        return Verdict(State.FAILED, why, attempts=attempts)    # the agent records it in a moment
+    return _failed(why, a.end.t, attempts, host_now, policy, a.failure_fatal)
+
+
+def _live(a, acting: bool | None, host_now: float, policy: Policy, attempts: int,
+          idle_s: float | None) -> Verdict:
+    """The newest attempt's process lives: its phase, a stop under way, a failure seen, a stall."""
     phase = a.phase
     if policy.custom_job and phase == Phase.STARTING and a.pid is not None:
         phase = Phase.RUNNING
