@@ -46,7 +46,9 @@ class FleetApp(App[str]):
                  open_source: Callable[[], Awaitable] | None = None):
         """`source` feeds the screen; or `open_source` makes one in the app's own event loop
         (a live supervisor must run there) and the app closes it on exit."""
-        super().__init__()
+        # NO_COLOR means no colour: with the terminal's own colours Textual strips every colour
+        # (its default under NO_COLOR turns them into 256-colour greys).
+        super().__init__(ansi_color=True if "NO_COLOR" in os.environ else None)
         self.source = source
         self.open_source = open_source
         self.interval = interval

@@ -269,3 +269,24 @@ def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
         subprocess.run([sys.executable, "-m", "fleet.cli", "down", "--yes", "-c", config], cwd=REPO,
                        capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by scripts/test.sh")
+def test_no_color_sends_no_colour_to_a_real_terminal():
+    """NO_COLOR=1: the live view (on the synthetic fleet) writes no colour escape at all — not even
+    256-colour greys — and every state still reads by its glyph."""
+    session = f"fleet-nocolor-{os.getpid()}"
+    cmd = f"cd {REPO} && NO_COLOR=1 {sys.executable} bench/tui.py --show --hosts 3 --gpus 4; sleep 30"
+    subprocess.run(["tmux", "start-server", ";", "set-option", "-g", "default-size", "120x30"], check=True)
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "30", cmd], check=True)
+    try:
+        deadline, text = time.monotonic() + 60, ""
+        while time.monotonic() < deadline and "▶ RUNNING" not in text:
+            time.sleep(0.3)
+            text = subprocess.run(["tmux", "capture-pane", "-e", "-p", "-t", session],
+                                  capture_output=True, text=True).stdout
+        assert "▶ RUNNING" in text, text
+        colours = [m for m in ("[38;5;", "[48;5;", "[38;2;", "[48;2;", "[31m", "[32m", "[41m") if m in text]
+        assert not colours, (colours, text[:400])
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
