@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     except NotRetryable as e:
         return fail(log, str(e), EXIT_FAILED, fatal=True)
     except (DataError, ModelError, LayerError, FormatError) as e:
-        return fail(log, str(e), EXIT_USAGE)
+        return fail(log, str(e), EXIT_USAGE, fatal=getattr(e, "fatal", False))
     except DiskFullError as e:
         return fail(log, str(e), EXIT_FAILED)
     except Terminated as e:

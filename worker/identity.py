@@ -44,18 +44,49 @@ class ModelShape:
     max_positions: int | None        # longest sequence the model takes (None: not declared)
 
 
+# config.json names of the shape in architectures whose config class maps them (GPT-2 style), for
+# a host without transformers; with it, its own config classes answer (attribute_map).
+SHAPE_KEYS = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
+              "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+              "max_positions": ("max_position_embeddings", "n_positions", "max_sequence_length")}
+
+
 def model_shape(model: str) -> ModelShape | None:
-    """From config.json (text_config first), without loading the model."""
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
+    """The text model's shape, read through transformers' own config class (so every architecture
+    it loads, GPT-2's n_embd / n_layer / n_positions included, works), without loading weights;
+    the raw config.json with the common aliases where transformers is absent."""
+    if not os.path.isfile(os.path.join(model, "config.json")):
         return None
-    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
     try:
-        return ModelShape(int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]),
-                          int(cfg["max_position_embeddings"]) if cfg.get("max_position_embeddings") else None)
-    except (KeyError, TypeError, ValueError):
+        from transformers import AutoConfig
+    except ImportError:
+        cfg = None
+    else:
+        try:
+            cfg = AutoConfig.from_pretrained(model)
+        except Exception:               # an unknown model_type, a malformed file: read it raw
+            cfg = None
+    if cfg is not None:
+        text = getattr(cfg, "text_config", None) or cfg
+        values = {name: getattr(text, name, None) for name in ("hidden_size", "num_hidden_layers",
+                                                               "max_position_embeddings")}
+        values = dict(zip(SHAPE_KEYS, values.values()))
+        if values["max_positions"] is None:
+            values["max_positions"] = getattr(text, "n_positions", None)
+    else:
+        try:
+            with open(os.path.join(model, "config.json")) as f:
+                raw = json.load(f)
+        except (OSError, ValueError):
+            return None
+        raw = raw.get("text_config", raw) if isinstance(raw, dict) else {}
+        raw = raw if isinstance(raw, dict) else {}
+        values = {name: next((raw[k] for k in keys if raw.get(k) is not None), None)
+                  for name, keys in SHAPE_KEYS.items()}
+    try:
+        return ModelShape(int(values["hidden_size"]), int(values["num_layers"]),
+                          int(values["max_positions"]) if values["max_positions"] else None)
+    except (TypeError, ValueError):
         return None
 
 

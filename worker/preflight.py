@@ -178,6 +178,48 @@ def row_problem(line: bytes) -> str | None:
     return "row has none of input_ids, conversations, messages"
 
 
+def weight_files_problem(model: str) -> str | None:
+    """A weight file the index names that is absent, or a safetensors file shorter than its own
+    header declares (a copy cut short), named before any launch: loading would fail on every try,
+    or worse, fill what is missing at random."""
+    for name in sorted(os.listdir(model)):
+        if not name.endswith(".index.json"):
+            continue
+        try:
+            with open(os.path.join(model, name)) as f:
+                index = json.load(f)
+            files = sorted(set(index["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"{model}/{name}: unreadable weight index ({type(e).__name__}: {e})"
+        absent = [f for f in files if not os.path.isfile(os.path.join(model, f))]
+        if absent:
+            return (f"{model}/{name} names {len(absent)} weight file(s) that are not there: "
+                    f"{', '.join(absent[:5])}{' ...' if len(absent) > 5 else ''}")
+    for name in sorted(os.listdir(model)):
+        if name.endswith(".safetensors"):
+            if problem := safetensors_problem(os.path.join(model, name)):
+                return problem
+    return None
+
+
+def safetensors_problem(path: str) -> str | None:
+    """A safetensors file is 8 bytes of header length, the JSON header, then the tensors, whose
+    byte ranges the header gives: the file must hold all of them."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                return f"{path}: truncated ({size:,} bytes; its header alone declares {8 + n:,})"
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path}: not a readable safetensors file ({type(e).__name__}: {e})"
+    if 8 + n + end > size:
+        return f"{path}: truncated ({size:,} bytes; its header declares {8 + n + end:,})"
+    return None
+
+
 ACTIVATION_BYTES_PER_TOKEN_PER_H = 48   # a batch's live activations, per token, in units of H bytes:
                                         # measured 2.66 GiB for 16K tokens at H=4096 (bf16), ~42
 
@@ -260,6 +302,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.builtin and args.model and os.path.isdir(args.model) and not args.demo:
         if model_shape(args.model) is None:
             check("error", f"{args.model}/config.json is missing or has no hidden_size/num_hidden_layers")
+        elif problem := weight_files_problem(args.model):
+            check("error", problem)
     shape = model_shape(args.model) if args.model else None
     layers = None
     if args.builtin and shape:

@@ -1,0 +1,123 @@
+"""Issue 21: the output is what this model and this data say, or the shard stops and says why.
+
+Strict weights, GPT-2-style configs, transient failures retried alone, padding that cannot spoil
+clean rows, one run per output folder, a dataset edited in place. Real worker processes on the
+tiny random models of tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import REPO, read_events, run_worker
+
+
+def manifest(out: str) -> dict[int, dict]:
+    recs = {}
+    for p in glob.glob(os.path.join(out, "manifest", "*.jsonl")):
+        for line in open(p):
+            if line.strip():
+                rec = json.loads(line)
+                recs[rec["index"]] = rec
+    return recs
+
+
+def failed(state: str) -> dict:
+    return [e for e in read_events(state) if e["event"] == "failed"][-1]
+
+
+def preflight(*args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "worker.preflight", "--builtin", "--device", "cpu", *args],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def errors(report: dict) -> list[str]:
+    return [c["message"] for c in report["checks"] if c["level"] == "error"]
+
+
+def copy_model(src: str, dst) -> str:
+    dst = str(dst)
+    shutil.copytree(src, dst)
+    return dst
+
+
+# --- 1. strict loading --------------------------------------------------------------------------
+
+def test_a_missing_weight_refuses_the_shard_naming_the_tensor(tmp_path, dense_model, token_data):
+    model = copy_model(dense_model, tmp_path / "model")
+    weights = load_file(os.path.join(model, "model.safetensors"))
+    del weights["model.layers.3.mlp.up_proj.weight"]
+    save_file(weights, os.path.join(model, "model.safetensors"), metadata={"format": "pt"})
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    r = run_worker("--model", model, "--data", token_data, "--out", out, "--state", state)
+    assert r.returncode != 0
+    event = failed(state)
+    assert "layers.3.mlp.up_proj.weight" in event["reason"] and "missing" in event["reason"]
+    assert event["fatal"] and "Traceback" not in r.stderr
+    assert not glob.glob(os.path.join(out, "hs_*"))
+
+
+def test_an_unexpected_weight_of_the_base_model_refuses_the_shard(tmp_path, dense_model, token_data):
+    model = copy_model(dense_model, tmp_path / "model")
+    weights = load_file(os.path.join(model, "model.safetensors"))
+    weights["model.layers.0.mlp.extra.weight"] = weights.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(weights, os.path.join(model, "model.safetensors"), metadata={"format": "pt"})
+    state = str(tmp_path / "state")
+    r = run_worker("--model", model, "--data", token_data, "--out", str(tmp_path / "out"), "--state", state)
+    assert r.returncode != 0
+    reason = failed(state)["reason"]
+    assert "model.layers.0.mlp.extra.weight" in reason and "layers.1.mlp.up_proj.weight" in reason
+
+
+def test_preflight_names_a_missing_or_truncated_weight_file(tmp_path, dense_model):
+    model = copy_model(dense_model, tmp_path / "model")
+    weights = load_file(os.path.join(model, "model.safetensors"))
+    names = sorted(weights)
+    half = len(names) // 2
+    os.remove(os.path.join(model, "model.safetensors"))
+    save_file({k: weights[k] for k in names[:half]}, os.path.join(model, "part-1.safetensors"))
+    save_file({k: weights[k] for k in names[half:]}, os.path.join(model, "part-2.safetensors"))
+    index = {"metadata": {}, "weight_map": {k: f"part-{1 if i < half else 2}.safetensors"
+                                            for i, k in enumerate(names)}}
+    with open(os.path.join(model, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    assert errors(preflight("--model", model)) == []
+
+    part2 = os.path.join(model, "part-2.safetensors")
+    data = open(part2, "rb").read()
+    with open(part2, "wb") as f:
+        f.write(data[: len(data) - 1000])                      # a copy cut short
+    [message] = errors(preflight("--model", model))
+    assert "part-2.safetensors: truncated" in message
+
+    os.remove(part2)
+    [message] = errors(preflight("--model", model))
+    assert "model.safetensors.index.json names 1 weight file(s) that are not there: part-2.safetensors" in message
+
+
+def test_a_gpt2_style_config_is_read_through_transformers(tmp_path, token_data):
+    from transformers import GPT2Config, GPT2Model
+    model = str(tmp_path / "gpt2")
+    GPT2Model(GPT2Config(n_embd=32, n_layer=4, n_head=2, n_positions=100, vocab_size=500)).save_pretrained(model)
+    assert errors(preflight("--model", model)) == []
+    out = str(tmp_path / "out")
+    r = run_worker("--model", model, "--data", token_data, "--out", out, "--model-dtype", "fp32",
+                   "--max-tokens-per-batch", "512", "--max-skip-fraction", "1")
+    assert r.returncode == 0, r.stderr
+    recs = manifest(out)
+    rows = [json.loads(l) for l in open(token_data)]
+    assert len(recs) == len(rows)
+    assert sum("skipped" in r for r in recs.values()) == 5
+    for i, row in enumerate(rows):            # longer than n_positions: skipped, saying so
+        assert ("skipped" in recs[i]) == (len(row["input_ids"]) > 100), recs[i]
