@@ -356,7 +356,7 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
         fail("--repair opens every file; drop --shallow", EXIT_CONFIG)
 
     async def go() -> int:
-        from .verify import reopen_repaired, verify_fleet
+        from .verify import reopen_repaired, skip_problem, verify_fleet
         sup = Supervisor(config)
         try:
             if repair and (live := await sup.live_shards()):
@@ -364,7 +364,8 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
                      EXIT_FAULT)
             result, failures = await verify_fleet(
                 config, {n: l.transport for n, l in sup.links.items()}, deep=not shallow, repair=repair)
-            if result.repaired:
+            skip_problem(result, config.run.max_skip_fraction)
+            if result.repaired or (repair and result.missing):
                 for line in await reopen_repaired(sup, result):
                     click.echo(line)
         except HostError as e:

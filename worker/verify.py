@@ -80,6 +80,8 @@ def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) 
     twice: set[int] = set()
     folder = os.path.join(out, protocol.MANIFEST_DIR)
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not name.endswith(".jsonl"):
+            continue
         for rec in protocol.iter_jsonl(os.path.join(folder, name)):
             i = rec.get("index")
             if not isinstance(i, int):
@@ -117,7 +119,7 @@ def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[i
     remove the broken files. What is dropped is redone by the next launch of its shard."""
     from .writer import write_lines_atomic
     kept: set[int] = set()
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".jsonl")):
         path = os.path.join(folder, name)
         lines = []
         for rec in protocol.iter_jsonl(path):

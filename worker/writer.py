@@ -30,6 +30,9 @@ from .layers import LayerPlan
 SPECULATORS = Layout("speculators", LayerPlan((), "none", 0))   # the layout when none is given
 
 
+MAX_REASON = 300                  # characters of a skip's reason kept in the manifest and the event
+
+
 class DiskFullError(Exception):
     pass
 
@@ -200,6 +203,7 @@ class BatchJob:
     scales: torch.Tensor | None   # fp8: view of it, [B, S, n, 1] float32
     finite: torch.Tensor          # bool [B] (host)
     ready: Any                    # torch.cuda.Event or None
+    final: bool = False           # the rows' last try (alone): a non-finite row is skipped
 
 
 class BackgroundWriter:
@@ -224,11 +228,13 @@ class BackgroundWriter:
         self.jobs: queue.Queue = queue.Queue()
         self.files = ThreadPoolExecutor(max_workers=file_threads, thread_name_prefix="hs-write")
         self.error: BaseException | None = None
+        self._retries: list = []              # non-finite rows of a batch: the extractor retries them alone
+        self._retries_lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name="hs-writer", daemon=True)
         self.thread.start()
 
     # --- called from the GPU loop ---------------------------------------------------------------
-    def submit(self, samples: list, hidden: torch.Tensor, finite: torch.Tensor) -> None:
+    def submit(self, samples: list, hidden: torch.Tensor, finite: torch.Tensor, final: bool = False) -> None:
         """Hand over one batch: hidden [B, S, n, H] bf16 on the device, finite bool [B].
 
         fp8: `hidden` (the extractor's own stacked copy, which it is done with) is quantised in
@@ -260,12 +266,24 @@ class BackgroundWriter:
             for dst, src in sources:
                 dst.copy_(src)
             finite_host, ready = finite.clone(), None
-        self.jobs.put(BatchJob(samples, buf, target, target_scales, finite_host, ready))
+        self.jobs.put(BatchJob(samples, buf, target, target_scales, finite_host, ready, final))
 
     def skip(self, index: int, reason: str) -> None:
         """Record a sample that will not be written (malformed row, too long, OOM)."""
         self.raise_if_failed()
         self.jobs.put(("skip", index, reason))
+
+    def flush(self) -> None:
+        """Wait until every batch handed over so far is written (or skipped, or to be retried)."""
+        done = threading.Event()
+        self.jobs.put(("flush", done))
+        done.wait()
+        self.raise_if_failed()
+
+    def take_retries(self) -> list:
+        with self._retries_lock:
+            out, self._retries = self._retries, []
+        return out
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -283,9 +301,12 @@ class BackgroundWriter:
             job = self.jobs.get()
             if job is None:
                 return
-            if self.error is not None:
+            if self.error is not None and not (isinstance(job, tuple) and job[0] == "flush"):
                 if isinstance(job, BatchJob):
                     self.buffers.release(job.host)
+                continue
+            if isinstance(job, tuple) and job[0] == "flush":
+                job[1].set()
                 continue
             try:
                 if isinstance(job, tuple):
@@ -301,6 +322,7 @@ class BackgroundWriter:
         return write_sample_file(self.layout, self.out_dir, sample.index, tensors, meta)
 
     def _record_skip(self, index: int, reason: str) -> None:
+        reason = reason if len(reason) <= MAX_REASON else reason[:MAX_REASON - 1] + "…"
         self.manifest.append([{"index": index, "skipped": reason}])
         with self.stats.lock:
             self.stats.skipped += 1
@@ -314,7 +336,11 @@ class BackgroundWriter:
             futures = []
             for row, sample in enumerate(job.samples):
                 if not bool(job.finite[row]):
-                    futures.append((sample, None, "non-finite hidden states"))
+                    if job.final:
+                        futures.append((sample, None, "non-finite hidden states (alone, after the rest)"))
+                    else:
+                        with self._retries_lock:
+                            self._retries.append(sample)
                     continue
                 T = sample.length
                 hidden = job.hidden[row, :T]

@@ -128,7 +128,7 @@ root = "fleet"
     r = fleet("up", "--headless", "-c", str(path))
     assert r.returncode == 0, r.stdout + r.stderr
     skipped = [e for e in events(tmp_path, "oom", 0) if e["event"] == "sample_skipped"]
-    assert [(e["index"], e["reason"]) for e in skipped] == [(30, "out of GPU memory at 300 tokens")]
+    assert [(e["index"], e["reason"]) for e in skipped] == [(30, "out of GPU memory at 300 tokens (alone, after the rest)")]
     v = fleet("verify", "-c", str(path))
     assert v.returncode == 0 and "31 written, 1 skipped (3.12%), 32 in the dataset" in v.stdout, v.stdout
 

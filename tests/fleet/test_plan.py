@@ -195,6 +195,21 @@ def test_verify_repair_drops_broken_output_and_up_redoes_exactly_it(tmp_path, ss
     assert [len(launches(tmp_path, "box", "t", k)) for k in (0, 1)] == [2, 2]
 
 
+def test_repair_reopens_the_lines_a_done_shards_manifest_lost(tmp_path, sshd, dense_model, data):
+    config = hosts_toml(tmp_path, {"box": sshd}, model=dense_model, data=data(30), gpus={"box": [0]})
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    manifest = tmp_path / "out" / "manifest" / "0.jsonl"
+    lines = manifest.read_text().splitlines(keepends=True)
+    manifest.write_text("".join(lines[:-3]))                       # lost the last 3 lines
+    v = fleet("verify", "-c", config)
+    assert v.returncode == 1 and "missing: 3 sample(s)" in v.stdout, v.stdout
+    r = fleet("verify", "--repair", "-c", config)
+    assert "shard 0: 3 sample(s) to redo" in r.stdout, r.stdout
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    v = fleet("verify", "-c", config)
+    assert v.returncode == 0 and "30 written" in v.stdout, v.stdout
+
+
 def test_nothing_counts_as_done_that_did_nothing(tmp_path, sshd, dense_model, data):
     def up_with(rows_text: str, name: str, **kw):
         path = tmp_path / name
@@ -218,6 +233,7 @@ def test_nothing_counts_as_done_that_did_nothing(tmp_path, sshd, dense_model, da
     assert "not retried" in r.stdout and len(launches(tmp_path, "box", "t", 0)) == 1
     v = fleet("verify", "-c", cfg)
     assert "70 written, 30 skipped (30.00%)" in v.stdout
+    assert v.returncode == 1 and "30 of 100 rows skipped (30.00% > max_skip_fraction 0.01)" in v.stdout
 
 
 def test_one_bad_sample_never_kills_a_shard(tmp_path, dense_model):
@@ -235,5 +251,5 @@ def test_one_bad_sample_never_kills_a_shard(tmp_path, dense_model):
     skipped = {e["index"]: e["reason"] for e in map(json.loads, open(os.path.join(state, "events.jsonl")))
                if e["event"] == "sample_skipped"}
     assert skipped == {0: "longer than the model's 4096 positions: 5000 tokens",
-                       12: "RuntimeError in the forward pass: injected failure on token 77"}
+                       12: "RuntimeError in the forward pass: injected failure on token 77 (alone, after the rest)"}
     assert len(glob.glob(os.path.join(out, "hs_*.safetensors"))) == 19

@@ -121,3 +121,64 @@ def test_a_gpt2_style_config_is_read_through_transformers(tmp_path, token_data):
     assert sum("skipped" in r for r in recs.values()) == 5
     for i, row in enumerate(rows):            # longer than n_positions: skipped, saying so
         assert ("skipped" in recs[i]) == (len(row["input_ids"]) > 100), recs[i]
+
+
+# --- 2. transient failures, crash loops ---------------------------------------------------------
+
+INJECT = os.path.join(REPO, "tests", "faults", "inject")
+
+
+def injected(**env: str) -> dict:
+    return {**os.environ, "PYTHONPATH": f"{REPO}:{INJECT}", **env}
+
+
+def write_rows(path, rows: list[list[int]]) -> str:
+    path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    return str(path)
+
+
+def test_an_out_of_memory_that_passes_skips_nothing(tmp_path, dense_model, token_data):
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    r = run_worker("--model", dense_model, "--data", token_data, "--out", out, "--state", state,
+                   "--max-tokens-per-batch", "512", env=injected(FLEET_INJECT_OOM_TIMES="12"))
+    assert r.returncode == 0, r.stderr
+    recs = manifest(out)
+    assert len(recs) == 60 and not [r for r in recs.values() if "skipped" in r]
+    assert not [e for e in read_events(state) if e["event"] == "sample_skipped"]
+
+
+def test_a_row_that_kills_the_process_is_isolated_in_one_more_launch(tmp_path, dense_model):
+    """A row whose batch aborts the process (as a CUDA device-side assert does): the next launch
+    writes the rest first, then runs the suspects alone and dies on the culprit alone; the one
+    after skips it, saying why. Longest first would otherwise put it first on every launch."""
+    rows = [[7] * n for n in range(20, 60)]
+    rows[25] = [7] * 200 + [13]                      # the longest: first batch of every launch
+    data = write_rows(tmp_path / "d.jsonl", rows)
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    args = ("--model", dense_model, "--data", data, "--out", out, "--state", state,
+            "--max-tokens-per-batch", "512", "--max-skip-fraction", "0.1")
+    env = injected(FLEET_INJECT_ABORT_TOKEN="13")
+    first = run_worker(*args, env=env)
+    assert first.returncode == -6 and manifest(out) == {}
+    second = run_worker(*args, env=env)
+    assert second.returncode == -6
+    # the rest went first; 39 shared the culprit's batch and waits its turn, alone, after 25
+    assert sorted(manifest(out)) == sorted(set(range(40)) - {25, 39})
+    third = run_worker(*args, env=env)
+    assert third.returncode == 0, third.stderr
+    recs = manifest(out)
+    assert sorted(recs) == list(range(40))
+    assert [i for i, r in recs.items() if "skipped" in r] == [25]
+    assert "died while this row ran alone" in recs[25]["skipped"]
+
+
+def test_a_stop_does_not_make_suspects(tmp_path, dense_model, token_data):
+    from worker.suspects import Suspects, suspects_path
+    path = suspects_path(str(tmp_path), 0)
+    s = Suspects(path, set(), 0, 10)
+    s.starting([1, 2, 3])
+    assert Suspects(path, set(), 0, 10).rows == {1, 2, 3}    # a crash here: suspects next time
+    s = Suspects(path, {1}, 0, 10)
+    s.starting([4])
+    s.settled()                                               # a stop: what ran is not to blame
+    assert Suspects(path, {1}, 0, 10).rows == {2, 3}
