@@ -182,3 +182,35 @@ def test_a_stop_does_not_make_suspects(tmp_path, dense_model, token_data):
     s.starting([4])
     s.settled()                                               # a stop: what ran is not to blame
     assert Suspects(path, {1}, 0, 10).rows == {2, 3}
+
+
+# --- 3. padding ---------------------------------------------------------------------------------
+
+def test_a_non_finite_padding_embedding_never_drops_clean_rows(tmp_path, dense_model):
+    """Token 0's embedding is NaN (an untrained padding row): batches of rows of different
+    lengths still write every row, and each equals the model's own unpadded forward."""
+    import numpy as np
+    from worker.model import Capture, find_decoder, load_model
+    from worker.layers import resolve_layers
+    model_dir = copy_model(dense_model, tmp_path / "model")
+    weights = load_file(os.path.join(model_dir, "model.safetensors"))
+    weights["model.embed_tokens.weight"][0] = float("nan")
+    save_file(weights, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(1, 500, n).tolist() for n in (9, 30, 17, 64, 12, 41)]
+    data = write_rows(tmp_path / "d.jsonl", rows)
+    out = str(tmp_path / "out")
+    r = run_worker("--model", model_dir, "--data", data, "--out", out, "--model-dtype", "fp32",
+                   "--max-tokens-per-batch", "4096")
+    assert r.returncode == 0, r.stderr
+    assert sorted(manifest(out)) == list(range(len(rows)))
+    assert not [rec for rec in manifest(out).values() if "skipped" in rec]
+    model = load_model(model_dir, "cpu", torch.float32)
+    capture = Capture(find_decoder(model), resolve_layers("speculators", 8))
+    for i, row in enumerate(rows):
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([row]))
+        want = capture.take()[0]
+        got = load_file(os.path.join(out, f"hs_{i}.safetensors"))["hidden_states"]
+        err = float((got.float() - want.float()).norm() / want.float().norm())
+        assert err < 1e-2, (i, err)                 # bf16 storage; batched vs alone
