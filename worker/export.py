@@ -85,6 +85,10 @@ def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> dic
                 or old_layout.dtype != dst_layout.dtype:
             raise ExportError(f"{dst} already holds format {old.get('format')} with layers "
                               f"{old.get('layer_ids')} in {old_layout.dtype}: use another --out")
+        source = old.get("exported_from")
+        if source and os.path.abspath(source) != os.path.abspath(src):
+            raise ExportError(f"{dst} holds an export of {source}, not of {src}: use another --out "
+                              f"(or remove {dst} to export there afresh)")
     plan = dst_layout.plan
     meta = {k: v for k, v in meta.items() if k != "hidden_states_scales"}
     identity = meta.get("identity")

@@ -41,8 +41,8 @@ from .model import (Capture, ModelError, compile_layers, find_decoder, is_hybrid
                     missing_fast_kernels, model_devices, move, text_config, uncompile_layers,
                     use_fla_conv)
 from .suspects import Suspects, suspects_path
-from .writer import (BackgroundWriter, DiskFullError, Manifest, Stats, load_finished, manifest_path,
-                     write_json_atomic)
+from .writer import (BackgroundWriter, DiskFullError, Manifest, OwnerError, Stats, claim_output,
+                     load_finished, manifest_path, write_json_atomic)
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -452,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
                               args.last_layer_norm, args.target_last_hidden_states)
         layout = Layout(args.format, plan, args.dtype)
         identity = check_identity(args, plan)        # before any file is touched
+        planned = read_plan_file(args.plan) if args.plan else {}
+        lock = claim_output(args.out, planned.get("run"), planned.get("created"), args.shard_index)  # noqa: F841 (held)
         finished = load_finished(args.out)
         log.emit(protocol.Loading(model=args.model))
         t0 = time.perf_counter()
@@ -515,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         log.emit(protocol.Done(**stats.snapshot(), total=stop - start,
                                host_peak_bytes=host_peak_bytes(), **gpu_memory(shard_gpus)))
         return 0
-    except NotRetryable as e:
+    except (NotRetryable, OwnerError) as e:
         return fail(log, str(e), EXIT_FAILED, fatal=True)
     except (DataError, ModelError, LayerError, FormatError) as e:
         return fail(log, str(e), EXIT_USAGE, fatal=getattr(e, "fatal", False))
@@ -618,11 +620,7 @@ def check_identity(args: argparse.Namespace, plan: LayerPlan) -> dict:
     except IdentityError as e:
         raise ModelError(str(e)) from None
     if args.plan:
-        try:
-            with open(args.plan) as f:
-                planned = json.load(f).get("identity") or {}
-        except (OSError, ValueError, AttributeError) as e:
-            raise ModelError(f"{args.plan}: cannot read the run's plan: {e}") from None
+        planned = read_plan_file(args.plan).get("identity") or {}
         if diffs := differences(upgraded(planned), identity):
             raise NotRetryable(f"this shard's work differs from the run's plan ({args.plan}): "
                                + "; ".join(diffs) + " (fleet up --replan after fleet down, or restore it)")
@@ -630,6 +628,17 @@ def check_identity(args: argparse.Namespace, plan: LayerPlan) -> dict:
         raise NotRetryable(f"{args.out} holds another run's work (its meta.json): " + "; ".join(diffs)
                            + ": use another --out")
     return identity
+
+
+def read_plan_file(path: str) -> dict:
+    try:
+        with open(path) as f:
+            plan = json.load(f)
+        if not isinstance(plan, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{path}: cannot read the run's plan: {e}") from None
+    return plan
 
 
 def too_many_skipped(out_dir: str, start: int, stop: int, limit: float) -> str | None:

@@ -78,6 +78,56 @@ def write_lines_atomic(path: str, lines: list[str]) -> None:
         protocol.replace_atomically(path, write)
 
 
+class OwnerError(Exception):
+    """The output folder is another run's, or another process writes this shard there now."""
+
+
+OWNER_FILE = "owner.json"
+
+
+def claim_output(out_dir: str, run: str | None, plan_created: float | None, shard: int) -> Any:
+    """One writer per output folder. The folder records the run (and plan) that owns it
+    (`owner.json`, claimed by the first shard that writes there); another run's shard is refused,
+    naming the owner and the way out. Each shard then holds an exclusive lock on
+    `manifest/<shard>.lock` while it writes, so a second process for the same shard (a second
+    run, a leftover) is refused too. Returns the open lock file: keep it for the process's life."""
+    import fcntl
+    import socket
+    os.makedirs(os.path.join(out_dir, protocol.MANIFEST_DIR), exist_ok=True)
+    if run is not None:
+        with open(os.path.join(out_dir, ".owner.lock"), "a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)            # two first shards of two runs: one wins
+            path = os.path.join(out_dir, OWNER_FILE)
+            try:
+                with open(path) as f:
+                    owner = json.load(f)
+            except (OSError, ValueError):
+                owner = None
+            if isinstance(owner, dict) and owner.get("run") not in (None, run):
+                raise OwnerError(
+                    f"{out_dir} belongs to run {owner['run']!r} ({path}, claimed from "
+                    f"{owner.get('host', '?')}): run {run!r} would write beside it. Give this run "
+                    f"another output; or, if run {owner['run']!r} is finished with and its files "
+                    f"are to be kept as this run's, remove {path}")
+            if not isinstance(owner, dict) or owner.get("plan_created") != plan_created:
+                write_json_atomic(path, {"run": run, "plan_created": plan_created,
+                                         "host": socket.gethostname(), "since": round(time.time(), 3)})
+    lock_path = os.path.join(out_dir, protocol.MANIFEST_DIR, f"{shard}.lock")
+    lock = open(lock_path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise OwnerError(f"shard {shard} of {out_dir} is being written by {holder} ({lock_path}): "
+                         f"stop it first (fleet down on the run that started it)") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}" + (f", run {run!r}" if run else "") + "\n")
+    lock.flush()
+    return lock
+
+
 def manifest_path(out_dir: str, shard: int) -> str:
     return os.path.join(out_dir, protocol.MANIFEST_DIR, f"{shard}.jsonl")
 

@@ -214,3 +214,59 @@ def test_a_non_finite_padding_embedding_never_drops_clean_rows(tmp_path, dense_m
         got = load_file(os.path.join(out, f"hs_{i}.safetensors"))["hidden_states"]
         err = float((got.float() - want.float()).norm() / want.float().norm())
         assert err < 1e-2, (i, err)                 # bf16 storage; batched vs alone
+
+
+# --- 4. one writer per output folder ------------------------------------------------------------
+
+def plan_file(tmp_path, run: str, created: float, model: str, data: str) -> str:
+    """A plan as fleet writes it, for the worker's default layers."""
+    from worker.identity import output_identity, work_identity
+    from worker.layers import resolve_layers
+    identity = work_identity(model, data, output_identity(resolve_layers("speculators", 8), "speculators",
+                                                          "assistant", "bf16"))
+    path = tmp_path / f"plan-{run}.json"
+    path.write_text(json.dumps({"version": 1, "run": run, "created": created, "identity": identity}))
+    return str(path)
+
+
+def test_another_run_into_the_same_output_is_refused_naming_the_owner(tmp_path, dense_model, token_data):
+    out = str(tmp_path / "out")
+    base = ("--model", dense_model, "--data", token_data, "--out", out, "--max-tokens-per-batch", "512")
+    r = run_worker(*base, "--plan", plan_file(tmp_path, "a", 1.0, dense_model, token_data), "--num-shards", "2")
+    assert r.returncode == 0, r.stderr
+    before = manifest(out)
+    state = str(tmp_path / "state-b")
+    r = run_worker(*base, "--plan", plan_file(tmp_path, "b", 2.0, dense_model, token_data), "--state", state)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    reason = failed(state)["reason"]
+    assert "belongs to run 'a'" in reason and "Give this run another output" in reason
+    assert failed(state)["fatal"] and manifest(out) == before
+    r = run_worker(*base, "--plan", plan_file(tmp_path, "a", 1.0, dense_model, token_data), "--num-shards", "2", "--shard-index", "1")
+    assert r.returncode == 0, r.stderr                     # the owner itself goes on
+    assert len(manifest(out)) == 60
+
+
+def test_a_second_process_for_a_shard_being_written_is_refused(tmp_path, dense_model, token_data):
+    from worker.writer import OwnerError, claim_output
+    out = str(tmp_path / "out")
+    held = claim_output(out, "a", 1.0, 0)                    # a live writer of shard 0 (this process)
+    state = str(tmp_path / "state")
+    r = run_worker("--model", dense_model, "--data", token_data, "--out", out, "--state", state,
+                   "--plan", plan_file(tmp_path, "a", 1.0, dense_model, token_data))
+    assert r.returncode != 0
+    assert f"shard 0 of {out} is being written by pid {os.getpid()}" in failed(state)["reason"]
+    held.close()
+    with pytest.raises(OwnerError, match="belongs to run 'a'"):
+        claim_output(out, "b", 2.0, 1)
+
+
+def test_an_export_from_another_source_into_an_export_folder_is_refused(runs, tmp_path):
+    dst = str(tmp_path / "exp")
+    ok = subprocess.run([sys.executable, "-m", "worker.export", runs["speculators"], "--format", "specforge-dflash",
+                         "--out", dst], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    meta_before = open(os.path.join(dst, "meta.json")).read()
+    r = subprocess.run([sys.executable, "-m", "worker.export", runs["speculators-dflash"], "--format",
+                        "specforge-dflash", "--out", dst], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and f"holds an export of {runs['speculators']}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and open(os.path.join(dst, "meta.json")).read() == meta_before
