@@ -141,7 +141,8 @@ class Supervisor:
             diffs = differences(base.identity, r.identity)
             if diffs:
                 raise PlanError(f"{r.host}'s model or data differs from {base.host}'s: " + "; ".join(diffs))
-        desired = make_plan(self.config, {r.host: r.gpus for r in results}, base.identity)
+        desired = make_plan(self.config, {r.host: r.gpus for r in results}, base.identity,
+                            {r.host: r.report.get("host_id") for r in results})
         held = [r.plan for r in results if r.plan]
         existing = max(held, key=lambda p: p.get("created", 0)) if held else None
         plan, replaced = desired, False

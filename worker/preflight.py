@@ -299,6 +299,11 @@ def run(args: argparse.Namespace) -> dict:
             check("error", f"{label} path {path} does not exist")
     if args.run_dir:
         report["plan"] = read_plan(args.run_dir)
+        try:
+            report["host_id"] = host_id(os.path.dirname(os.path.abspath(args.run_dir)))
+        except OSError as e:
+            check("error", f"cannot write this host's identity file under {os.path.dirname(args.run_dir)}: "
+                           f"{e.strerror or e}")
     if args.builtin and args.model and os.path.isdir(args.model) and not args.demo:
         if model_shape(args.model) is None:
             check("error", f"{args.model}/config.json is missing or has no hidden_size/num_hidden_layers")
@@ -332,6 +337,9 @@ def run(args: argparse.Namespace) -> dict:
             if len(part.encode()) > 255:
                 check("error", f"output {args.output}: a folder name is {len(part.encode())} bytes long; "
                                f"file systems allow 255")
+        if args.run_dir and (owner := output_owner(args.output)) not in (None, os.path.basename(args.run_dir)):
+            check("error", f"output {args.output} belongs to run {owner!r} ({OWNER_PATH}): give this run "
+                           f"another output, or remove that file if run {owner!r} is finished with")
         diffs = output_mismatch(args.output, identity) if identity else []
         if diffs:
             check("error", f"output {args.output} holds another run's work (its meta.json): "
@@ -356,6 +364,51 @@ def run(args: argparse.Namespace) -> dict:
                 report["footprint"] = fp
                 report["estimated_bytes"] = sum(fp["remaining"])
     return report
+
+
+HOST_ID_FILE = "host-id"
+
+
+def host_id(root: str) -> str:
+    """Which machine this is: a random id written under the host's root at its first deploy and
+    read back ever after. The run's plan records it per host name, so a fleet.toml whose names
+    now point at other machines (swapped after `fleet down`) is refused before any launch."""
+    path = os.path.join(root, HOST_ID_FILE)
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        if text:
+            return text
+    except FileNotFoundError:
+        pass
+    import socket
+    import uuid
+    os.makedirs(root, exist_ok=True)
+    made = f"{socket.gethostname()}-{uuid.uuid4().hex[:12]}"
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(made + "\n")
+    try:
+        os.link(tmp, path)                # the first of two deploys at once wins; both read it
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    with open(path) as f:
+        return f.read().strip()
+
+
+OWNER_PATH = ".fleet/owner.json"          # worker.writer.claim_output writes it (no torch here)
+
+
+def output_owner(output: str) -> str | None:
+    """The run that owns the output folder (the first to write there), if any."""
+    try:
+        with open(os.path.join(output, OWNER_PATH)) as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return owner.get("run") if isinstance(owner, dict) else None
 
 
 def _folder_id(output: str) -> str | None:

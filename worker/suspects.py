@@ -3,7 +3,7 @@
 A CUDA device-side assert (or anything else that kills the process from inside a batch) leaves no
 exception to catch, and the next launch's longest-first order would put the same batch first
 again. So before each batch the worker records which rows are in flight (the last few batches:
-a GPU error can surface a batch or two late) in `<out>/manifest/<shard>.suspects.json`. The next
+a GPU error can surface a batch or two late) in `<out>/.fleet/<shard>.suspects.json`. The next
 launch takes the rows it finds there and did not finish as suspects: they run after the rest,
 each alone and synchronously. A row that was in flight alone when the process died is the
 culprit: it is skipped, with that reason. Each bad row costs one launch; clean rows are never lost.
@@ -17,13 +17,13 @@ import json
 import os
 from collections import deque
 
-from .protocol import MANIFEST_DIR, TEMP_PREFIX
+from .protocol import TEMP_PREFIX
 
 WINDOW = 8                     # batches (or micro-batches) kept in flight in the record
 
 
 def suspects_path(out_dir: str, shard: int) -> str:
-    return os.path.join(out_dir, MANIFEST_DIR, f"{shard}.suspects.json")
+    return os.path.join(out_dir, ".fleet", f"{shard}.suspects.json")
 
 
 class Suspects:

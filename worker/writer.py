@@ -82,22 +82,24 @@ class OwnerError(Exception):
     """The output folder is another run's, or another process writes this shard there now."""
 
 
+WORK_DIR = ".fleet"          # the writers' own files (owner, locks, suspects); no reader lists it
 OWNER_FILE = "owner.json"
 
 
 def claim_output(out_dir: str, run: str | None, plan_created: float | None, shard: int) -> Any:
     """One writer per output folder. The folder records the run (and plan) that owns it
-    (`owner.json`, claimed by the first shard that writes there); another run's shard is refused,
-    naming the owner and the way out. Each shard then holds an exclusive lock on
-    `manifest/<shard>.lock` while it writes, so a second process for the same shard (a second
+    (`.fleet/owner.json`, claimed by the first shard that writes there); another run's shard is
+    refused, naming the owner and the way out. Each shard then holds an exclusive lock on
+    `.fleet/<shard>.lock` while it writes, so a second process for the same shard (a second
     run, a leftover) is refused too. Returns the open lock file: keep it for the process's life."""
     import fcntl
     import socket
-    os.makedirs(os.path.join(out_dir, protocol.MANIFEST_DIR), exist_ok=True)
+    work = os.path.join(out_dir, WORK_DIR)
+    os.makedirs(work, exist_ok=True)
     if run is not None:
-        with open(os.path.join(out_dir, ".owner.lock"), "a") as guard:
+        with open(os.path.join(work, "owner.lock"), "a") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)            # two first shards of two runs: one wins
-            path = os.path.join(out_dir, OWNER_FILE)
+            path = os.path.join(work, OWNER_FILE)
             try:
                 with open(path) as f:
                     owner = json.load(f)
@@ -112,7 +114,7 @@ def claim_output(out_dir: str, run: str | None, plan_created: float | None, shar
             if not isinstance(owner, dict) or owner.get("plan_created") != plan_created:
                 write_json_atomic(path, {"run": run, "plan_created": plan_created,
                                          "host": socket.gethostname(), "since": round(time.time(), 3)})
-    lock_path = os.path.join(out_dir, protocol.MANIFEST_DIR, f"{shard}.lock")
+    lock_path = os.path.join(work, f"{shard}.lock")
     lock = open(lock_path, "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -210,6 +210,36 @@ def test_repair_reopens_the_lines_a_done_shards_manifest_lost(tmp_path, sshd, de
     assert v.returncode == 0 and "30 written" in v.stdout, v.stdout
 
 
+def test_host_names_swapped_in_fleet_toml_are_refused_before_any_launch(tmp_path, sshd, dense_model, data):
+    """Each host's root holds its identity file (written at first deploy) and the plan records it
+    per host name: two names swapped after `fleet down` point at the other machines (here: the
+    other roots) and `up` refuses, saying so, instead of re-extracting each other's rows."""
+    config = hosts_toml(tmp_path, {"box1": sshd, "box2": sshd}, model=dense_model, data=data(40),
+                        gpus={"box1": [0], "box2": [0]})
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    ids = {h: (tmp_path / f"root-{h}" / "host-id").read_text().strip() for h in ("box1", "box2")}
+    assert ids["box1"] != ids["box2"]
+    plan = json.load(open(tmp_path / "root-box1" / "t" / "plan.json"))
+    assert plan["host_ids"] == ids
+    text = open(config).read()
+    swapped = text.replace("root-box1", "root-X").replace("root-box2", "root-box1").replace("root-X", "root-box2")
+    open(config, "w").write(swapped)
+    r = fleet("up", "--headless", "-c", config)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"host box1 is another machine: the plan's box1 is {ids['box1']}, fleet.toml's box1 is {ids['box2']}" \
+        in r.stderr, r.stderr
+    assert [len(launches(tmp_path, h, "t", k)) for h, k in (("box1", 0), ("box2", 1))] == [1, 1]
+
+
+def test_another_run_into_the_same_output_is_refused_by_preflight(tmp_path, sshd, dense_model, data):
+    d = data(20)
+    config = hosts_toml(tmp_path, {"box": sshd}, model=dense_model, data=d, gpus={"box": [0]})
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    other = hosts_toml(tmp_path, {"box": sshd}, model=dense_model, data=d, gpus={"box": [0]}, run="t2")
+    r = fleet("up", "--headless", "-c", other)
+    assert r.returncode == 1 and "belongs to run 't'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_nothing_counts_as_done_that_did_nothing(tmp_path, sshd, dense_model, data):
     def up_with(rows_text: str, name: str, **kw):
         path = tmp_path / name
