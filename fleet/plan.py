@@ -20,9 +20,9 @@ from .jobs import Placement, place_shards
 # fleet.toml values that change what is written (the rest: batch size, device, env, telemetry,
 # may change between launches). Model and data are compared by identity, not by path.
 SPEC_KEYS = ("output", "layers", "last_layer_norm", "target_last_hidden_states", "max_length",
-             "too_long", "format", "dtype", "loss_mask", "gpus_per_shard")
+             "too_long", "format", "dtype", "loss_mask", "gpus_per_shard", "extra_args")
 # What a key added to [run] after a plan was made meant for that plan (all earlier runs were bf16).
-SPEC_DEFAULTS = {"dtype": "bf16", "gpus_per_shard": 1}
+SPEC_DEFAULTS = {"dtype": "bf16", "gpus_per_shard": 1, "extra_args": []}
 
 
 class PlanError(Exception):

@@ -1,8 +1,9 @@
 """What a run's work *is*, so that two runs are never mixed into one output folder.
 
 A model is its config.json and a cheap fingerprint of its weight files (name, size, and a hash of
-their first and last MiB: same-shape models differ there). A dataset is its size, row count and
-a hash of its first and last rows. Where the files live and when they were touched is recorded
+their first and last MiB: same-shape models differ there). A dataset is its size, row count, a
+hash of its first and last rows and one of all its bytes (an edit in place that keeps the rest
+still shows). Where the files live and when they were touched is recorded
 (`path`, `mtime`) but not compared: each host has its own copy. Standard library only (pyarrow
 when the dataset is Parquet or Arrow).
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 EDGE = 1 << 20                      # bytes hashed at each end of a weight file
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 INFO_KEYS = {"path", "mtime"}       # recorded, never compared
+LATER_KEYS = {"content"}            # compared where both sides record them (older plans do not)
 
 
 class IdentityError(Exception):
@@ -169,10 +171,27 @@ def dataset_identity(path: str) -> dict:
         else:
             rows, first, last, size = _arrow_identity(path)
         mtime = os.path.getmtime(path)
+        content = content_hash(path)
     except OSError as e:
         raise IdentityError(f"{path}: {e.strerror or e}") from None
     return {"rows": rows, "bytes": size, "first_row": _sha(first), "last_row": _sha(last),
-            "path": os.path.abspath(path), "mtime": round(mtime, 3)}
+            "content": content, "path": os.path.abspath(path), "mtime": round(mtime, 3)}
+
+
+def content_hash(path: str) -> str:
+    """A hash of every byte of the dataset (a file, or a folder's files by name), streamed: an
+    edit in place that keeps the size, row count and first and last rows still changes it. A
+    read of the dataset, cheap next to extracting it."""
+    h = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(root, n) for root, _, names in os.walk(path) for n in names)
+    for name in files:
+        if path != name:
+            h.update(os.path.relpath(name, path).encode() + b"\0")
+        with open(name, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def _last_line(path: str) -> bytes:
@@ -203,7 +222,7 @@ def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     """'key: old -> new' for every compared value that differs (nested dicts flattened)."""
     out = []
     for key in sorted(set(old) | set(new)):
-        if key in INFO_KEYS:
+        if key in INFO_KEYS or (key in LATER_KEYS and (key not in old or key not in new)):
             continue
         a, b = old.get(key), new.get(key)
         name = f"{prefix}{key}"

@@ -240,6 +240,38 @@ def test_another_run_into_the_same_output_is_refused_by_preflight(tmp_path, sshd
     assert r.returncode == 1 and "belongs to run 't'" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_extra_args_are_part_of_the_plan(tmp_path):
+    """A flag in extra_args changes what is written as much as the same key in [run] does."""
+    from fleet.config import load_config
+    from fleet.plan import make_plan, plan_differences
+
+    def plan_with(extra: str) -> dict:
+        path = tmp_path / "fleet.toml"
+        path.write_text(f"""
+[run]
+name = "x"
+model = "m"
+data = "d.jsonl"
+output = "out"
+device = "cpu"
+extra_args = {extra}
+
+[[hosts]]
+name = "local"
+address = "local"
+gpus = [0]
+root = "r"
+""")
+        return make_plan(load_config(str(path)), {"local": [0]}, {})
+    old = plan_with('["--max-length", "4096"]')
+    assert plan_differences(old, plan_with('["--max-length", "4096"]')) == []
+    assert plan_differences(old, plan_with('["--max-length", "64"]')) == \
+        ['extra_args: ["--max-length", "4096"] -> ["--max-length", "64"]']
+    before = {k: v for k, v in old.items()}
+    before["spec"] = {k: v for k, v in old["spec"].items() if k != "extra_args"}   # a plan made before
+    assert plan_differences(before, plan_with("[]")) == []
+
+
 def test_nothing_counts_as_done_that_did_nothing(tmp_path, sshd, dense_model, data):
     def up_with(rows_text: str, name: str, **kw):
         path = tmp_path / name

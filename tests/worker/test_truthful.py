@@ -270,3 +270,20 @@ def test_an_export_from_another_source_into_an_export_folder_is_refused(runs, tm
                         "specforge-dflash", "--out", dst], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and f"holds an export of {runs['speculators']}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and open(os.path.join(dst, "meta.json")).read() == meta_before
+
+
+# --- 6. the dataset's content -------------------------------------------------------------------
+
+def test_a_dataset_edited_in_place_is_refused_at_the_next_launch(tmp_path, dense_model):
+    """Same size, same row count, same first and last rows: only the content hash tells."""
+    rows = [[5 + i % 7] * 12 for i in range(20)]
+    data = write_rows(tmp_path / "d.jsonl", rows)
+    plan = plan_file(tmp_path, "a", 1.0, dense_model, data)
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    base = ("--model", dense_model, "--data", data, "--out", out, "--state", state, "--plan", plan)
+    assert run_worker(*base, "--num-shards", "2").returncode == 0
+    rows[7] = [9] * 12                                   # one middle row, same length
+    write_rows(tmp_path / "d.jsonl", rows)
+    r = run_worker(*base, "--num-shards", "2", "--shard-index", "1")
+    assert r.returncode == 1 and "data.content:" in failed(state)["reason"] and failed(state)["fatal"]
+    assert len(manifest(out)) == 10                      # shard 1 wrote nothing from the new version
