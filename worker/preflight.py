@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> dict:
     except IdentityError as e:
         check("error", str(e))
         report["identity"] = identity = {}
-    if args.builtin and args.data and os.path.isfile(args.data):
+    if args.builtin and args.data and os.path.isfile(args.data) and not args.data.endswith(".parquet"):
         problem = dataset_problem(args.data, identity.get("data", {}).get("rows"))
         if problem:
             check("error", problem)

@@ -287,3 +287,18 @@ def test_a_dataset_edited_in_place_is_refused_at_the_next_launch(tmp_path, dense
     r = run_worker(*base, "--num-shards", "2", "--shard-index", "1")
     assert r.returncode == 1 and "data.content:" in failed(state)["reason"] and failed(state)["fatal"]
     assert len(manifest(out)) == 10                      # shard 1 wrote nothing from the new version
+
+
+# --- 7. also from the probe ---------------------------------------------------------------------
+
+def test_a_single_file_parquet_dataset_passes_preflight_and_runs(tmp_path, dense_model, token_data):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [json.loads(l) for l in open(token_data)][:12]
+    data = str(tmp_path / "d.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    report = preflight("--model", dense_model, "--data", data, "--output", str(tmp_path / "out"))
+    assert errors(report) == [] and report["footprint"]["rows"] == 12
+    r = run_worker("--model", dense_model, "--data", data, "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert len(manifest(str(tmp_path / "out"))) == 12
