@@ -42,7 +42,7 @@ from .model import (Capture, ModelError, compile_layers, find_decoder, is_hybrid
                     use_fla_conv)
 from .suspects import Suspects, suspects_path
 from .writer import (BackgroundWriter, DiskFullError, Manifest, OwnerError, Stats, claim_output,
-                     load_finished, manifest_path, write_json_atomic)
+                     load_finished, manifest_path, remove_stale_temps, write_json_atomic)
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -454,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         identity = check_identity(args, plan)        # before any file is touched
         planned = read_plan_file(args.plan) if args.plan else {}
         lock = claim_output(args.out, planned.get("run"), planned.get("created"), args.shard_index)  # noqa: F841 (held)
+        remove_stale_temps(args.out, start, stop)
         finished = load_finished(args.out)
         log.emit(protocol.Loading(model=args.model))
         t0 = time.perf_counter()

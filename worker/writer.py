@@ -130,6 +130,21 @@ def claim_output(out_dir: str, run: str | None, plan_created: float | None, shar
     return lock
 
 
+def remove_stale_temps(out_dir: str, start: int, stop: int) -> int:
+    """Remove the temp files a killed writer left for samples [start, stop) (`.tmp-<index>-...`;
+    the caller holds those samples' lock, so no live writer owns them). How many."""
+    removed = 0
+    for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
+        head = name[len(protocol.TEMP_PREFIX):].split("-", 1)[0]
+        if name.startswith(protocol.TEMP_PREFIX) and head.isdigit() and start <= int(head) < stop:
+            try:
+                os.unlink(os.path.join(out_dir, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
 def manifest_path(out_dir: str, shard: int) -> str:
     return os.path.join(out_dir, protocol.MANIFEST_DIR, f"{shard}.jsonl")
 

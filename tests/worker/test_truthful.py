@@ -302,3 +302,22 @@ def test_a_single_file_parquet_dataset_passes_preflight_and_runs(tmp_path, dense
     r = run_worker("--model", dense_model, "--data", data, "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     assert len(manifest(str(tmp_path / "out"))) == 12
+
+
+def test_temp_files_a_killed_writer_left_are_removed_by_the_next(tmp_path, dense_model, token_data, runs):
+    """A kill between a temp file's write and its rename leaves `.tmp-<index>-...` behind: the
+    next writer of those samples removes them (the extractor its shard's range, an export all)."""
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    for name in (".tmp-3-999-1", ".tmp-45-999-1"):
+        open(os.path.join(out, name), "w").write("half a file")
+    r = run_worker("--model", dense_model, "--data", token_data, "--out", out, "--num-shards", "2")
+    assert r.returncode == 0, r.stderr
+    assert sorted(n for n in os.listdir(out) if n.startswith(".tmp-")) == [".tmp-45-999-1"]   # shard 1's
+    dst = str(tmp_path / "exp")
+    os.makedirs(dst)
+    open(os.path.join(dst, ".tmp-2-999-1"), "w").write("half a file")
+    e = subprocess.run([sys.executable, "-m", "worker.export", runs["speculators"], "--format",
+                        "specforge-dflash", "--out", dst], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert e.returncode == 0, e.stderr
+    assert not [n for n in os.listdir(dst) if n.startswith(".tmp-")]
