@@ -135,3 +135,13 @@ def test_a_broken_python_or_an_unwritable_root_is_a_refusal_not_an_unreachable_h
     r = fleet("up", "--headless", "-c", config)
     assert r.returncode == 1 and "preflight refused: local: upload to" in r.stderr, r.stderr
     assert "NotADirectoryError" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_root_under_proc_is_not_a_missing_python(tmp_path):
+    job = '\n[job]\ncommand = "true"\n'
+    config = local_toml(tmp_path, '[run]\nname = "b"\noutput = "out"\n' + job)
+    text = open(config).read().replace('root = "fleet"', 'root = "/proc/self/fleet-root"')
+    open(config, "w").write(text)
+    r = fleet("up", "--headless", "-c", config)
+    assert r.returncode == 1 and "preflight refused: local: upload to /proc/self/fleet-root" in r.stderr, r.stderr
+    assert "not found (set python" not in r.stderr and "Traceback" not in r.stderr
