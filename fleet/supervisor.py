@@ -637,7 +637,7 @@ class Supervisor:
 
     def resolve_shard(self, ref: str) -> int:
         """'3' or 'host:gpu' -> shard id (KeyError with a message otherwise)."""
-        if ref.isdigit() and int(ref) in self.shards:
+        if ref.isascii() and ref.isdigit() and int(ref) in self.shards:     # '¹'.isdigit() too
             return int(ref)
         if ":" in ref:
             host, _, gpu = ref.rpartition(":")
