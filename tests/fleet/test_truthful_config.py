@@ -33,3 +33,34 @@ def test_a_real_price_loads(tmp_path):
     path = tmp_path / "fleet.toml"
     path.write_text(TOML.format(price="3.5"))
     assert load_config(str(path)).hosts[0].usd_per_hour == 3.5
+
+
+async def test_a_notify_command_flooding_stderr_is_read_as_a_tail(tmp_path):
+    """200 MB on stderr: fleet keeps its last 64 KiB (it kept all of it, and `fleet up` grew to
+    GBs), still tells the command's last line, and never blocks the command on a full pipe."""
+    import asyncio
+    import sys
+    import tracemalloc
+
+    from fleet.config import NotifySpec
+    from fleet.notify import Notifier
+
+    flood = ("import sys\nsys.stdin.read()\nblock = b'x' * (1 << 20) + b'\\n'\n"
+             "for _ in range(200):\n    sys.stderr.buffer.write(block)\n"
+             "sys.stderr.write('the last line\\n')\nsys.exit(4)\n")
+    (tmp_path / "flood.py").write_text(flood)
+    logs: list[str] = []
+    notifier = Notifier(NotifySpec(command=f"{sys.executable} {tmp_path / 'flood.py'}", timeout=120),
+                        str(tmp_path), logs.append)
+
+    class Notice:
+        def to_json(self) -> str:
+            return '{"event": "DONE"}'
+    tracemalloc.start()
+    try:
+        await asyncio.wait_for(notifier.send(Notice()), 120)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert logs == [f"notify: {sys.executable} exited 4: the last line"]
+    assert peak < 20 << 20, peak
