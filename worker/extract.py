@@ -3,7 +3,7 @@
 Resumable (a restart skips everything in the output's manifests, whatever the shard count), atomic
 (a kill at any moment leaves no file that `hs_*.safetensors` matches half-written), and fast:
 length-sorted batches under a token budget, no attention mask (right padding under a causal mask
-never reaches a real token), hooks on exactly the requested layers, copies to the host on a side
+never reaches a real token, and repeats a token of the row), hooks on exactly the requested layers, copies to the host on a side
 stream, a bounded background writer.
 """
 
