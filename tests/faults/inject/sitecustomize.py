@@ -7,13 +7,15 @@ PYTHONPATH. The model itself is real and untouched; the embedding lookup fails a
 - FLEET_INJECT_ERROR_TOKEN=T: every lookup holding token id T raises a RuntimeError (a sample
   that trips a kernel bug, a bad shape, anything a single sample can cause);
 - FLEET_INJECT_ABORT_TOKEN=T: a lookup holding token id T kills the process with SIGABRT, as a
-  CUDA device-side assert does (nothing to catch).
+  CUDA device-side assert does (nothing to catch);
+- FLEET_INJECT_CUDA_ASSERT_TOKEN=T: a lookup holding token id T indexes out of bounds on the
+  device: a real device-side assert on a GPU (reported asynchronously, later).
 """
 
 import os
 
 _VARS = ("FLEET_INJECT_OOM_ABOVE", "FLEET_INJECT_OOM_TIMES", "FLEET_INJECT_ERROR_TOKEN",
-         "FLEET_INJECT_ABORT_TOKEN")
+         "FLEET_INJECT_ABORT_TOKEN", "FLEET_INJECT_CUDA_ASSERT_TOKEN")
 
 if any(os.environ.get(v) for v in _VARS):
     import torch
@@ -23,6 +25,7 @@ if any(os.environ.get(v) for v in _VARS):
     _times = [int(os.environ.get("FLEET_INJECT_OOM_TIMES") or 0)]
     _token = int(os.environ.get("FLEET_INJECT_ERROR_TOKEN") or -1)
     _abort = int(os.environ.get("FLEET_INJECT_ABORT_TOKEN") or -1)
+    _assert = int(os.environ.get("FLEET_INJECT_CUDA_ASSERT_TOKEN") or -1)
     _embedding = F.embedding
 
     def embedding(input, weight, *args, **kwargs):
@@ -35,6 +38,10 @@ if any(os.environ.get(v) for v in _VARS):
             raise RuntimeError(f"injected failure on token {_token}\nsecond line")
         if _abort >= 0 and bool((input == _abort).any()):
             os.abort()
-        return _embedding(input, weight, *args, **kwargs)
+        out = _embedding(input, weight, *args, **kwargs)
+        if _assert >= 0:                 # no sync here: the index is checked on the device
+            hit = (input == _assert).any().long() * (weight.shape[0] + 5)
+            out = out + weight[hit.reshape(1)].sum() * 0
+        return out
 
     F.embedding = embedding
