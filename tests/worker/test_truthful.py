@@ -321,3 +321,22 @@ def test_temp_files_a_killed_writer_left_are_removed_by_the_next(tmp_path, dense
                         "specforge-dflash", "--out", dst], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert e.returncode == 0, e.stderr
     assert not [n for n in os.listdir(dst) if n.startswith(".tmp-")]
+
+
+def test_repair_reopens_the_skips_of_failures_that_may_pass(tmp_path, dense_model, token_data):
+    """A row that ran out of memory even alone is skipped, but not for good: `--repair` drops its
+    record (a bad row's stays), and a launch on a bigger GPU writes it."""
+    from worker.verify import verify
+    rows = [[7] * 20 for _ in range(10)] + [[7] * 300, {"bad": 1}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r if isinstance(r, dict) else {"input_ids": r}) + "\n" for r in rows))
+    out = str(tmp_path / "out")
+    args = ("--model", dense_model, "--data", str(data), "--out", out, "--max-skip-fraction", "0.5")
+    r = run_worker(*args, env=injected(FLEET_INJECT_OOM_ABOVE="256"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(i for i, rec in manifest(out).items() if "skipped" in rec) == [10, 11]
+    report = verify(out, repair=True)
+    assert report["repaired"]["retried_skips"] == [10] and list(report["skipped"]) == ["11"]
+    assert run_worker(*args).returncode == 0                        # no injected limit: it fits
+    recs = manifest(out)
+    assert "skipped" not in recs[10] and "skipped" in recs[11]
