@@ -533,8 +533,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return fail(log, "interrupted", EXIT_TERMINATED)
     except Exception as e:
-        return fail(log, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                    EXIT_FAILED, traceback.format_exc())
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if "CUDA error" in str(e):        # sticky: only a new process recovers (worker.suspects)
+            why += " (the rows in flight run alone, after the rest, at the next launch)"
+        return fail(log, why, EXIT_FAILED, traceback.format_exc())
 
 
 def use_cache_dir(cache_dir: str | None) -> None:

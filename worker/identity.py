@@ -5,7 +5,8 @@ their first and last MiB: same-shape models differ there). A dataset is its size
 hash of its first and last rows and one of all its bytes (an edit in place that keeps the rest
 still shows). Where the files live and when they were touched is recorded
 (`path`, `mtime`) but not compared: each host has its own copy. Standard library only (pyarrow
-when the dataset is Parquet or Arrow).
+when the dataset is Parquet or Arrow; transformers' config classes for the model's shape where
+it is installed).
 """
 
 from __future__ import annotations
