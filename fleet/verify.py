@@ -140,8 +140,11 @@ async def reopen_repaired(sup, result: VerifyResult) -> list[str]:
     lines, per_shard = [], {}
     await sup.read_once()
     plan = sup.plan
+    dropped = {i for rep in result.repaired.values() for i in rep["dropped"]}
     if plan and result.num_samples:
         for i in _expand(result.missing):
+            if i in dropped:                     # missing because dropped just now: counted below
+                continue
             k = shard_of(i, result.num_samples, plan["num_shards"])
             per_shard[k] = per_shard.get(k, 0) + 1
     for host, rep in result.repaired.items():

@@ -127,9 +127,10 @@ def claim_output(out_dir: str, run: str | None, plan_created: float | None, shar
         lock.close()
         raise OwnerError(f"shard {shard} of {out_dir} is being written by {holder} ({lock_path}): "
                          f"stop it first (fleet down on the run that started it)") from None
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}" + (f", run {run!r}" if run else "") + "\n")
-    lock.flush()
+    with contextlib.suppress(OSError):          # who holds it, for the refusal: best effort (a full disk)
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}" + (f", run {run!r}" if run else "") + "\n")
+        lock.flush()
     return lock
 
 

@@ -82,7 +82,7 @@ def test_a_full_disk_at_meta_json_is_one_line_and_leaves_no_temp_file(tmp_path, 
     r = run_worker("--model", dense_model, "--data", str(rows), "--out", out)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"disk full writing {out}/meta.json" in r.stderr, r.stderr
-    assert os.listdir(out) == []
+    assert os.listdir(out) == [".fleet"]                 # the shard's lock; no temp file, no data
 
 
 def test_a_giant_unterminated_log_line_is_read_once_and_bounded(tmp_path):
