@@ -86,7 +86,7 @@ WORK_DIR = ".fleet"          # the writers' own files (owner, locks, suspects); 
 OWNER_FILE = "owner.json"
 
 
-def claim_output(out_dir: str, run: str | None, plan_created: float | None, shard: int) -> Any:
+def claim_output(out_dir: str, run: str | None, plan_created: float | None, shard: int | str) -> Any:
     """One writer per output folder. The folder records the run (and plan) that owns it
     (`.fleet/owner.json`, claimed by the first shard that writes there); another run's shard is
     refused, naming the owner and the way out. Each shard then holds an exclusive lock on
@@ -125,8 +125,10 @@ def claim_output(out_dir: str, run: str | None, plan_created: float | None, shar
         lock.seek(0)
         holder = lock.read().strip() or "another process"
         lock.close()
-        raise OwnerError(f"shard {shard} of {out_dir} is being written by {holder} ({lock_path}): "
-                         f"stop it first (fleet down on the run that started it)") from None
+        what = f"shard {shard}" if isinstance(shard, int) else f"the {shard}"
+        way = "stop it first (fleet down on the run that started it)" if isinstance(shard, int) \
+            else "let it finish, or stop it first"
+        raise OwnerError(f"{what} of {out_dir} is being written by {holder} ({lock_path}): {way}") from None
     with contextlib.suppress(OSError):          # who holds it, for the refusal: best effort (a full disk)
         lock.truncate(0)
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}" + (f", run {run!r}" if run else "") + "\n")
