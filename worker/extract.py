@@ -3,8 +3,8 @@
 Resumable (a restart skips everything in the output's manifests, whatever the shard count), atomic
 (a kill at any moment leaves no file that `hs_*.safetensors` matches half-written), and fast:
 length-sorted batches under a token budget, no attention mask (right padding under a causal mask
-never reaches a real token, and repeats a token of the row), hooks on exactly the requested layers, copies to the host on a side
-stream, a bounded background writer.
+never reaches a real token, and repeats a token of the row), hooks on exactly the requested
+layers, copies to the host on a side stream, a bounded background writer.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ class Extractor:
             line = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             problem = f"{type(e).__name__} in the forward pass: {line}"
         else:
-            self.writer.submit(batch, *result, final=alone)  # outside the try: a writer error is not a sample's
+            self.writer.submit(batch, *result, final=alone)   # outside the try: not a sample's error
             return None
         self.capture.slots = [None] * len(self.capture.slots)   # outside the except: frames freed
         if self.device.type == "cuda":
@@ -342,8 +342,8 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
         yield Later(held)
 
 
-def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow | Later], plan: LayerPlan,
-                   out_dir: str, shard: int, device: torch.device, options: Options,
+def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow | Later],
+                   plan: LayerPlan, out_dir: str, shard: int, device: torch.device, options: Options,
                    log: EventLog, stats: Stats, progress_interval: float = 2.0,
                    total: int = 0, suspects: Suspects | None = None) -> Stats:
     """The GPU loop: sample chunks in, files out (in `options.format`); bad rows recorded as
@@ -453,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         layout = Layout(args.format, plan, args.dtype)
         identity = check_identity(args, plan)        # before any file is touched
         planned = read_plan_file(args.plan) if args.plan else {}
-        lock = claim_output(args.out, planned.get("run"), planned.get("created"), args.shard_index)  # noqa: F841 (held)
+        # held for the process's life: one writer per output folder, one process per shard
+        lock = claim_output(args.out, planned.get("run"), planned.get("created"), args.shard_index)  # noqa: F841
         remove_stale_temps(args.out, start, stop)
         finished = load_finished(args.out)
         log.emit(protocol.Loading(model=args.model))

@@ -65,7 +65,8 @@ class Suspects:
     def _save(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         inflight = [i for batch in self._recent for i in batch]
-        tmp = os.path.join(os.path.dirname(self.path), f"{TEMP_PREFIX}{os.path.basename(self.path)}-{os.getpid()}")
+        folder, name = os.path.split(self.path)
+        tmp = os.path.join(folder, f"{TEMP_PREFIX}{name}-{os.getpid()}")
         with open(tmp, "w") as f:
             json.dump({"suspects": sorted(self.rows), "inflight": inflight, "alone": self._alone}, f)
         os.replace(tmp, self.path)
