@@ -8,6 +8,7 @@ unreachable.
 from __future__ import annotations
 
 import asyncio
+import re
 import json
 import sys
 import time
@@ -288,6 +289,15 @@ async def find_shard(sup: Supervisor, ref: str) -> int:
     return k
 
 
+# Terminal control sequences in a worker's log (CSI, OSC, other escapes, control characters but
+# tab): a log line must not retitle, clear or recolour the user's terminal.
+_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b.?|[\x00-\x08\x0a-\x1f\x7f\x9b]")
+
+
+def printable(line: str) -> str:
+    return _CONTROL.sub("", line)
+
+
 @main.command()
 @config_option
 @click.argument("shard")
@@ -333,7 +343,7 @@ def logs(config_path: str, shard: str, follow: bool, lines: int) -> None:
         try:
             k = await find_shard(sup, shard)
             async for line in sup.log_lines(k, lines, follow):
-                click.echo(line)
+                click.echo(printable(line))
         except HostError as e:
             fail(str(e), EXIT_UNREACHABLE)
         finally:
@@ -358,7 +368,7 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
         fail("--repair opens every file; drop --shallow", EXIT_CONFIG)
 
     async def go() -> int:
-        from .verify import reopen_repaired, verify_fleet
+        from .verify import reopen_repaired, skip_problem, verify_fleet
         sup = Supervisor(config)
         try:
             if repair and (live := await sup.live_shards()):
@@ -366,7 +376,8 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
                      EXIT_FAULT)
             result, failures = await verify_fleet(
                 config, {n: l.transport for n, l in sup.links.items()}, deep=not shallow, repair=repair)
-            if result.repaired:
+            skip_problem(result, config.run.max_skip_fraction)
+            if result.repaired or (repair and result.missing):
                 for line in await reopen_repaired(sup, result):
                     click.echo(line)
         except HostError as e:

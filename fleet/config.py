@@ -211,7 +211,7 @@ class HostSpec(Strict):
     python: str | None = None
     gpus: Union[Literal["all"], list[int]] = "all"
     root: str = "fleet"
-    usd_per_hour: float | None = Field(None, ge=0)   # what the box costs: spend and cost per token
+    usd_per_hour: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)   # what the box costs a hour
 
     @field_validator("name")
     @classmethod

@@ -50,8 +50,13 @@ def python_argv(config: Config, host: HostSpec, module: str, *args: str) -> list
 
 
 def _python_missing(config: Config, host: HostSpec, stderr: str) -> str | None:
-    if "No such file" in stderr or "not found" in stderr:
-        return f"{host.name}: python {config.python(host)} not found (set python = ... for this host)"
+    """The host's python did not start (a line naming it says not found), as opposed to a python
+    that ran and failed (a traceback: a root it cannot write, under /proc, ...)."""
+    python = config.python(host)
+    if "Traceback (most recent call last)" in stderr:
+        return None
+    if any(python in line and ("No such file" in line or "not found" in line) for line in stderr.splitlines()):
+        return f"{host.name}: python {python} not found (set python = ... for this host)"
     return None
 
 

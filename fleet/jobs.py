@@ -71,6 +71,9 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
         argv = [token.format(**values) for token in shlex.split(job.command)]
         cwd = config.host_path(host, job.cwd) if job.cwd else None
         return ShardCommand(argv, env, cwd)
+    if "PYTHONPATH" in env:          # the user's own paths, after the deployed worker (not instead)
+        from .deploy import code_dir
+        env["PYTHONPATH"] = f"{code_dir(config, host)}:{env['PYTHONPATH']}"
     argv = [python, "-m", "worker.extract", "--model", values["model"], "--data", values["data"],
             "--out", values["output"], "--state", values["shard_dir"],
             "--shard-index", str(place.shard), "--num-shards", str(num_shards),

@@ -103,6 +103,25 @@ def notices(seen: Seen | None, snap: FleetSnapshot, alert_after: float = 0.0) ->
     return out, now
 
 
+STDERR_TAIL = 1 << 16          # bytes of a notify command's stderr kept: its last line is what is told
+
+
+async def _feed_and_tail(proc, data: bytes) -> bytes:
+    """Write the notice to the command's stdin, then read its stderr to the end keeping only the
+    tail (communicate() would keep all of it: a command flooding stderr grew `fleet up` to GBs)."""
+    try:
+        proc.stdin.write(data)
+        await proc.stdin.drain()
+        proc.stdin.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    tail = b""
+    while chunk := await proc.stderr.read(1 << 16):
+        tail = (tail + chunk)[-STDERR_TAIL:]
+    await proc.wait()
+    return tail
+
+
 class Notifier:
     """Runs `[notify] command` for the notices a user chose, following a supervisor's snapshots."""
 
@@ -135,8 +154,8 @@ class Notifier:
             self.on_log(f"notify: cannot run {argv[0]}: {e.strerror or e}")
             return
         try:
-            _, err = await asyncio.wait_for(proc.communicate(notice.to_json().encode() + b"\n"),
-                                            self.spec.timeout)
+            err = await asyncio.wait_for(_feed_and_tail(proc, notice.to_json().encode() + b"\n"),
+                                         self.spec.timeout)
         except asyncio.TimeoutError:
             proc.kill()
             await proc.wait()

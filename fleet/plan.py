@@ -20,9 +20,9 @@ from .jobs import Placement, place_shards
 # fleet.toml values that change what is written (the rest: batch size, device, env, telemetry,
 # may change between launches). Model and data are compared by identity, not by path.
 SPEC_KEYS = ("output", "layers", "last_layer_norm", "target_last_hidden_states", "max_length",
-             "too_long", "format", "dtype", "loss_mask", "gpus_per_shard")
+             "too_long", "format", "dtype", "loss_mask", "gpus_per_shard", "extra_args")
 # What a key added to [run] after a plan was made meant for that plan (all earlier runs were bf16).
-SPEC_DEFAULTS = {"dtype": "bf16", "gpus_per_shard": 1}
+SPEC_DEFAULTS = {"dtype": "bf16", "gpus_per_shard": 1, "extra_args": []}
 
 
 class PlanError(Exception):
@@ -37,13 +37,16 @@ def spec_of(config: Config) -> dict:
     return spec
 
 
-def make_plan(config: Config, gpus_by_host: dict[str, list[int]], identity: dict) -> dict:
+def make_plan(config: Config, gpus_by_host: dict[str, list[int]], identity: dict,
+              host_ids: dict[str, str | None] | None = None) -> dict:
+    """`host_ids`: each host name's machine (its identity file, worker.preflight.host_id)."""
     places = place_shards(config, gpus_by_host)
     plan = {"version": PLAN_VERSION, "run": config.run.name, "created": round(time.time(), 3),
             "num_shards": len(places),
             "shards": [{"id": p.shard, "host": p.host, "gpu": p.gpu, "gpus": list(p.all_gpus)}
                        for p in places],
-            "spec": spec_of(config), "identity": identity}
+            "spec": spec_of(config), "identity": identity,
+            "host_ids": {name: i for name, i in (host_ids or {}).items() if i}}
     if config.slurm is not None:
         plan["launcher"] = "slurm"           # one array task per shard; "gpu" is the task's first
     return plan
@@ -75,6 +78,11 @@ def plan_differences(old: dict, new: dict, compare_identity: bool = True) -> lis
     for host in sorted(set(a) | set(b)):
         if a.get(host) != b.get(host):
             out.append(f"gpus of {host}: {a.get(host, 'none')} -> {b.get(host, 'none')}")
+    old_ids, new_ids = old.get("host_ids") or {}, new.get("host_ids") or {}
+    for host in sorted(set(old_ids) & set(new_ids)):
+        if old_ids[host] != new_ids[host]:
+            out.append(f"host {host} is another machine: the plan's {host} is {old_ids[host]}, fleet.toml's "
+                       f"{host} is {new_ids[host]} (names swapped or an address changed in fleet.toml?)")
     spec = new.get("spec", {})
     defaults = {key: value for key, value in SPEC_DEFAULTS.items() if key in spec}
     out += differences({**defaults, **old.get("spec", {})}, spec)

@@ -149,7 +149,8 @@ class Supervisor:
             diffs = differences(base.identity, r.identity)
             if diffs:
                 raise PlanError(f"{r.host}'s model or data differs from {base.host}'s: " + "; ".join(diffs))
-        desired = make_plan(self.config, {r.host: r.gpus for r in results}, base.identity)
+        desired = make_plan(self.config, {r.host: r.gpus for r in results}, base.identity,
+                            {r.host: r.report.get("host_id") for r in results})
         held = [r.plan for r in results if r.plan]
         existing = max(held, key=lambda p: p.get("created", 0)) if held else None
         plan, replaced = desired, False
@@ -633,7 +634,7 @@ class Supervisor:
 
     def resolve_shard(self, ref: str) -> int:
         """'3' or 'host:gpu' -> shard id (KeyError with a message otherwise)."""
-        if ref.isdigit() and int(ref) in self.shards:
+        if ref.isascii() and ref.isdigit() and int(ref) in self.shards:     # '¹'.isdigit() too
             return int(ref)
         if ":" in ref:
             host, _, gpu = ref.rpartition(":")

@@ -131,12 +131,27 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
     return merge_reports(reports), failures
 
 
+def skip_problem(result: VerifyResult, limit: float) -> None:
+    """More rows skipped than the run allows is a problem, as it is for the shards themselves."""
+    if result.skip_fraction is not None and result.skip_fraction > limit:
+        result.problems.append(f"{len(result.skipped)} of {result.num_samples} rows skipped "
+                               f"({result.skip_fraction:.2%} > max_skip_fraction {limit:g})")
+
+
 async def reopen_repaired(sup, result: VerifyResult) -> list[str]:
-    """What --repair did, and a `reopened` record on every shard that has samples to redo, so the
-    next `fleet up` relaunches exactly those shards (their plan says which rows they own)."""
+    """What --repair did, and a `reopened` record on every shard that has samples to redo (files
+    dropped here, and every index no manifest records: lines a DONE shard's manifest lost), so
+    the next `fleet up` relaunches exactly those shards (their plan says which rows they own)."""
     lines, per_shard = [], {}
     await sup.read_once()
     plan = sup.plan
+    dropped = {i for rep in result.repaired.values() for i in rep["dropped"]}
+    if plan and result.num_samples:
+        for i in _expand(result.missing):
+            if i in dropped:                     # missing because dropped just now: counted below
+                continue
+            k = shard_of(i, result.num_samples, plan["num_shards"])
+            per_shard[k] = per_shard.get(k, 0) + 1
     for host, rep in result.repaired.items():
         lines.append(f"{host}: repaired: dropped {len(rep['dropped'])} broken or missing sample(s)"
                      f"{' ' + str(rep['dropped'][:20]) if rep['dropped'] else ''}, removed "

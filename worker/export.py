@@ -23,7 +23,8 @@ from . import protocol
 from .formats import FORMATS, FormatError, Layout, supervision_problem, trainer_setting
 from .layers import LayerPlan
 from .verify import layout_of
-from .writer import DiskFullError, Manifest, load_finished, manifest_path, write_json_atomic, write_sample_file
+from .writer import (DiskFullError, Manifest, OwnerError, claim_output, load_finished, manifest_path, remove_stale_temps,
+                     write_json_atomic, write_sample_file)
 
 EXIT_PROBLEMS, EXIT_USAGE = 1, 2
 CHUNK = 64
@@ -85,6 +86,10 @@ def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> dic
                 or old_layout.dtype != dst_layout.dtype:
             raise ExportError(f"{dst} already holds format {old.get('format')} with layers "
                               f"{old.get('layer_ids')} in {old_layout.dtype}: use another --out")
+        source = old.get("exported_from")
+        if source and os.path.abspath(source) != os.path.abspath(src):
+            raise ExportError(f"{dst} holds an export of {source}, not of {src}: use another --out "
+                              f"(or remove {dst} to export there afresh)")
     plan = dst_layout.plan
     meta = {k: v for k, v in meta.items() if k != "hidden_states_scales"}
     identity = meta.get("identity")
@@ -96,6 +101,11 @@ def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> dic
                            layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm,
                            trainer_setting=trainer_setting(fmt, plan, dst_layout.dtype),
                            exported_from=os.path.abspath(src)))
+    try:
+        lock = claim_output(dst, None, None, "export")    # one export into dst at a time  # noqa: F841
+    except OwnerError as e:
+        raise ExportError(str(e)) from None
+    remove_stale_temps(dst, 0, 1 << 62)                   # what a killed export left
     manifest = Manifest(manifest_path(dst, "export"))
     summary = {"source": src, "out": dst, "format": fmt, "dtype": dst_layout.dtype, "to_do": len(todo),
                "written": 0, "skipped": 0, "problems": []}

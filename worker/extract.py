@@ -3,8 +3,8 @@
 Resumable (a restart skips everything in the output's manifests, whatever the shard count), atomic
 (a kill at any moment leaves no file that `hs_*.safetensors` matches half-written), and fast:
 length-sorted batches under a token budget, no attention mask (right padding under a causal mask
-never reaches a real token), hooks on exactly the requested layers, copies to the host on a side
-stream, a bounded background writer.
+never reaches a real token, and repeats a token of the row), hooks on exactly the requested
+layers, copies to the host on a side stream, a bounded background writer.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from .layers import LayerError, LayerPlan, choices, resolve_layers, yaml_max_len
 from .model import (Capture, ModelError, compile_layers, find_decoder, is_hybrid, load_model,
                     missing_fast_kernels, model_devices, move, text_config, uncompile_layers,
                     use_fla_conv)
-from .writer import (BackgroundWriter, DiskFullError, Manifest, Stats, load_finished, manifest_path,
-                     write_json_atomic)
+from .suspects import Suspects, suspects_path
+from .writer import (BackgroundWriter, DiskFullError, Manifest, OwnerError, Stats, claim_output,
+                     load_finished, manifest_path, remove_stale_temps, write_json_atomic)
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -176,12 +177,18 @@ def host_peak_bytes() -> int:
 
 class Extractor:
     """Runs batches through the model. A batch that fails (out of GPU memory, or any error a
-    sample can cause) is split in halves down to the one sample that fails, which is skipped with
-    the reason: one bad sample never costs the others."""
+    sample can cause) is split in halves down to the samples that fail; those, and the rows of a
+    batch whose states came out non-finite, run once more after the rest, each alone (memory
+    may be free by then; a padding row cannot touch them): only a row that fails alone is
+    skipped, with the reason. One bad sample never costs the others, and a passing failure
+    costs nothing."""
 
     def __init__(self, model: torch.nn.Module, plan: LayerPlan, device: torch.device,
-                 writer: BackgroundWriter, pad_multiple: int, micro_batches: int = 1):
+                 writer: BackgroundWriter, pad_multiple: int, micro_batches: int = 1,
+                 suspects: Suspects | None = None):
         self.model = model
+        self.later: list[Sample] = []        # retried alone after the rest
+        self.suspects = suspects
         self.capture = Capture(find_decoder(model), plan)
         devices = model_devices(model, device)
         self.device, self.out_device = devices[0], devices[-1]   # ids go in here, states come out there
@@ -202,16 +209,35 @@ class Extractor:
         if problem is None:
             return
         if len(batch) == 1:
-            self.writer.skip(batch[0].index, problem)
+            self.later.append(batch[0])
             return
         half = len(batch) // 2
         self.run(batch[:half])
         self.run(batch[half:])
 
-    def _try(self, batch: list[Sample]) -> str | None:
-        """None when the batch went through; else why it did not."""
+    def run_later(self) -> None:
+        """The rows that failed once (and the suspects of an earlier crash), each alone, after
+        everything else is written; a row failing alone now is skipped with its reason."""
+        while True:
+            self.writer.flush()
+            todo = sorted(self.later + self.writer.take_retries(), key=lambda s: s.index)
+            self.later = []
+            if not todo:
+                return
+            for sample in todo:
+                if problem := self._try([sample], alone=True):
+                    self.writer.skip(sample.index, f"{problem} (alone, after the rest)")
+
+    def _try(self, batch: list[Sample], alone: bool = False) -> str | None:
+        """None when the batch went through; else why it did not. `alone`: the last try of one
+        row, run synchronously so that an error on the GPU shows on this row and no other."""
+        if self.suspects is not None:
+            self.suspects.starting([s.index for s in batch], alone)
         try:
             result = self._forward(batch)
+            if alone and self.device.type == "cuda":
+                for d in {self.device, self.out_device}:
+                    torch.cuda.synchronize(d)
         except torch.cuda.OutOfMemoryError:
             problem = f"out of GPU memory at {max(s.length for s in batch)} tokens"
         except Terminated:
@@ -222,7 +248,7 @@ class Extractor:
             line = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             problem = f"{type(e).__name__} in the forward pass: {line}"
         else:
-            self.writer.submit(batch, *result)  # outside the try: a writer error is not a sample's
+            self.writer.submit(batch, *result, final=alone)   # outside the try: not a sample's error
             return None
         self.capture.slots = [None] * len(self.capture.slots)   # outside the except: frames freed
         if self.device.type == "cuda":
@@ -249,7 +275,8 @@ class Extractor:
         ids, lengths = staged[: B * width].view(B, width), staged[B * width:]
         for row, s in enumerate(batch):
             ids[row, : s.length] = torch.from_numpy(s.input_ids)
-            lengths[row] = s.length
+            ids[row, s.length:] = int(s.input_ids[-1])     # padding: a token the row already holds,
+            lengths[row] = s.length                         # so a bad embedding cannot spoil it
         on_device = staged.to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             self._staged[self._turn] = torch.cuda.Event()
@@ -269,11 +296,20 @@ class Extractor:
         return hidden, finite
 
 
+@dataclass
+class Later:
+    """Samples that run after the rest, each alone (the suspects of an earlier crash)."""
+    samples: list[Sample]
+
+
 def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: int,
-               tokenizer: Callable, options: Options) -> Iterator[list[Sample] | BadRow]:
+               tokenizer: Callable, options: Options, later: set[int] = frozenset()
+               ) -> Iterator[list[Sample] | BadRow | Later]:
     """Unfinished rows of [start, stop): valid samples in chunks of at most `sort_window`, and a
-    BadRow for each row that will not be extracted (malformed, too long)."""
+    BadRow for each row that will not be extracted (malformed, too long); the valid samples of
+    `later` come last, held back as one Later."""
     chunk: list[Sample] = []
+    held: list[Sample] = []
     for index, row in dataset.rows(start, stop):
         if index in finished:
             continue
@@ -294,18 +330,23 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
         if problem := supervision_problem(options.format, sample.loss_mask, options.max_length or options.window):
             yield BadRow(index, problem)
             continue
+        if index in later:
+            held.append(sample)
+            continue
         chunk.append(sample)
         if len(chunk) >= options.sort_window:
             yield chunk
             chunk = []
     if chunk:
         yield chunk
+    if held:
+        yield Later(held)
 
 
-def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow], plan: LayerPlan,
-                   out_dir: str, shard: int, device: torch.device, options: Options,
+def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow | Later],
+                   plan: LayerPlan, out_dir: str, shard: int, device: torch.device, options: Options,
                    log: EventLog, stats: Stats, progress_interval: float = 2.0,
-                   total: int = 0) -> Stats:
+                   total: int = 0, suspects: Suspects | None = None) -> Stats:
     """The GPU loop: sample chunks in, files out (in `options.format`); bad rows recorded as
     skipped. Shared by the CLI and the benchmark."""
     os.makedirs(out_dir, exist_ok=True)
@@ -317,7 +358,7 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
         on_skip=lambda index, reason: log.emit(protocol.SampleSkipped(index=index, reason=reason)),
         reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0, layout=layout)
     extractor = Extractor(model, plan, device, writer, options.pad_multiple,
-                          options.micro_batches or len(devices))
+                          options.micro_batches or len(devices), suspects)
     stop_ticker = threading.Event()
 
     def tick() -> None:
@@ -327,14 +368,27 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
     ticker = threading.Thread(target=tick, name="progress", daemon=True)
     ticker.start()
     try:
+        if suspects is not None and suspects.culprit is not None:
+            writer.skip(suspects.culprit, "the worker process died while this row ran alone (a GPU "
+                                          "error such as a device-side assert, or a kill)")
         for item in items:
             if isinstance(item, BadRow):
                 writer.skip(item.index, item.reason)
                 continue
+            if isinstance(item, Later):
+                extractor.later += item.samples
+                continue
             for batch in make_batches(item, options.max_tokens_per_batch, options.pad_multiple,
                                       options.bucket_rows):
                 extractor.run_batch(batch)
+        extractor.run_later()
         writer.close()
+        if suspects is not None:
+            suspects.settled()
+    except Terminated:
+        if suspects is not None:
+            suspects.settled()              # a stop, not a crash: what ran was not to blame
+        raise
     finally:
         stop_ticker.set()
         extractor.capture.remove()
@@ -399,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
                               args.last_layer_norm, args.target_last_hidden_states)
         layout = Layout(args.format, plan, args.dtype)
         identity = check_identity(args, plan)        # before any file is touched
+        planned = read_plan_file(args.plan) if args.plan else {}
+        # held for the process's life: one writer per output folder, one process per shard
+        lock = claim_output(args.out, planned.get("run"), planned.get("created"), args.shard_index)  # noqa: F841
+        remove_stale_temps(args.out, start, stop)
         finished = load_finished(args.out)
         log.emit(protocol.Loading(model=args.model))
         t0 = time.perf_counter()
@@ -452,10 +510,12 @@ def main(argv: list[str] | None = None) -> int:
                           pad_multiple=pad, loss_mask=args.loss_mask, format=args.format,
                           max_positions=shape.max_positions, bucket_rows=few_shapes, dtype=args.dtype,
                           micro_batches=args.micro_batches, window=yaml_max_length(args.layers))
-        items = iter_shard(dataset, start, stop, set(finished), vocab_size, tokenizer, options)
+        suspects = Suspects(suspects_path(args.out, args.shard_index), set(finished), start, stop)
+        done = set(finished) | ({suspects.culprit} if suspects.culprit is not None else set())
+        items = iter_shard(dataset, start, stop, done, vocab_size, tokenizer, options, suspects.rows)
         sizing.start(log, dataset, start, stop, vocab_size, args.model, options)  # total_tokens
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
-                               stats, args.progress_interval, stop - start)
+                               stats, args.progress_interval, stop - start, suspects)
         if problem := too_many_skipped(args.out, start, stop, args.max_skip_fraction):
             raise NotRetryable(problem)
         if args.format == "speculators":           # issue 22: speculators train reads its rows here
@@ -464,10 +524,10 @@ def main(argv: list[str] | None = None) -> int:
         log.emit(protocol.Done(**stats.snapshot(), total=stop - start,
                                host_peak_bytes=host_peak_bytes(), **gpu_memory(shard_gpus)))
         return 0
-    except NotRetryable as e:
+    except (NotRetryable, OwnerError) as e:
         return fail(log, str(e), EXIT_FAILED, fatal=True)
     except (DataError, ModelError, LayerError, FormatError) as e:
-        return fail(log, str(e), EXIT_USAGE)
+        return fail(log, str(e), EXIT_USAGE, fatal=getattr(e, "fatal", False))
     except DiskFullError as e:
         return fail(log, str(e), EXIT_FAILED)
     except Terminated as e:
@@ -479,8 +539,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return fail(log, "interrupted", EXIT_TERMINATED)
     except Exception as e:
-        return fail(log, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                    EXIT_FAILED, traceback.format_exc())
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if "CUDA error" in str(e):        # sticky: only a new process recovers (worker.suspects)
+            why += " (the rows in flight run alone, after the rest, at the next launch)"
+        return fail(log, why, EXIT_FAILED, traceback.format_exc())
 
 
 def use_cache_dir(cache_dir: str | None) -> None:
@@ -592,11 +654,7 @@ def check_identity(args: argparse.Namespace, plan: LayerPlan) -> dict:
     except IdentityError as e:
         raise ModelError(str(e)) from None
     if args.plan:
-        try:
-            with open(args.plan) as f:
-                planned = json.load(f).get("identity") or {}
-        except (OSError, ValueError, AttributeError) as e:
-            raise ModelError(f"{args.plan}: cannot read the run's plan: {e}") from None
+        planned = read_plan_file(args.plan).get("identity") or {}
         if diffs := differences(upgraded(planned), identity):
             raise NotRetryable(f"this shard's work differs from the run's plan ({args.plan}): "
                                + "; ".join(diffs) + " (fleet up --replan after fleet down, or restore it)")
@@ -604,6 +662,17 @@ def check_identity(args: argparse.Namespace, plan: LayerPlan) -> dict:
         raise NotRetryable(f"{args.out} holds another run's work (its meta.json): " + "; ".join(diffs)
                            + ": use another --out")
     return identity
+
+
+def read_plan_file(path: str) -> dict:
+    try:
+        with open(path) as f:
+            plan = json.load(f)
+        if not isinstance(plan, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{path}: cannot read the run's plan: {e}") from None
+    return plan
 
 
 def too_many_skipped(out_dir: str, start: int, stop: int, limit: float) -> str | None:

@@ -1,10 +1,12 @@
 """What a run's work *is*, so that two runs are never mixed into one output folder.
 
 A model is its config.json and a cheap fingerprint of its weight files (name, size, and a hash of
-their first and last MiB: same-shape models differ there). A dataset is its size, row count and
-a hash of its first and last rows. Where the files live and when they were touched is recorded
+their first and last MiB: same-shape models differ there). A dataset is its size, row count, a
+hash of its first and last rows and one of all its bytes (an edit in place that keeps the rest
+still shows). Where the files live and when they were touched is recorded
 (`path`, `mtime`) but not compared: each host has its own copy. Standard library only (pyarrow
-when the dataset is Parquet or Arrow).
+when the dataset is Parquet or Arrow; transformers' config classes for the model's shape where
+it is installed).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 EDGE = 1 << 20                      # bytes hashed at each end of a weight file
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 INFO_KEYS = {"path", "mtime"}       # recorded, never compared
+LATER_KEYS = {"content"}            # compared where both sides record them (older plans do not)
 
 
 class IdentityError(Exception):
@@ -44,18 +47,49 @@ class ModelShape:
     max_positions: int | None        # longest sequence the model takes (None: not declared)
 
 
+# config.json names of the shape in architectures whose config class maps them (GPT-2 style), for
+# a host without transformers; with it, its own config classes answer (attribute_map).
+SHAPE_KEYS = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
+              "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+              "max_positions": ("max_position_embeddings", "n_positions", "max_sequence_length")}
+
+
 def model_shape(model: str) -> ModelShape | None:
-    """From config.json (text_config first), without loading the model."""
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
+    """The text model's shape, read through transformers' own config class (so every architecture
+    it loads, GPT-2's n_embd / n_layer / n_positions included, works), without loading weights;
+    the raw config.json with the common aliases where transformers is absent."""
+    if not os.path.isfile(os.path.join(model, "config.json")):
         return None
-    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
     try:
-        return ModelShape(int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]),
-                          int(cfg["max_position_embeddings"]) if cfg.get("max_position_embeddings") else None)
-    except (KeyError, TypeError, ValueError):
+        from transformers import AutoConfig
+    except ImportError:
+        cfg = None
+    else:
+        try:
+            cfg = AutoConfig.from_pretrained(model)
+        except Exception:               # an unknown model_type, a malformed file: read it raw
+            cfg = None
+    if cfg is not None:
+        text = getattr(cfg, "text_config", None) or cfg
+        values = {name: getattr(text, name, None) for name in ("hidden_size", "num_hidden_layers",
+                                                               "max_position_embeddings")}
+        values = dict(zip(SHAPE_KEYS, values.values()))
+        if values["max_positions"] is None:
+            values["max_positions"] = getattr(text, "n_positions", None)
+    else:
+        try:
+            with open(os.path.join(model, "config.json")) as f:
+                raw = json.load(f)
+        except (OSError, ValueError):
+            return None
+        raw = raw.get("text_config", raw) if isinstance(raw, dict) else {}
+        raw = raw if isinstance(raw, dict) else {}
+        values = {name: next((raw[k] for k in keys if raw.get(k) is not None), None)
+                  for name, keys in SHAPE_KEYS.items()}
+    try:
+        return ModelShape(int(values["hidden_size"]), int(values["num_layers"]),
+                          int(values["max_positions"]) if values["max_positions"] else None)
+    except (TypeError, ValueError):
         return None
 
 
@@ -138,10 +172,27 @@ def dataset_identity(path: str) -> dict:
         else:
             rows, first, last, size = _arrow_identity(path)
         mtime = os.path.getmtime(path)
+        content = content_hash(path)
     except OSError as e:
         raise IdentityError(f"{path}: {e.strerror or e}") from None
     return {"rows": rows, "bytes": size, "first_row": _sha(first), "last_row": _sha(last),
-            "path": os.path.abspath(path), "mtime": round(mtime, 3)}
+            "content": content, "path": os.path.abspath(path), "mtime": round(mtime, 3)}
+
+
+def content_hash(path: str) -> str:
+    """A hash of every byte of the dataset (a file, or a folder's files by name), streamed: an
+    edit in place that keeps the size, row count and first and last rows still changes it. A
+    read of the dataset, cheap next to extracting it."""
+    h = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(root, n) for root, _, names in os.walk(path) for n in names)
+    for name in files:
+        if path != name:
+            h.update(os.path.relpath(name, path).encode() + b"\0")
+        with open(name, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def _last_line(path: str) -> bytes:
@@ -172,7 +223,7 @@ def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     """'key: old -> new' for every compared value that differs (nested dicts flattened)."""
     out = []
     for key in sorted(set(old) | set(new)):
-        if key in INFO_KEYS:
+        if key in INFO_KEYS or (key in LATER_KEYS and (key not in old or key not in new)):
             continue
         a, b = old.get(key), new.get(key)
         name = f"{prefix}{key}"

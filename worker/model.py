@@ -28,7 +28,38 @@ NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm")
 
 
 class ModelError(Exception):
-    """The model cannot be used as asked (missing path, unknown architecture)."""
+    """The model cannot be used as asked (missing path, unknown architecture, missing weights).
+    `fatal`: a restart would meet it again (the weight files themselves are wrong)."""
+    fatal = False
+
+
+class WeightsError(ModelError):
+    fatal = True
+
+
+def weights_problem(info: dict, prefix: str, shown: int = 5) -> str | None:
+    """What transformers' loading report says is wrong, or None. A missing or mis-shaped weight
+    would be filled at random (silently: its warning is off), so the shard is refused, naming the
+    tensors. An unexpected weight under the base model's own prefix is one the checkpoint has and
+    this architecture does not use; one outside it (lm_head, an MTP head) belongs to a head the
+    base model leaves out, and is fine."""
+    def names(keys) -> str:
+        keys = sorted(str(k if isinstance(k, str) else k[0]) for k in keys)
+        return ", ".join(keys[:shown]) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+    missing = info.get("missing_keys") or ()
+    mismatched = info.get("mismatched_keys") or ()
+    unexpected = [k for k in info.get("unexpected_keys") or () if str(k).startswith(f"{prefix}.")]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} weight(s) missing from the checkpoint ({names(missing)})")
+    if mismatched:
+        problems.append(f"{len(mismatched)} weight(s) of the wrong shape ({names(mismatched)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} weight(s) the architecture does not have ({names(unexpected)})")
+    if not problems:
+        return None
+    return ("; ".join(problems) + ": transformers would fill them at random; the weight files are "
+            "incomplete or not this config's model")
 
 
 def _get_path(obj: Any, path: str) -> Any:
@@ -149,10 +180,12 @@ def _load(path: str, device: str, dtype: torch.dtype, random_weights: bool) -> t
             with torch.device(device):
                 model = AutoModel.from_config(config, **_dtype_kwarg(dtype))
         else:
-            model = AutoModel.from_pretrained(path, **_dtype_kwarg(dtype))
+            model, info = AutoModel.from_pretrained(path, output_loading_info=True, **_dtype_kwarg(dtype))
+            if problem := weights_problem(info, getattr(model, "base_model_prefix", "model")):
+                raise WeightsError(f"{path}: {problem}")
             model.to(device)
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelError(f"{path}: cannot load model: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, KeyError, RuntimeError) as e:    # unreadable or truncated files
+        raise ModelError(f"{path}: cannot load model: {str(e).strip().splitlines()[0][:300]}") from None
     return model.eval()
 
 

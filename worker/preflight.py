@@ -178,6 +178,48 @@ def row_problem(line: bytes) -> str | None:
     return "row has none of input_ids, conversations, messages"
 
 
+def weight_files_problem(model: str) -> str | None:
+    """A weight file the index names that is absent, or a safetensors file shorter than its own
+    header declares (a copy cut short), named before any launch: loading would fail on every try,
+    or worse, fill what is missing at random."""
+    for name in sorted(os.listdir(model)):
+        if not name.endswith(".index.json"):
+            continue
+        try:
+            with open(os.path.join(model, name)) as f:
+                index = json.load(f)
+            files = sorted(set(index["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"{model}/{name}: unreadable weight index ({type(e).__name__}: {e})"
+        absent = [f for f in files if not os.path.isfile(os.path.join(model, f))]
+        if absent:
+            return (f"{model}/{name} names {len(absent)} weight file(s) that are not there: "
+                    f"{', '.join(absent[:5])}{' ...' if len(absent) > 5 else ''}")
+    for name in sorted(os.listdir(model)):
+        if name.endswith(".safetensors"):
+            if problem := safetensors_problem(os.path.join(model, name)):
+                return problem
+    return None
+
+
+def safetensors_problem(path: str) -> str | None:
+    """A safetensors file is 8 bytes of header length, the JSON header, then the tensors, whose
+    byte ranges the header gives: the file must hold all of them."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                return f"{path}: truncated ({size:,} bytes; its header alone declares {8 + n:,})"
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path}: not a readable safetensors file ({type(e).__name__}: {e})"
+    if 8 + n + end > size:
+        return f"{path}: truncated ({size:,} bytes; its header declares {8 + n + end:,})"
+    return None
+
+
 ACTIVATION_BYTES_PER_TOKEN_PER_H = 48   # a batch's live activations, per token, in units of H bytes:
                                         # measured 2.66 GiB for 16K tokens at H=4096 (bf16), ~42
 
@@ -275,9 +317,16 @@ def run(args: argparse.Namespace) -> dict:
             check("error", f"{label} path {path} does not exist")
     if args.run_dir:
         report["plan"] = read_plan(args.run_dir)
+        try:
+            report["host_id"] = host_id(os.path.dirname(os.path.abspath(args.run_dir)))
+        except OSError as e:
+            check("error", f"cannot write this host's identity file under {os.path.dirname(args.run_dir)}: "
+                           f"{e.strerror or e}")
     if args.builtin and args.model and os.path.isdir(args.model) and not args.demo:
         if model_shape(args.model) is None:
             check("error", f"{args.model}/config.json is missing or has no hidden_size/num_hidden_layers")
+        elif problem := weight_files_problem(args.model):
+            check("error", problem)
     shape = model_shape(args.model) if args.model else None
     layers = None
     if args.builtin and shape:
@@ -297,7 +346,7 @@ def run(args: argparse.Namespace) -> dict:
     except IdentityError as e:
         check("error", str(e))
         report["identity"] = identity = {}
-    if args.builtin and args.data and os.path.isfile(args.data):
+    if args.builtin and args.data and os.path.isfile(args.data) and not args.data.endswith(".parquet"):
         problem = dataset_problem(args.data, identity.get("data", {}).get("rows"))
         if problem:
             check("error", problem)
@@ -306,6 +355,9 @@ def run(args: argparse.Namespace) -> dict:
             if len(part.encode()) > 255:
                 check("error", f"output {args.output}: a folder name is {len(part.encode())} bytes long; "
                                f"file systems allow 255")
+        if args.run_dir and (owner := output_owner(args.output)) not in (None, os.path.basename(args.run_dir)):
+            check("error", f"output {args.output} belongs to run {owner!r} ({OWNER_PATH}): give this run "
+                           f"another output, or remove that file if run {owner!r} is finished with")
         diffs = output_mismatch(args.output, identity) if identity else []
         if diffs:
             check("error", f"output {args.output} holds another run's work (its meta.json): "
@@ -332,6 +384,51 @@ def run(args: argparse.Namespace) -> dict:
                 report["footprint"] = fp
                 report["estimated_bytes"] = sum(fp["remaining"])
     return report
+
+
+HOST_ID_FILE = "host-id"
+
+
+def host_id(root: str) -> str:
+    """Which machine this is: a random id written under the host's root at its first deploy and
+    read back ever after. The run's plan records it per host name, so a fleet.toml whose names
+    now point at other machines (swapped after `fleet down`) is refused before any launch."""
+    path = os.path.join(root, HOST_ID_FILE)
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        if text:
+            return text
+    except FileNotFoundError:
+        pass
+    import socket
+    import uuid
+    os.makedirs(root, exist_ok=True)
+    made = f"{socket.gethostname()}-{uuid.uuid4().hex[:12]}"
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(made + "\n")
+    try:
+        os.link(tmp, path)                # the first of two deploys at once wins; both read it
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    with open(path) as f:
+        return f.read().strip()
+
+
+OWNER_PATH = ".fleet/owner.json"          # worker.writer.claim_output writes it (no torch here)
+
+
+def output_owner(output: str) -> str | None:
+    """The run that owns the output folder (the first to write there), if any."""
+    try:
+        with open(os.path.join(output, OWNER_PATH)) as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return owner.get("run") if isinstance(owner, dict) else None
 
 
 def _folder_id(output: str) -> str | None:

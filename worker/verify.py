@@ -81,6 +81,8 @@ def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) 
     twice: set[int] = set()
     folder = os.path.join(out, protocol.MANIFEST_DIR)
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not name.endswith(".jsonl"):
+            continue
         for rec in protocol.iter_jsonl(os.path.join(folder, name)):
             i = rec.get("index")
             if not isinstance(i, int):
@@ -102,8 +104,10 @@ def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) 
                     broken[rec["index"]] = problem
     report = {"num_samples": meta.get("num_samples"), "format": layout.format, "dtype": layout.dtype,
               "checked": len(written), "folder_id": meta.get("folder_id")}
-    if repair and (broken or twice):
-        report["repaired"] = repair_folder(out, layout, broken, twice, folder)
+    retry = {i for i, why in skipped.items() if retryable(why)} if repair else set()
+    if repair and (broken or twice or retry):
+        report["repaired"] = repair_folder(out, layout, broken, twice, folder, retry)
+        skipped = {i: why for i, why in skipped.items() if i not in retry}
         problems = [p for p in problems if not any(p.startswith(f"sample {i}:") for i in set(broken) | twice)]
         written = [r for r in written if r["index"] not in broken]
     unrecorded = set(layout.scan(out)) - {r["index"] for r in written}
@@ -117,18 +121,30 @@ def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) 
     return report
 
 
-def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[int], folder: str) -> dict:
-    """Rewrite each manifest without the broken entries (and with one entry per index), atomically;
-    remove the broken files. What is dropped is redone by the next launch of its shard."""
+# Skip reasons of failures that may pass (worker.extract: a row that failed alone after the rest,
+# or killed the process alone): --repair drops them too, so a later launch (a bigger GPU, a smaller
+# batch budget, a fixed driver) tries those rows again.
+RETRYABLE = ("(alone, after the rest)", "the worker process died")
+
+
+def retryable(reason: str) -> bool:
+    return any(mark in reason for mark in RETRYABLE)
+
+
+def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[int], folder: str,
+                  retry: set[int] = frozenset()) -> dict:
+    """Rewrite each manifest without the broken entries and the retryable skips (and with one entry
+    per index), atomically; remove the broken files. What is dropped is redone by the next launch
+    of its shard."""
     from .writer import write_lines_atomic
     kept: set[int] = set()
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".jsonl")):
         path = os.path.join(folder, name)
         lines = []
         for rec in protocol.iter_jsonl(path):
             i = rec.get("index")
             if isinstance(i, int):
-                if i in broken or i in kept:
+                if i in broken or i in kept or (i in retry and "skipped" in rec):
                     continue
                 kept.add(i)
             lines.append(json.dumps(rec, separators=(",", ":")))
@@ -140,7 +156,8 @@ def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[i
             removed += 1
         except FileNotFoundError:
             pass
-    return {"dropped": sorted(broken), "deduplicated": sorted(twice), "removed_files": removed}
+    return {"dropped": sorted(set(broken) | set(retry)), "deduplicated": sorted(twice), "removed_files": removed,
+            "retried_skips": sorted(retry)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shallow", action="store_true", help="manifests only; do not open the files")
     ap.add_argument("--repair", action="store_true",
-                    help="drop manifest entries whose files are missing or broken (and those files)")
+                    help="drop manifest entries whose files are missing or broken (and those files), "
+                         "and the skips of failures that may pass (out of memory, a GPU error)")
     args = ap.parse_args(argv)
     if args.repair and args.shallow:
         ap.error("--repair needs the files opened; drop --shallow")

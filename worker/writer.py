@@ -30,6 +30,9 @@ from .layers import LayerPlan
 SPECULATORS = Layout("speculators", LayerPlan((), "none", 0))   # the layout when none is given
 
 
+MAX_REASON = 300                  # characters of a skip's reason kept in the manifest and the event
+
+
 class DiskFullError(Exception):
     pass
 
@@ -73,6 +76,79 @@ def write_lines_atomic(path: str, lines: list[str]) -> None:
             f.write("".join(line + "\n" for line in lines))
     with disk_full_says(path):
         protocol.replace_atomically(path, write)
+
+
+class OwnerError(Exception):
+    """The output folder is another run's, or another process writes this shard there now."""
+
+
+WORK_DIR = ".fleet"          # the writers' own files (owner, locks, suspects); no reader lists it
+OWNER_FILE = "owner.json"
+
+
+def claim_output(out_dir: str, run: str | None, plan_created: float | None, shard: int | str) -> Any:
+    """One writer per output folder. The folder records the run (and plan) that owns it
+    (`.fleet/owner.json`, claimed by the first shard that writes there); another run's shard is
+    refused, naming the owner and the way out. Each shard then holds an exclusive lock on
+    `.fleet/<shard>.lock` while it writes, so a second process for the same shard (a second
+    run, a leftover) is refused too. Returns the open lock file: keep it for the process's life."""
+    import fcntl
+    import socket
+    work = os.path.join(out_dir, WORK_DIR)
+    os.makedirs(work, exist_ok=True)
+    if run is not None:
+        with open(os.path.join(work, "owner.lock"), "a") as guard:
+            with contextlib.suppress(OSError):           # (a file system without locks: no guard)
+                fcntl.flock(guard, fcntl.LOCK_EX)        # two first shards of two runs: one wins
+            path = os.path.join(work, OWNER_FILE)
+            try:
+                with open(path) as f:
+                    owner = json.load(f)
+            except (OSError, ValueError):
+                owner = None
+            if isinstance(owner, dict) and owner.get("run") not in (None, run):
+                raise OwnerError(
+                    f"{out_dir} belongs to run {owner['run']!r} ({path}, claimed from "
+                    f"{owner.get('host', '?')}): run {run!r} would write beside it. Give this run "
+                    f"another output; or, if run {owner['run']!r} is finished with and its files "
+                    f"are to be kept as this run's, remove {path}")
+            if not isinstance(owner, dict) or owner.get("plan_created") != plan_created:
+                write_json_atomic(path, {"run": run, "plan_created": plan_created,
+                                         "host": socket.gethostname(), "since": round(time.time(), 3)})
+    lock_path = os.path.join(work, f"{shard}.lock")
+    lock = open(lock_path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if not isinstance(e, BlockingIOError):    # a file system without locks: the owner check stands
+            return lock
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        what = f"shard {shard}" if isinstance(shard, int) else f"the {shard}"
+        way = "stop it first (fleet down on the run that started it)" if isinstance(shard, int) \
+            else "let it finish, or stop it first"
+        raise OwnerError(f"{what} of {out_dir} is being written by {holder} ({lock_path}): {way}") from None
+    with contextlib.suppress(OSError):          # who holds it, for the refusal: best effort (a full disk)
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}" + (f", run {run!r}" if run else "") + "\n")
+        lock.flush()
+    return lock
+
+
+def remove_stale_temps(out_dir: str, start: int, stop: int) -> int:
+    """Remove the temp files a killed writer left for samples [start, stop) (`.tmp-<index>-...`;
+    the caller holds those samples' lock, so no live writer owns them). How many."""
+    removed = 0
+    for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
+        head = name[len(protocol.TEMP_PREFIX):].split("-", 1)[0]
+        if name.startswith(protocol.TEMP_PREFIX) and head.isdigit() and start <= int(head) < stop:
+            try:
+                os.unlink(os.path.join(out_dir, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def manifest_path(out_dir: str, shard: int) -> str:
@@ -200,6 +276,7 @@ class BatchJob:
     scales: torch.Tensor | None   # fp8: view of it, [B, S, n, 1] float32
     finite: torch.Tensor          # bool [B] (host)
     ready: Any                    # torch.cuda.Event or None
+    final: bool = False           # the rows' last try (alone): a non-finite row is skipped
 
 
 class BackgroundWriter:
@@ -224,11 +301,13 @@ class BackgroundWriter:
         self.jobs: queue.Queue = queue.Queue()
         self.files = ThreadPoolExecutor(max_workers=file_threads, thread_name_prefix="hs-write")
         self.error: BaseException | None = None
+        self._retries: list = []              # non-finite rows of a batch: the extractor retries them alone
+        self._retries_lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name="hs-writer", daemon=True)
         self.thread.start()
 
     # --- called from the GPU loop ---------------------------------------------------------------
-    def submit(self, samples: list, hidden: torch.Tensor, finite: torch.Tensor) -> None:
+    def submit(self, samples: list, hidden: torch.Tensor, finite: torch.Tensor, final: bool = False) -> None:
         """Hand over one batch: hidden [B, S, n, H] bf16 on the device, finite bool [B].
 
         fp8: `hidden` (the extractor's own stacked copy, which it is done with) is quantised in
@@ -260,12 +339,24 @@ class BackgroundWriter:
             for dst, src in sources:
                 dst.copy_(src)
             finite_host, ready = finite.clone(), None
-        self.jobs.put(BatchJob(samples, buf, target, target_scales, finite_host, ready))
+        self.jobs.put(BatchJob(samples, buf, target, target_scales, finite_host, ready, final))
 
     def skip(self, index: int, reason: str) -> None:
         """Record a sample that will not be written (malformed row, too long, OOM)."""
         self.raise_if_failed()
         self.jobs.put(("skip", index, reason))
+
+    def flush(self) -> None:
+        """Wait until every batch handed over so far is written (or skipped, or to be retried)."""
+        done = threading.Event()
+        self.jobs.put(("flush", done))
+        done.wait()
+        self.raise_if_failed()
+
+    def take_retries(self) -> list:
+        with self._retries_lock:
+            out, self._retries = self._retries, []
+        return out
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -283,9 +374,12 @@ class BackgroundWriter:
             job = self.jobs.get()
             if job is None:
                 return
-            if self.error is not None:
+            if self.error is not None and not (isinstance(job, tuple) and job[0] == "flush"):
                 if isinstance(job, BatchJob):
                     self.buffers.release(job.host)
+                continue
+            if isinstance(job, tuple) and job[0] == "flush":
+                job[1].set()
                 continue
             try:
                 if isinstance(job, tuple):
@@ -301,6 +395,7 @@ class BackgroundWriter:
         return write_sample_file(self.layout, self.out_dir, sample.index, tensors, meta)
 
     def _record_skip(self, index: int, reason: str) -> None:
+        reason = reason if len(reason) <= MAX_REASON else reason[:MAX_REASON - 1] + "…"
         self.manifest.append([{"index": index, "skipped": reason}])
         with self.stats.lock:
             self.stats.skipped += 1
@@ -314,7 +409,11 @@ class BackgroundWriter:
             futures = []
             for row, sample in enumerate(job.samples):
                 if not bool(job.finite[row]):
-                    futures.append((sample, None, "non-finite hidden states"))
+                    if job.final:
+                        futures.append((sample, None, "non-finite hidden states (alone, after the rest)"))
+                    else:
+                        with self._retries_lock:
+                            self._retries.append(sample)
                     continue
                 T = sample.length
                 hidden = job.hidden[row, :T]

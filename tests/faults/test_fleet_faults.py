@@ -121,14 +121,12 @@ address = "local"
 gpus = [0]
 root = "fleet"
 """)
-    write("")
-    config = load_config(str(path))
-    inject = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inject")
-    write(f"{code_dir(config, config.hosts[0])}:{inject}")
+    # [run] env's PYTHONPATH names only the injection folder: the deployed worker stays importable
+    write(os.path.join(os.path.dirname(os.path.abspath(__file__)), "inject"))
     r = fleet("up", "--headless", "-c", str(path))
     assert r.returncode == 0, r.stdout + r.stderr
     skipped = [e for e in events(tmp_path, "oom", 0) if e["event"] == "sample_skipped"]
-    assert [(e["index"], e["reason"]) for e in skipped] == [(30, "out of GPU memory at 300 tokens")]
+    assert [(e["index"], e["reason"]) for e in skipped] == [(30, "out of GPU memory at 300 tokens (alone, after the rest)")]
     v = fleet("verify", "-c", str(path))
     assert v.returncode == 0 and "31 written, 1 skipped (3.12%), 32 in the dataset" in v.stdout, v.stdout
 

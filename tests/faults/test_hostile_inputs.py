@@ -82,7 +82,7 @@ def test_a_full_disk_at_meta_json_is_one_line_and_leaves_no_temp_file(tmp_path, 
     r = run_worker("--model", dense_model, "--data", str(rows), "--out", out)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"disk full writing {out}/meta.json" in r.stderr, r.stderr
-    assert os.listdir(out) == []
+    assert os.listdir(out) == [".fleet"]                 # the shard's lock; no temp file, no data
 
 
 def test_a_giant_unterminated_log_line_is_read_once_and_bounded(tmp_path):
@@ -135,3 +135,26 @@ def test_a_broken_python_or_an_unwritable_root_is_a_refusal_not_an_unreachable_h
     r = fleet("up", "--headless", "-c", config)
     assert r.returncode == 1 and "preflight refused: local: upload to" in r.stderr, r.stderr
     assert "NotADirectoryError" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_root_under_proc_is_not_a_missing_python(tmp_path):
+    job = '\n[job]\ncommand = "true"\n'
+    config = local_toml(tmp_path, '[run]\nname = "b"\noutput = "out"\n' + job)
+    text = open(config).read().replace('root = "fleet"', 'root = "/proc/self/fleet-root"')
+    open(config, "w").write(text)
+    r = fleet("up", "--headless", "-c", config)
+    assert r.returncode == 1 and "preflight refused: local: upload to /proc/self/fleet-root" in r.stderr, r.stderr
+    assert "not found (set python" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fleet_logs_strips_terminal_escapes_and_a_superscript_shard_is_one_line(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("print('start\\x1b]0;pwned\\x07 \\x1b[2Jcleared \\x1b[31mred\\x1b[0m end', flush=True)\n")
+    job = f'\n[job]\ncommand = "{sys.executable} {script}"\n'
+    config = local_toml(tmp_path, '[run]\nname = "e"\noutput = "out"\n' + job)
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    r = fleet("logs", "0", "-c", config)
+    assert r.returncode == 0 and "start cleared red end" in r.stdout, r.stdout
+    assert "\x1b" not in r.stdout and "\x07" not in r.stdout
+    r = fleet("logs", "\u00b9", "-c", config)
+    assert r.returncode == 2 and "no shard '\u00b9'" in r.stderr and "Traceback" not in r.stderr, r.stderr

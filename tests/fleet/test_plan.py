@@ -195,6 +195,83 @@ def test_verify_repair_drops_broken_output_and_up_redoes_exactly_it(tmp_path, ss
     assert [len(launches(tmp_path, "box", "t", k)) for k in (0, 1)] == [2, 2]
 
 
+def test_repair_reopens_the_lines_a_done_shards_manifest_lost(tmp_path, sshd, dense_model, data):
+    config = hosts_toml(tmp_path, {"box": sshd}, model=dense_model, data=data(30), gpus={"box": [0]})
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    manifest = tmp_path / "out" / "manifest" / "0.jsonl"
+    lines = manifest.read_text().splitlines(keepends=True)
+    manifest.write_text("".join(lines[:-3]))                       # lost the last 3 lines
+    v = fleet("verify", "-c", config)
+    assert v.returncode == 1 and "missing: 3 sample(s)" in v.stdout, v.stdout
+    r = fleet("verify", "--repair", "-c", config)
+    assert "shard 0: 3 sample(s) to redo" in r.stdout, r.stdout
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    v = fleet("verify", "-c", config)
+    assert v.returncode == 0 and "30 written" in v.stdout, v.stdout
+
+
+def test_host_names_swapped_in_fleet_toml_are_refused_before_any_launch(tmp_path, sshd, dense_model, data):
+    """Each host's root holds its identity file (written at first deploy) and the plan records it
+    per host name: two names swapped after `fleet down` point at the other machines (here: the
+    other roots) and `up` refuses, saying so, instead of re-extracting each other's rows."""
+    config = hosts_toml(tmp_path, {"box1": sshd, "box2": sshd}, model=dense_model, data=data(40),
+                        gpus={"box1": [0], "box2": [0]})
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    ids = {h: (tmp_path / f"root-{h}" / "host-id").read_text().strip() for h in ("box1", "box2")}
+    assert ids["box1"] != ids["box2"]
+    plan = json.load(open(tmp_path / "root-box1" / "t" / "plan.json"))
+    assert plan["host_ids"] == ids
+    text = open(config).read()
+    swapped = text.replace("root-box1", "root-X").replace("root-box2", "root-box1").replace("root-X", "root-box2")
+    open(config, "w").write(swapped)
+    r = fleet("up", "--headless", "-c", config)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"host box1 is another machine: the plan's box1 is {ids['box1']}, fleet.toml's box1 is {ids['box2']}" \
+        in r.stderr, r.stderr
+    assert [len(launches(tmp_path, h, "t", k)) for h, k in (("box1", 0), ("box2", 1))] == [1, 1]
+
+
+def test_another_run_into_the_same_output_is_refused_by_preflight(tmp_path, sshd, dense_model, data):
+    d = data(20)
+    config = hosts_toml(tmp_path, {"box": sshd}, model=dense_model, data=d, gpus={"box": [0]})
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    other = hosts_toml(tmp_path, {"box": sshd}, model=dense_model, data=d, gpus={"box": [0]}, run="t2")
+    r = fleet("up", "--headless", "-c", other)
+    assert r.returncode == 1 and "belongs to run 't'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_extra_args_are_part_of_the_plan(tmp_path):
+    """A flag in extra_args changes what is written as much as the same key in [run] does."""
+    from fleet.config import load_config
+    from fleet.plan import make_plan, plan_differences
+
+    def plan_with(extra: str) -> dict:
+        path = tmp_path / "fleet.toml"
+        path.write_text(f"""
+[run]
+name = "x"
+model = "m"
+data = "d.jsonl"
+output = "out"
+device = "cpu"
+extra_args = {extra}
+
+[[hosts]]
+name = "local"
+address = "local"
+gpus = [0]
+root = "r"
+""")
+        return make_plan(load_config(str(path)), {"local": [0]}, {})
+    old = plan_with('["--max-length", "4096"]')
+    assert plan_differences(old, plan_with('["--max-length", "4096"]')) == []
+    assert plan_differences(old, plan_with('["--max-length", "64"]')) == \
+        ['extra_args: ["--max-length", "4096"] -> ["--max-length", "64"]']
+    before = {k: v for k, v in old.items()}
+    before["spec"] = {k: v for k, v in old["spec"].items() if k != "extra_args"}   # a plan made before
+    assert plan_differences(before, plan_with("[]")) == []
+
+
 def test_nothing_counts_as_done_that_did_nothing(tmp_path, sshd, dense_model, data):
     def up_with(rows_text: str, name: str, **kw):
         path = tmp_path / name
@@ -218,6 +295,7 @@ def test_nothing_counts_as_done_that_did_nothing(tmp_path, sshd, dense_model, da
     assert "not retried" in r.stdout and len(launches(tmp_path, "box", "t", 0)) == 1
     v = fleet("verify", "-c", cfg)
     assert "70 written, 30 skipped (30.00%)" in v.stdout
+    assert v.returncode == 1 and "30 of 100 rows skipped (30.00% > max_skip_fraction 0.01)" in v.stdout
 
 
 def test_one_bad_sample_never_kills_a_shard(tmp_path, dense_model):
@@ -235,5 +313,5 @@ def test_one_bad_sample_never_kills_a_shard(tmp_path, dense_model):
     skipped = {e["index"]: e["reason"] for e in map(json.loads, open(os.path.join(state, "events.jsonl")))
                if e["event"] == "sample_skipped"}
     assert skipped == {0: "longer than the model's 4096 positions: 5000 tokens",
-                       12: "RuntimeError in the forward pass: injected failure on token 77"}
+                       12: "RuntimeError in the forward pass: injected failure on token 77 (alone, after the rest)"}
     assert len(glob.glob(os.path.join(out, "hs_*.safetensors"))) == 19

@@ -251,7 +251,8 @@ def test_hybrid_warns_about_missing_fast_kernels(tmp_path, models, token_data):
 
 
 def test_writer_skips_non_finite_samples(tmp_path):
-    """A batch whose values overflowed is not written; the sample is recorded as skipped."""
+    """A batch whose values overflowed is not written: its non-finite row goes back to be tried
+    alone; alone (the last try) it is recorded as skipped."""
     from worker.data import Sample
     from worker.writer import BackgroundWriter, Manifest, Stats, manifest_path
     out = str(tmp_path)
@@ -262,7 +263,10 @@ def test_writer_skips_non_finite_samples(tmp_path):
     hidden = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
     hidden[1, 2, 0, 3] = float("inf")
     w.submit(samples, hidden, torch.tensor([True, False]))
+    w.flush()
+    assert skipped == [] and [s.index for s in w.take_retries()] == [11]
+    w.submit(samples[1:], hidden[1:], torch.tensor([False]), final=True)
     w.close()
-    assert skipped == [(11, "non-finite hidden states")]
+    assert skipped == [(11, "non-finite hidden states (alone, after the rest)")]
     assert os.path.exists(os.path.join(out, "hs_10.safetensors"))
     assert not os.path.exists(os.path.join(out, "hs_11.safetensors"))
