@@ -189,6 +189,15 @@ class Supervisor:
             link.placements = [p for p in self.placements if p.host == link.spec.name]
         self.shards = {p.shard: self._new_slot(p) for p in self.placements}
 
+    def _another_machine(self, link: HostLink, host_id: str | None) -> str | None:
+        """The plan's machine for this host name is not the one that answered (names swapped in
+        fleet.toml): nothing is done there, by any command."""
+        planned = ((self.plan or {}).get("host_ids") or {}).get(link.spec.name)
+        if planned and host_id and planned != host_id:
+            return (f"{link.spec.name} is another machine: the plan's {link.spec.name} is {planned}, this "
+                    f"one is {host_id} (names swapped or an address changed in fleet.toml?); nothing done there")
+        return None
+
     async def live_shards(self) -> list[str]:
         """'id (host:gpu)' of every shard whose process is alive, on every reachable host."""
         probe = Supervisor(self.config)
@@ -438,6 +447,8 @@ class Supervisor:
             if msg.protocol != protocol.PROTOCOL_VERSION:
                 raise HostError(f"{link.spec.name}: host runs worker protocol {msg.protocol}, this "
                                 f"fleet speaks {protocol.PROTOCOL_VERSION}: redeploy (fleet up)")
+            if (why := self._another_machine(link, msg.host_id)) is not None:
+                raise HostUnusable(f"{link.spec.name}: {why}")
             if not discover:
                 self._reset_host(link)
         elif isinstance(msg, protocol.EventMessage):

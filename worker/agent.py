@@ -300,7 +300,8 @@ class Agent:
 
     def replay(self) -> None:
         """hello, every shard's record so far with its liveness, GPUs, disk, then `replayed`."""
-        self.send(protocol.Hello(host=socket.gethostname(), pid=os.getpid(), plan=read_plan(self.run_dir)))
+        self.send(protocol.Hello(host=socket.gethostname(), pid=os.getpid(), plan=read_plan(self.run_dir),
+                                 host_id=read_host_id(self.run_dir)))
         self.poll_shards(replay=True, force_liveness=True)
         self.poll_gpu()
         self.poll_disk()
@@ -328,6 +329,15 @@ class Agent:
                 self.send(protocol.Beat())
                 last_beat = now
             self.flush()
+
+
+def read_host_id(run_dir: str) -> str | None:
+    """The machine's identity file under the host's root (preflight writes it; this only reads)."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(run_dir)), "host-id")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def discover_shards(run_dir: str) -> list[int]:

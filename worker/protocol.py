@@ -358,6 +358,7 @@ class Hello(Message):
     pid: int = 0
     t: float = field(default_factory=now)
     plan: Optional[dict] = None        # the run's plan.json on this host (worker/plan.py)
+    host_id: Optional[str] = None      # which machine this is (<root>/host-id, written by preflight)
 
 
 @message

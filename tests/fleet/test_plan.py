@@ -229,6 +229,11 @@ def test_host_names_swapped_in_fleet_toml_are_refused_before_any_launch(tmp_path
     assert f"host box1 is another machine: the plan's box1 is {ids['box1']}, fleet.toml's box1 is {ids['box2']}" \
         in r.stderr, r.stderr
     assert [len(launches(tmp_path, h, "t", k)) for h, k in (("box1", 0), ("box2", 1))] == [1, 1]
+    # `fleet restart` takes no preflight: the host's agent says which machine it is.
+    rs = fleet("restart", "0", "-c", config)
+    assert rs.returncode == 3 and "Traceback" not in rs.stderr, rs.stdout + rs.stderr
+    assert f"box1 is another machine: the plan's box1 is {ids['box1']}, this one is {ids['box2']}" in rs.stderr
+    assert [len(launches(tmp_path, h, "t", k)) for h, k in (("box1", 0), ("box2", 1))] == [1, 1]
 
 
 def test_another_run_into_the_same_output_is_refused_by_preflight(tmp_path, sshd, dense_model, data):
