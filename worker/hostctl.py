@@ -157,8 +157,13 @@ def _log_marker(path: str, text: str) -> None:
     """One line in the shard's log saying where an attempt begins or how it ended (the log view
     would otherwise run attempts together)."""
     try:
-        with open(path, "a") as f:
-            f.write(f"\n{MARKER} {time.strftime('%Y-%m-%d %H:%M:%S')} {text} ──\n")
+        with open(path, "ab+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size:
+                f.seek(size - 1)
+            fresh_line = size == 0 or f.read(1) == b"\n"
+            f.write(("" if fresh_line else "\n").encode()
+                    + f"{MARKER} {time.strftime('%Y-%m-%d %H:%M:%S')} {text} ──\n".encode())
     except OSError:
         pass
 

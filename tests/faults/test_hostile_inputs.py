@@ -58,8 +58,8 @@ def test_logs_with_bytes_that_are_not_utf8_print_over_ssh(tmp_path, sshd):
     follow = subprocess.Popen([sys.executable, "-m", "fleet.cli", "logs", "0", "-f", "-c", config], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        first = follow.stdout.readline() + follow.stdout.readline()
-        assert "before \ufffd\ufffd bytes" in first and "after" in first
+        first = "".join(follow.stdout.readline() for _ in range(3))      # the runner's marker, then the job's
+        assert "── fleet:" in first and "before \ufffd\ufffd bytes" in first and "after" in first
         assert follow.poll() is None                                  # still following, no traceback
     finally:
         follow.kill()
