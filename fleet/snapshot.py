@@ -233,6 +233,7 @@ class HostView:
     replayed: bool = False
     role: str | None = None                # with [slurm]: "login" or "node"
     usd_per_hour: float | None = None      # [[hosts]] usd_per_hour
+    unusable: bool = False                 # reached, but its python or agent fails there
 
     def host_now(self, now: float) -> float:
         return now + self.clock_offset
@@ -337,12 +338,13 @@ def shard_eta(r: ShardRecord, state: State, rate: Rates | None) -> float | None:
 
 def shard_progress(r: ShardRecord, state: State) -> float | None:
     """Done, in the unit of the shard's ETA: samples are length-sorted, so a shard a quarter
-    through its samples can be half through its tokens."""
+    through its samples can be half through its tokens. Never above 1: a [job] that counts past
+    its total (more files than rows, a wrong total) is at 100%, not 140%."""
     if state == State.DONE:
         return 1.0
     if r.total_tokens:
         return _finite(min(r.tokens / r.total_tokens, 1.0), 4)
-    return _finite((r.done + r.skipped) / r.total, 4) if r.total else None
+    return _finite(min((r.done + r.skipped) / r.total, 1.0), 4) if r.total else None
 
 
 def last_shard_eta(rows: list[ShardStatus], views: list[ShardView],
@@ -397,7 +399,8 @@ def shard_row(v: ShardView, host: HostView, now: float) -> tuple[ShardStatus, Ra
     due = v.verdict.due_t
     row = ShardStatus(
         id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), slurm=v.slurm, state=state,
-        reason=f"host unreachable: {host.error}" if host.reachable is False else v.verdict.reason,
+        reason=(f"host {'unusable' if host.unusable else 'unreachable'}: {host.error}" if host.reachable is False
+                else v.verdict.reason),
         faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
         progress=shard_progress(r, state),
         tokens=r.tokens, total_tokens=r.total_tokens, bytes=r.bytes,

@@ -280,10 +280,12 @@ class Supervisor:
                 if isinstance(hello, protocol.Hello) and hello.plan:
                     plans.append(hello.plan)
                 if r.rc != 0 and not any('"type":"error"' in l for l in lines):
-                    raise HostError(f"{link.spec.name}: agent failed: {deploy.last_line(r.stderr)}")
+                    raise HostUnusable(deploy._python_missing(self.config, link.spec, r.stderr) or
+                                       f"{link.spec.name}: the agent failed there ({self.config.python(link.spec)}, "
+                                       f"exit {r.rc}): {deploy.last_line(r.stderr)}")
                 return lines
             except HostError as e:
-                link.host.reachable, link.host.error = False, str(e).removeprefix(f"{link.spec.name}: ")
+                self._host_down(link, e)
                 return []
         plans: list[dict] = []
         outputs = await asyncio.gather(*(one(l) for l in self.links.values()))
@@ -292,12 +294,17 @@ class Supervisor:
         for link, lines in zip(self.links.values(), outputs):
             try:
                 if lines:                       # before the messages: one may say what went wrong
-                    link.host.reachable, link.host.error = True, None
+                    link.host.reachable, link.host.error, link.host.unusable = True, None, False
                 for line in lines:
                     self._handle(link, line, discover=not plans)
             except HostError as e:
-                link.host.reachable, link.host.error = False, str(e).removeprefix(f"{link.spec.name}: ")
+                self._host_down(link, e)
         return self.snapshot()
+
+    def _host_down(self, link: HostLink, e: HostError) -> None:
+        """The host cannot be read: unreachable, or reached but unusable (its python, its agent)."""
+        link.host.reachable, link.host.error = False, str(e).removeprefix(f"{link.spec.name}: ")
+        link.host.unusable = isinstance(e, HostUnusable)
 
     def _discover(self, link: HostLink, k: int, ev: protocol.Record) -> ShardSlot | None:
         """A shard found on a host (status, restart, logs): its first record, the launch, names its GPU."""
@@ -376,17 +383,18 @@ class Supervisor:
                     if isinstance(self._handle(link, line), protocol.Beat):
                         delay = 1.0                  # healthy for a while: reconnect fast next time
                     if link.host.reachable is not True and link.host.replayed:
-                        link.host.reachable, link.host.error = True, None
+                        link.host.reachable, link.host.error, link.host.unusable = True, None, False
                         self.on_log(f"{link.spec.name}: connected")
                         self.on_change()
             except HostError as e:
                 if self._closing:
                     break
                 was = link.host.reachable
-                link.host.reachable, link.host.error = False, str(e).removeprefix(f"{link.spec.name}: ")
+                self._host_down(link, e)
                 link.host.replayed = False
                 if was is not False:
-                    self.on_log(f"{link.spec.name}: unreachable: {link.host.error}")
+                    self.on_log(f"{link.spec.name}: {'unusable' if link.host.unusable else 'unreachable'}: "
+                                f"{link.host.error}")
                 self.on_change()
                 await self._drop_stream(link, drop_connection=True)
             except asyncio.CancelledError:

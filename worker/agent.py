@@ -102,7 +102,10 @@ class ShardFollower:
         try:
             events = self.read()
             if not self.ended:
-                protocol.append_jsonl(self.events_path, protocol.Exited(launch=self.launch, vanished=True))
+                try:
+                    protocol.append_jsonl(self.events_path, protocol.Exited(launch=self.launch, vanished=True))
+                except OSError:                 # a full state disk: try again at the next poll
+                    return events
                 events += self.read()
             return events
         finally:

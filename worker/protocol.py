@@ -31,6 +31,7 @@ and TaskGpus (the GPUs a task reported from inside its allocation).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import time
@@ -560,12 +561,18 @@ def replace_atomically(path: str, write, tmp: str | None = None) -> None:
 
 
 def append_jsonl(path: str, record: Record | dict, sync: bool = True) -> None:
-    """Append one record as a single write, so concurrent appenders never interleave a line."""
+    """Append one record as a single write, so concurrent appenders never interleave a line. A write
+    the disk cut short (full) is taken back and raised as OSError: never a torn line that would
+    swallow the next record too."""
     text = record.to_json() if isinstance(record, Record) else json.dumps(record, separators=(",", ":"))
     line = (text + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line)
+        before = os.fstat(fd).st_size
+        written = os.write(fd, line)
+        if written != len(line):
+            os.ftruncate(fd, before)
+            raise OSError(errno.ENOSPC, f"no space left for a record in {path}")
         if sync:
             os.fsync(fd)
     finally:

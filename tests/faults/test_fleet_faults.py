@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from fleet.config import FleetSpec, load_config
 from fleet.jobs import Placement, shard_command
 from tests.conftest import REPO
+from tests.faults.test_worker_faults import small_tmpfs  # noqa: F401  (the fixture)
 
 
 def fleet(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -207,3 +208,29 @@ def test_host_names_are_either_safe_or_refused(name, tmp_path_factory):
         return
     assert set(config.hosts[0].name) <= set(string.ascii_letters + string.digits + "._-")
     assert not config.hosts[0].name.startswith(("-", "."))
+
+
+def test_a_record_the_full_disk_cuts_short_is_taken_back_not_torn(tmp_path, small_tmpfs):  # noqa: F811
+    """A full state disk (a real 2 MB tmpfs filled to the last byte) cuts a record short: the part
+    written is taken back and the writer told (OSError), so the file still ends on a whole line and
+    the next record, once there is room, is read — never glued to a torn one."""
+    from worker import protocol
+    path = os.path.join(small_tmpfs, "events.jsonl")
+    protocol.append_jsonl(path, protocol.Launch(launch=1))
+    filler = os.path.join(small_tmpfs, "filler")
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    big = protocol.Failed(launch=1, reason="x" * 200_000)        # more than the page's slack
+    try:
+        protocol.append_jsonl(path, big)
+        raise AssertionError("a record larger than the free space was written")
+    except OSError:
+        pass
+    assert open(path, "rb").read().endswith(b"\n")
+    os.unlink(filler)
+    protocol.append_jsonl(path, protocol.Exited(launch=1, code=0))
+    assert [type(e).__name__ for e in protocol.read_events(path)] == ["Launch", "Exited"]

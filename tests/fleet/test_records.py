@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -249,3 +250,29 @@ async def test_a_traceback_fails_with_its_exception_line_and_the_log_marks_each_
         assert "launch 1 ended: exit code 1" in marks[1]
     finally:
         await sup.close()
+
+
+async def test_a_job_counting_past_its_total_is_shown_at_100_percent(tmp_path):
+    script = {"0": [[["progress", 14, 10], ["hang"]]]}
+    sup = await started(job_toml(tmp_path, script, gpus=(0,)))
+    try:
+        await until(lambda: shard(sup, 0).done == 14, what="14 of 10")
+        s = shard(sup, 0)
+        assert (s.done, s.total, s.progress) == (14, 10, 1.0)
+    finally:
+        await sup.close()
+        await Supervisor(load_config(str(tmp_path / "fleet.toml"))).stop_all(timeout=1)
+
+
+def test_a_broken_host_python_is_said_as_such_not_unreachable(tmp_path):
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'python3: error while loading shared libraries: libpython3.11.so.1.0: "
+                      "cannot open shared object file' >&2\nexit 127\n")
+    broken.chmod(0o755)
+    config = job_toml(tmp_path, {"0": [[["hang"]]]}, gpus=(0,), python=str(broken))
+    r = subprocess.run([sys.executable, "-m", "fleet", "status", "-c", config], capture_output=True, text=True)
+    assert r.returncode == 3 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "the agent failed there" in r.stdout and "libpython3.11.so.1.0" in r.stdout, r.stdout
+    js = subprocess.run([sys.executable, "-m", "fleet", "status", "--json", "-c", config], capture_output=True, text=True)
+    host = json.loads(js.stdout)["hosts"][0]
+    assert host["reachable"] is False and host["error"].startswith("the agent failed there")
