@@ -44,7 +44,8 @@ from .state import LIVE, State
 from .transport import HostError, HostUnusable, Stream, Transport, make_transport
 
 AGENT_SILENCE_S = 5.0         # no line from an agent for this long: the host is unreachable...
-SILENCE_PER_ACTION_S = 2.0    # ...plus this per action under way there (a launch storm loads it)
+SILENCE_PER_ACTION_S = 2.0    # ...plus this per shard starting or acted on there (a launch storm)
+STARTING_UP = frozenset({State.STARTING, State.LOADING, State.STOPPING})
 ACTION_TIMEOUT_S = 60.0       # an action whose outcome never shows up in the record: judge again
 
 
@@ -350,7 +351,8 @@ class Supervisor:
         """How long an agent may be silent before its host counts as unreachable: longer while the
         host is busy with actions of ours (eight launches at once load a small host for seconds)."""
         busy = sum(1 for s in self.shards.values()
-                   if s.placement.host == link.spec.name and (s.busy_since is not None or s.acting))
+                   if s.placement.host == link.spec.name and (s.busy_since is not None or s.acting or
+                                                               s.last_state in STARTING_UP))
         return min(60.0, AGENT_SILENCE_S + SILENCE_PER_ACTION_S * busy)
 
     def _agent_argv(self, link: HostLink, once: bool = False) -> list[str]:

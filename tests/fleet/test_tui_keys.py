@@ -75,7 +75,11 @@ async def test_r_restarts_the_selected_shard_after_asking(ui):
     assert "Restart shard(s) 3?" in question(app)
     await pilot.press("y")
     await pilot.pause(0.3)
-    assert app.snap.shards[3].state == State.RUNNING and f.shards[3][2].launches == 2
+    assert app.snap.shards[3].state == State.LOADING and f.shards[3][2].launches == 2   # until its first sample
+    f.tick(1.0)
+    app.post_message(Refresh())
+    await pilot.pause(0.3)
+    assert app.snap.shards[3].state == State.RUNNING
 
 
 async def test_D_stops_the_whole_run_after_asking(ui):
