@@ -46,7 +46,7 @@ def cpu_s() -> float:
 async def storm(config_path: str, timeout: float) -> dict:
     config = load_config(config_path)
     logs: list[str] = []
-    unreachable: set[str] = set()
+    unreachable: dict[str, str] = {}
     sup = Supervisor(config, on_log=logs.append)
     results, failures = await sup.deploy()
     assert not failures, failures
@@ -54,7 +54,9 @@ async def storm(config_path: str, timeout: float) -> dict:
     await sup.start()
 
     def watch() -> None:
-        unreachable.update(n for n, l in sup.links.items() if l.host.reachable is False)
+        for n, link in sup.links.items():
+            if link.host.reachable is False:
+                unreachable.setdefault(n, link.host.error or "?")
     sup.on_change = watch
     cpu0, t0 = cpu_s(), time.monotonic()
     await sup.launch_all()
@@ -73,7 +75,8 @@ async def storm(config_path: str, timeout: float) -> dict:
              any(f for f in sup.shards[s.id].launch_failures)]
     await sup.close()
     return {"shards": len(snap.shards), "all_running_s": round(all_running, 2) if all_running else None,
-            "false_failures": len(false), "unreachable": sorted(unreachable),
+            "false_failures": len(false), "unreachable": len(unreachable),
+            "unreachable_why": sorted(set(unreachable.values()))[:5],
             "supervisor_cpu_s": round(cpu, 2),
             "launch_failed_logs": sum("failed" in m for m in logs)}
 

@@ -46,6 +46,7 @@ from .transport import HostError, HostUnusable, Stream, Transport, make_transpor
 AGENT_SILENCE_S = 5.0         # no line from an agent for this long: the host is unreachable...
 SILENCE_PER_ACTION_S = 2.0    # ...plus this per shard starting or acted on there (a launch storm)
 STARTING_UP = frozenset({State.STARTING, State.LOADING, State.STOPPING})
+AGENT_START_S = 30.0          # a new agent stream: its Python start and replay, on a loaded host
 ACTION_TIMEOUT_S = 60.0       # an action whose outcome never shows up in the record: judge again
 
 
@@ -115,6 +116,7 @@ class Supervisor:
         self.num_shards = 0
         self.plan: dict | None = None
         self._closing = False
+        self.starved = 0.0                  # seconds the decide loop ran late lately (decaying max)
         self._decider: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.notifier = Notifier(config.spec.notify, config.base_dir, lambda m: self.on_log(m)) \
@@ -349,11 +351,13 @@ class Supervisor:
 
     def silence_limit(self, link: HostLink) -> float:
         """How long an agent may be silent before its host counts as unreachable: longer while the
-        host is busy with actions of ours (eight launches at once load a small host for seconds)."""
+        host is busy with actions of ours (eight launches at once load a small host for seconds),
+        and while this process itself is starved of CPU (its own loop running late): silence it
+        could not have heard is not the host's."""
         busy = sum(1 for s in self.shards.values()
                    if s.placement.host == link.spec.name and (s.busy_since is not None or s.acting or
                                                                s.last_state in STARTING_UP))
-        return min(60.0, AGENT_SILENCE_S + SILENCE_PER_ACTION_S * busy)
+        return min(60.0, AGENT_SILENCE_S + SILENCE_PER_ACTION_S * busy + 8 * self.starved)
 
     def _agent_argv(self, link: HostLink, once: bool = False) -> list[str]:
         shards = "auto" if once else ",".join(str(p.shard) for p in link.placements) or "auto"
@@ -376,6 +380,8 @@ class Supervisor:
                 while not self._closing:
                     try:
                         silence = self.silence_limit(link)
+                        if not link.host.replayed:          # the agent is starting and replaying
+                            silence = max(silence, AGENT_START_S)
                         line = await asyncio.wait_for(lines.__anext__(), silence)
                     except StopAsyncIteration:
                         why = link.diagnostics[-1] if link.diagnostics else "no output"
@@ -509,7 +515,10 @@ class Supervisor:
                 self.decide(time.time())
             except Exception as e:                      # keep supervising whatever happens
                 self.on_log(f"supervisor error: {type(e).__name__}: {e}")
+            t0 = time.monotonic()
             await asyncio.sleep(0.25)
+            late = time.monotonic() - t0 - 0.25         # how starved this process is (a loaded machine)
+            self.starved = max(late, self.starved * 0.95)
 
     def decide(self, now: float) -> None:
         """One pass: judge every shard of a reachable, replayed host and carry out what is due,
