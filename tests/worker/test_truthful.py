@@ -317,7 +317,7 @@ def test_temp_files_a_killed_writer_left_are_removed_by_the_next(tmp_path, dense
     dst = str(tmp_path / "exp")
     os.makedirs(dst)
     open(os.path.join(dst, ".tmp-2-999-1"), "w").write("half a file")
-    e = subprocess.run([sys.executable, "-m", "worker.export", runs["speculators"], "--format",
+    e = subprocess.run([sys.executable, "-m", "worker.export", runs["specforge-eagle3"], "--format",
                         "specforge-dflash", "--out", dst], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert e.returncode == 0, e.stderr
     assert not [n for n in os.listdir(dst) if n.startswith(".tmp-")]
