@@ -262,13 +262,13 @@ def test_a_second_process_for_a_shard_being_written_is_refused(tmp_path, dense_m
 
 def test_an_export_from_another_source_into_an_export_folder_is_refused(runs, tmp_path):
     dst = str(tmp_path / "exp")
-    ok = subprocess.run([sys.executable, "-m", "worker.export", runs["speculators"], "--format", "specforge-dflash",
-                         "--out", dst], cwd=REPO, capture_output=True, text=True, timeout=300)
+    ok = subprocess.run([sys.executable, "-m", "worker.export", runs["specforge-eagle3"], "--format",
+                         "specforge-dflash", "--out", dst], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
     meta_before = open(os.path.join(dst, "meta.json")).read()
-    r = subprocess.run([sys.executable, "-m", "worker.export", runs["speculators-dflash"], "--format",
+    r = subprocess.run([sys.executable, "-m", "worker.export", runs["eagle3-official"], "--format",
                         "specforge-dflash", "--out", dst], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and f"holds an export of {runs['speculators']}" in r.stderr, r.stderr
+    assert r.returncode != 0 and f"holds an export of {runs['specforge-eagle3']}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and open(os.path.join(dst, "meta.json")).read() == meta_before
 
 
