@@ -86,8 +86,8 @@ def busy_mark(record: ShardRecord) -> tuple:
     """What changes in the record once an action has been carried out: a new launch or intent."""
     a = record.attempt
     stop = a.stop if a is not None else record.unlaunched_stop
-    return (newest_launch(record), a.ended if a is not None else None, id(stop) if stop else None,
-            stop.t if stop else None)
+    return (newest_launch(record), a.ended if a is not None else None,
+            (stop.t, stop.why, stop.then) if stop else None)
 
 
 def describe(r: protocol.ActResult) -> str:

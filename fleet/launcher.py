@@ -25,7 +25,7 @@ from . import deploy
 from . import slurm as slurm_submission
 from .config import Config, HostSpec
 from .jobs import Placement, sentinel_spec, shard_command, shard_dir
-from .transport import HostError, HostUnusable, Transport
+from .transport import HostUnusable, Transport
 
 ACT_TIMEOUT_S = 60.0          # one host's act command (it only records, signals and spawns)
 
@@ -45,16 +45,19 @@ def make_launcher(config: Config) -> Launcher:
     return SlurmLauncher(config) if config.slurm is not None else HostLauncher(config)
 
 
-def _log_argv(config: Config, host: HostSpec, shard: int, last: int, follow: bool) -> list[str]:
-    # -F follows across the log's creation without tail's own chatter about it (-q, stderr dropped
-    # by the transport's line reader): a log view shows the shard's lines only.
-    return ["tail", "-q", "-n", str(last)] + (["-F"] if follow else []) + \
-        [f"{shard_dir(config, host, shard)}/log"]
+class _Engine:
+    """What both engines share: the config, and a shard's log read in place on the host."""
 
-
-class HostLauncher:
     def __init__(self, config: Config):
         self.config = config
+
+    def log_argv(self, host: HostSpec, shard: int, last: int, follow: bool) -> list[str]:
+        # -F follows across the log's creation; tail's own chatter is dropped by the reader.
+        return ["tail", "-q", "-n", str(last)] + (["-F"] if follow else []) + \
+            [f"{shard_dir(self.config, host, shard)}/log"]
+
+
+class HostLauncher(_Engine):
 
     def launch_spec(self, host: HostSpec, place: Placement, num_shards: int) -> dict:
         cmd = shard_command(self.config, host, place, num_shards)
@@ -87,16 +90,12 @@ class HostLauncher:
                 results.append(protocol.ActResult.from_dict(d))
         return results
 
-    def log_argv(self, host: HostSpec, shard: int, last: int, follow: bool) -> list[str]:
-        return _log_argv(self.config, host, shard, last, follow)
 
     def agent_args(self) -> list[str]:
         return []
 
 
-class SlurmLauncher:
-    def __init__(self, config: Config):
-        self.config = config
+class SlurmLauncher(_Engine):
 
     async def act(self, t: Transport, host: HostSpec, actions: list[protocol.ShardAction],
                   places: dict[int, Placement], num_shards: int,
@@ -159,11 +158,7 @@ class SlurmLauncher:
                 shard=p.shard, status={"held": "running"}.get(state, state or "error"), detail=detail)
         return out
 
-    def log_argv(self, host: HostSpec, shard: int, last: int, follow: bool) -> list[str]:
-        return _log_argv(self.config, host, shard, last, follow)
 
     def agent_args(self) -> list[str]:
         return ["--slurm", "--slurm-interval", str(self.config.slurm.poll_interval)]
 
-
-__all__ = ["Launcher", "HostLauncher", "SlurmLauncher", "make_launcher", "HostError"]

@@ -125,7 +125,7 @@ def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None
 MARKER = "── fleet:"                         # lines the runner writes into a shard's log
 
 
-def _reap_leftovers(shard_dir: str, pgid: int, lock_fd: int) -> int:
+def _reap_leftovers(shard_dir: str, pgid: int) -> int:
     """The shard's process has ended: whatever it left (its process group, and forks that left the
     group but hold the shard's lock) is killed, so no process outlives its launch — a DONE shard
     holds no GPU and a stop means stopped. Returns how many there were."""
@@ -221,7 +221,7 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
         if watcher:
             for ev in watcher.poll(final=code is not None):
                 append(ev)
-    leftovers = _reap_leftovers(shard_dir, child.pid, lock_fd)
+    leftovers = _reap_leftovers(shard_dir, child.pid)
     append(protocol.Exited(launch=launch_n, code=code, pid=child.pid, stopped=bool(stopping)))
     if leftovers:
         _log_marker(p["log"], f"launch {launch_n}: {leftovers} process(es) it left behind were killed")

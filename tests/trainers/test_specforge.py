@@ -33,6 +33,20 @@ def target(tmp_path_factory, dense_model) -> str:
     return str(folder)
 
 
+def train_and_check(tmp_path, run_yaml, words: list[str]) -> None:
+    """SpecForge's own train, with the flags the printed command carries: every sample loaded, each
+    with supervised tokens, two finite losses."""
+    r = subprocess.run([sys.executable, "-m", "tests.trainers.run_specforge", "train", "-c", str(run_yaml),
+                        *words[4:]], cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["rc"] == 0
+    names = sorted(int(os.path.basename(p)[5:-5]) for p in got["loaded"])
+    assert names == list(range(ROWS)) and all(n > 0 for n in got["loaded"].values())
+    assert len(got["losses"]) == 2 and all(math.isfinite(x) for x in got["losses"])
+
+
 @pytest.mark.slow
 def test_specforge_eagle3_trains_on_every_sample(tmp_path, target):
     from worker.demo import make_chat_dataset
@@ -61,15 +75,7 @@ def test_specforge_eagle3_trains_on_every_sample(tmp_path, target):
                         f"data:\n  hidden_states_path: {out}\n"
                         f"training:\n  fsdp_sharding: NO_SHARD\n  attention_backend: sdpa\n  ttt_length: 2\n"
                         f"  batch_size: {ROWS}\n  num_epochs: 2\noutput_dir: {tmp_path / 'ckpt'}\n")
-    r = subprocess.run([sys.executable, "-m", "tests.trainers.run_specforge", "train", "-c", str(run_yaml),
-                        *words[4:]], cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["rc"] == 0
-    names = sorted(int(os.path.basename(p)[5:-5]) for p in got["loaded"])
-    assert names == list(range(ROWS)) and all(n > 0 for n in got["loaded"].values())
-    assert len(got["losses"]) == 2 and all(math.isfinite(x) for x in got["losses"])
+    train_and_check(tmp_path, run_yaml, words)
 
 
 @pytest.mark.slow
@@ -91,12 +97,4 @@ def test_specforge_dflash_trains_on_every_sample(tmp_path, target, layers, draft
     run_yaml.write_text(f"model:\n  target_model_path: {target}\ndata:\n  hidden_states_path: {out}\n"
                         f"training:\n  fsdp_sharding: NO_SHARD\n  attention_backend: sdpa\n"
                         f"  batch_size: {ROWS}\n  num_epochs: 2\noutput_dir: {tmp_path / 'ckpt'}\n")
-    r = subprocess.run([sys.executable, "-m", "tests.trainers.run_specforge", "train", "-c", str(run_yaml),
-                        *words[4:]], cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["rc"] == 0
-    names = sorted(int(os.path.basename(p)[5:-5]) for p in got["loaded"])
-    assert names == list(range(ROWS)) and all(n > 0 for n in got["loaded"].values())
-    assert len(got["losses"]) == 2 and all(math.isfinite(x) for x in got["losses"])
+    train_and_check(tmp_path, run_yaml, words)
