@@ -8,8 +8,8 @@ Every figure is computed here once; the views only format it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -17,6 +17,9 @@ from .figures import pace, pace_eta, progress_age
 from .judge import Rates, Verdict, rates
 from .record import ShardRecord
 from .state import FAULTY, MEASURED, SETTLED, State
+
+if TYPE_CHECKING:
+    from .store import Host
 
 LIVE_PROGRESS = frozenset({State.STARTING, State.LOADING, State.RUNNING, State.STALLED})
 
@@ -218,28 +221,6 @@ def json_schema() -> dict:
 # --- inputs (what the supervisor holds) ---------------------------------------------------------
 
 @dataclass
-class HostView:
-    """What the supervisor knows of a host from its agent."""
-    name: str
-    address: str
-    reachable: bool | None = None
-    error: str | None = None
-    telemetry: str | None = None
-    gpus: list = field(default_factory=list)
-    gpu_t: float | None = None             # host clock of the last GPU reading
-    disk: dict | None = None
-    clock_offset: float = 0.0              # host clock - supervisor clock
-    last_seen: float | None = None         # supervisor clock
-    replayed: bool = False
-    role: str | None = None                # with [slurm]: "login" or "node"
-    usd_per_hour: float | None = None      # [[hosts]] usd_per_hour
-    unusable: bool = False                 # reached, but its python or agent fails there
-
-    def host_now(self, now: float) -> float:
-        return now + self.clock_offset
-
-
-@dataclass
 class ShardView:
     """One shard as the snapshot needs it: where it runs, its record, its liveness, the verdict."""
     id: int
@@ -269,26 +250,6 @@ def slurm_task(record: ShardRecord, live) -> SlurmTaskStatus | None:
                            node=a.node)
 
 
-def slurm_nodes(login: HostView, tasks: list[tuple[str, object | None]]) -> dict[str, HostView]:
-    """With [slurm], one host per compute node the shards run or ran on: GPUs are the live tasks'
-    own readings there (`protocol.TaskGpus`), merged by index; reachable as the login node is."""
-    nodes: dict[str, HostView] = {}
-    for node, reading in tasks:
-        h = nodes.get(node)
-        if h is None:
-            h = nodes[node] = HostView(node, node, reachable=login.reachable, clock_offset=login.clock_offset,
-                                       last_seen=login.last_seen, replayed=login.replayed, role="node")
-        if reading is None:
-            continue
-        if h.telemetry in (None, "none"):
-            h.telemetry = reading.source
-        known = {g.get("index") for g in h.gpus}
-        h.gpus = sorted(h.gpus + [g for g in reading.gpus if g.get("index") not in known],
-                        key=lambda g: g.get("index", 0))
-        h.gpu_t = reading.t if h.gpu_t is None else min(h.gpu_t, reading.t)
-    return nodes
-
-
 # --- the one computation ------------------------------------------------------------------------
 
 def _finite(x: float | None, digits: int = 2) -> float | None:
@@ -310,7 +271,7 @@ def all_replayed(hosts) -> bool:
     return all(h.replayed or h.reachable is False for h in hosts)
 
 
-def shown_state(view: ShardView, host: HostView) -> State:
+def shown_state(view: ShardView, host: Host) -> State:
     return State.UNKNOWN if host.reachable is False else view.verdict.state
 
 
@@ -385,7 +346,7 @@ def disk_full_eta(records: list[ShardRecord], tokens_per_s: float, free: int) ->
 NOT_EXPECTED = (State.DONE, State.STOPPED, State.UNKNOWN, State.QUEUED)   # GPUs not expected to produce
 
 
-def shard_row(v: ShardView, host: HostView, now: float) -> tuple[ShardStatus, Rates | None]:
+def shard_row(v: ShardView, host: Host, now: float) -> tuple[ShardStatus, Rates | None]:
     """One shard's row and its rates (None: not measured), from its record and verdict."""
     hn = host.host_now(now)
     state = shown_state(v, host)
@@ -469,7 +430,7 @@ def run_eta(views: list[ShardView], rows: list[ShardStatus], measured: list, fin
     return unit, eta
 
 
-def elapsed_s(views: list[ShardView], hosts: dict[str, HostView], settled: bool, now: float) -> float | None:
+def elapsed_s(views: list[ShardView], hosts: dict[str, Host], settled: bool, now: float) -> float | None:
     """From the first launch, on the supervisor's clock; once settled, to the last event."""
     starts = [v.record.first_launch_t - hosts[v.host].clock_offset for v in views
               if v.record.first_launch_t is not None]
@@ -480,7 +441,7 @@ def elapsed_s(views: list[ShardView], hosts: dict[str, HostView], settled: bool,
     return max(end - min(starts), 0.0)
 
 
-def host_rows(hosts: dict[str, HostView], views: list[ShardView], measured: list, hours: float | None,
+def host_rows(hosts: dict[str, Host], views: list[ShardView], measured: list, hours: float | None,
               now: float) -> tuple[list[HostStatus], float | None]:
     """Each host as status shows it, and the soonest time a host's disk fills at its current rate."""
     host_tps: dict[str, float] = {}
@@ -488,7 +449,7 @@ def host_rows(hosts: dict[str, HostView], views: list[ShardView], measured: list
         host_tps[v.host] = host_tps.get(v.host, 0.0) + x.tokens_per_s
     disk_eta, out = None, []
     for h in hosts.values():
-        free = (h.disk or {}).get("free")
+        free = h.disk.free if h.disk else None
         fills = disk_full_eta([v.record for v in views if v.host == h.name], host_tps.get(h.name, 0.0),
                               free) if free is not None and h.reachable else None
         if fills is not None:
@@ -496,9 +457,9 @@ def host_rows(hosts: dict[str, HostView], views: list[ShardView], measured: list
         out.append(HostStatus(
             name=h.name, address=h.address, role=h.role, reachable=h.reachable, error=h.error,
             telemetry=h.telemetry if h.reachable else None,
-            gpus=[Gpu(**g) for g in h.gpus] if h.reachable else None,
+            gpus=list(h.gpus) if h.reachable else None,
             gpu_age_s=_finite(h.host_now(now) - h.gpu_t, 1) if h.gpu_t and h.reachable else None,
-            disk=Disk(**h.disk) if h.reachable and h.disk else None,
+            disk=h.disk if h.reachable else None,
             last_seen_age_s=_finite(now - h.last_seen, 1) if h.last_seen else None,
             replayed=h.replayed, usd_per_hour=h.usd_per_hour,
             usd_spent=_finite(h.usd_per_hour * hours) if h.usd_per_hour is not None and hours is not None
@@ -506,7 +467,7 @@ def host_rows(hosts: dict[str, HostView], views: list[ShardView], measured: list
     return out, disk_eta
 
 
-def money(hosts: dict[str, HostView], hours: float | None, settled: bool,
+def money(hosts: dict[str, Host], hours: float | None, settled: bool,
           eta: float | None) -> tuple[float | None, float | None, float | None]:
     """What the priced hosts cost an hour, over the run's elapsed time, and at this rate to the end."""
     priced = [h.usd_per_hour for h in hosts.values() if h.usd_per_hour is not None]
@@ -518,7 +479,7 @@ def money(hosts: dict[str, HostView], hours: float | None, settled: bool,
     return rate, spent, projected
 
 
-def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView], now: float,
+def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now: float,
                    expected) -> FleetSnapshot:
     """`views`: every shard of the run's plan; `expected` the config's ExpectedSpec; `now` the
     supervisor's clock. Each figure is one of the small functions above."""

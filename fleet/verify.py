@@ -161,7 +161,7 @@ async def reopen_repaired(sup, result: VerifyResult) -> list[str]:
                 k = shard_of(i, result.num_samples, plan["num_shards"])
                 per_shard[k] = per_shard.get(k, 0) + 1
     for k, n in sorted(per_shard.items()):
-        place = next(p for p in sup.placements if p.shard == k)
+        place = sup.shards[k].placement
         link = sup.links[place.host]
         await deploy.run_worker_module(link.transport, sup.config, link.spec, "hostctl", "reopen",
                                        "--shard-dir", shard_dir(sup.config, link.spec, k),

@@ -14,7 +14,8 @@ import subprocess
 from fleet.config import ExpectedSpec
 from fleet.footprint import Need, bytes_in, needs, verdicts
 from fleet.record import fold
-from fleet.snapshot import HostView, build_snapshot
+from fleet.snapshot import Disk, build_snapshot
+from fleet.store import Host
 from tests.faults.test_hostile_inputs import local_toml
 from tests.faults.test_worker_faults import small_tmpfs  # noqa: F401  (fixture)
 from tests.fleet.conftest import fleet
@@ -54,8 +55,8 @@ def test_each_host_needs_the_rows_of_its_shards_and_a_shared_folder_sums_them():
 
 
 def test_the_disk_full_forecast_uses_the_bytes_per_token_written():
-    hosts = {"a": HostView("a", "1.1.1.1", reachable=True, replayed=True,
-                           disk={"path": "/o", "free": 0, "total": 10**12})}
+    hosts = {"a": Host("a", "1.1.1.1", reachable=True, replayed=True,
+                           disk=Disk(path="/o", free=0, total=10**12))}
     # 100 samples of 100 tokens written at 2,000 bytes per token (fp8, 4 x 496 + ids), 900 to go.
     evs = [launch(0), p.Loaded(t=1, launch=1)] + [
         p.Progress(t=t, launch=1, done=10 * t, tokens=1000 * t, bytes=2_000_000 * t, total=1000) for t in range(1, 11)]
@@ -63,7 +64,7 @@ def test_the_disk_full_forecast_uses_the_bytes_per_token_written():
     views = [view(0, "a", evs, 10)]
     left = 900 * 100 * 2000                                    # bytes the rest will write
     for free, expect in ((left, None), (left - 1, (left - 1) / (1000 * 2000))):
-        hosts["a"].disk["free"] = free
+        hosts["a"].disk = Disk(path="/o", free=free, total=10**12)
         totals = build_snapshot("r", views, hosts, now=10, expected=exp).totals
         assert totals.disk_full_eta_s == (round(expect) if expect else None), free
     assert fold(evs).bytes / fold(evs).tokens == 2000
@@ -116,7 +117,7 @@ max_restarts = 0
     r = fleet("up", "--headless", "--allow-partial", "-c", config("b", "bf16", out))
     assert r.returncode == 1 and "--allow-partial: it stops when the disk is full" in r.stderr, r.stderr
     events = [json.loads(l) for l in open(tmp_path / "fleet" / "b" / "shards" / "0" / "events.jsonl")]
-    assert any(e["event"] == "failed" and e["reason"].startswith("disk full") for e in events)
+    assert any(e["event"] == "failed" and e["reason"].startswith("disk full") for e in events), (r.stdout, r.stderr[-3000:], events[-5:])
     assert 0 < manifest_bytes(out) < size_k << 10 and verify(out)["problems"] == []
     subprocess.run(["rm", "-rf", out], check=True)
     # fp8 fits, and the projection is what the worker then wrote.

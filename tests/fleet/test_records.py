@@ -19,6 +19,7 @@ from fleet.config import load_config
 from fleet.judge import rates
 from fleet.record import fold
 from fleet.state import State
+from fleet import setup
 from fleet.supervisor import Supervisor
 from worker import protocol
 
@@ -80,9 +81,9 @@ async def deployed(config_path: str, logs: list | None = None) -> Supervisor:
     """A supervisor for fleet.toml at `config_path`, its worker deployed and its plan settled."""
     config = load_config(config_path)
     sup = Supervisor(config, on_log=(logs.append if logs is not None else None))
-    results, failures = await sup.deploy()
+    results, failures = await setup.deploy_all(sup)
     assert not failures and not results[0].errors, (failures, results[0].errors)
-    await sup.settle_plan(results)
+    await setup.settle_plan(sup, results)
     return sup
 
 

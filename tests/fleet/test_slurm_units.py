@@ -15,7 +15,8 @@ from fleet.judge import SLURM_WORD_WAIT_S, Action, Policy, judge
 from fleet.plan import make_plan, plan_differences
 from fleet.record import fold
 from fleet.slurm import sbatch_options, submission
-from fleet.snapshot import HostView, ShardView, build_snapshot, slurm_nodes, slurm_task
+from fleet.snapshot import ShardView, build_snapshot, slurm_task
+from fleet.store import Host, slurm_nodes
 from fleet.state import SETTLED, State
 from tests.fleet.test_config import error_of, write
 from tests.fleet.test_judge import World, assert_within_restart_budget
@@ -356,7 +357,7 @@ def test_judge_invariants_hold_over_random_slurm_histories(steps, max_restarts):
 # --- the snapshot ---------------------------------------------------------------------------------
 
 def test_the_snapshot_shows_a_slurm_shard_on_its_node_and_groups_gpus_by_node():
-    login = HostView("slurm", "alice@login", reachable=True, replayed=True, role="login")
+    login = Host("slurm", "alice@login", reachable=True, replayed=True, role="login")
     running = fold(submitted(job="40_0") + started(job="40_0"))
     queued = fold(submitted(job="41_1"))
     readings = [("node07", p.TaskGpus(shard=0, launch=1, node="node07", t=100.0, source="nvml",
@@ -367,7 +368,7 @@ def test_the_snapshot_shows_a_slurm_shard_on_its_node_and_groups_gpus_by_node():
     nodes = slurm_nodes(login, readings)
     assert sorted(nodes) == ["node07", "node09"]
     n7 = nodes["node07"]
-    assert [g["index"] for g in n7.gpus] == [0, 2] and n7.gpu_t == 99.0 and n7.telemetry == "nvml"
+    assert [g.index for g in n7.gpus] == [0, 2] and n7.gpu_t == 99.0 and n7.telemetry == "nvml"
     assert nodes["node09"].gpus == [] and nodes["node09"].telemetry is None and n7.role == "node"
     views = [ShardView(0, "slurm", 2, running, judge(running, True, 8, POLICY), True, 99, 3, node="node07",
                        slurm=slurm_task(running, live("RUNNING", None, node="node07", job="40_0"))),
