@@ -352,12 +352,6 @@ def shard_row(v: ShardView, host: Host, now: float) -> tuple[ShardStatus, Rates 
     state = shown_state(v, host)
     r, a = v.record, v.record.attempt
     rate = rates(r, state, hn) if host.reachable else None
-    shard_pace = pace(r, hn) if state in MEASURED else None
-    late = progress_age(r, hn, v.idle_s) if state in LIVE_PROGRESS and host.reachable else None
-    eta_s = 0.0 if state == State.DONE else pace_eta(r, shard_pace)
-    if eta_s is None:
-        eta_s = shard_eta(r, state, rate)
-    due = v.verdict.due_t
     row = ShardStatus(
         id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), slurm=v.slurm, state=state,
         reason=(f"host {'unusable' if host.unusable else 'unreachable'}: {host.error}" if host.reachable is False
@@ -367,22 +361,44 @@ def shard_row(v: ShardView, host: Host, now: float) -> tuple[ShardStatus, Rates 
         tokens=r.tokens, total_tokens=r.total_tokens, bytes=r.bytes,
         samples_per_s=_finite(rate.samples_per_s) if rate else None,
         tokens_per_s=_finite(rate.tokens_per_s, 1) if rate and counts_tokens(r) else None,
-        eta_s=_finite(eta_s, 0), eta_rough=state != State.DONE and eta_s is not None and not (
-            shard_pace is not None and shard_pace.settled),
-        progress_age_s=_finite(late.age_s, 1) if late else None,
-        progress_interval_s=_finite(late.usual_s, 1) if late and late.usual_s is not None else None,
-        progress_late=bool(late and late.late),
+        **shard_eta_fields(r, state, rate, hn),
+        **lateness(r, state, hn, v.idle_s) if host.reachable else {},
+        **life(v, host, state, hn),
         restarts=max(r.launches - 1, 0), auto_attempts=v.verdict.attempts,
         max_restarts=v.max_restarts, failures=r.failures, last_failure=r.last_failure,
-        alive=v.alive if host.reachable else None,
-        pid=(v.pid or (a.pid if a and not a.ended else None)) if v.alive else None,
-        exit_code=a.end.code if a and a.end else None,
-        last_event=r.last_event,
-        last_event_age_s=_finite(hn - r.last_event_t, 1) if r.last_event_t else None,
-        backoff_s=_finite(max(due - hn, 0.0), 1) if due is not None and state != State.UNKNOWN else None,
         writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
         detail=a.detail if a and state == State.LOADING else None, path=r.path)
     return row, rate
+
+
+def shard_eta_fields(r: ShardRecord, state: State, rate: Rates | None, host_now: float) -> dict:
+    """The shard's ETA at its pace over minutes (its rate now until that is measured), and
+    whether that pace is still short (rough)."""
+    shard_pace = pace(r, host_now) if state in MEASURED else None
+    eta_s = 0.0 if state == State.DONE else pace_eta(r, shard_pace)
+    if eta_s is None:
+        eta_s = shard_eta(r, state, rate)
+    rough = state != State.DONE and eta_s is not None and not (shard_pace is not None and shard_pace.settled)
+    return dict(eta_s=_finite(eta_s, 0), eta_rough=rough)
+
+
+def lateness(r: ShardRecord, state: State, host_now: float, idle_s: float | None) -> dict:
+    """How long a live shard has gone without progress, against its own usual interval."""
+    late = progress_age(r, host_now, idle_s) if state in LIVE_PROGRESS else None
+    if late is None:
+        return {}
+    return dict(progress_age_s=_finite(late.age_s, 1), progress_late=late.late,
+                progress_interval_s=_finite(late.usual_s, 1) if late.usual_s is not None else None)
+
+
+def life(v: ShardView, host: Host, state: State, host_now: float) -> dict:
+    """Its process (alive, pid, exit code), its last event, and when a pending restart is due."""
+    r, a, due = v.record, v.record.attempt, v.verdict.due_t
+    return dict(alive=v.alive if host.reachable else None,
+                pid=(v.pid or (a.pid if a and not a.ended else None)) if v.alive else None,
+                exit_code=a.end.code if a and a.end else None, last_event=r.last_event,
+                last_event_age_s=_finite(host_now - r.last_event_t, 1) if r.last_event_t else None,
+                backoff_s=_finite(max(due - host_now, 0.0), 1) if due is not None and state != State.UNKNOWN else None)
 
 
 def gpus_of(v: ShardView) -> int:
@@ -479,6 +495,53 @@ def money(hosts: dict[str, Host], hours: float | None, settled: bool,
     return rate, spent, projected
 
 
+def counts(views: list[ShardView], rows: list[ShardStatus]) -> dict:
+    """Shards by state, samples and tokens done, bytes, and the GPUs planned and expected to work."""
+    by_state: dict[str, int] = {}
+    for row in rows:
+        by_state[row.state.value] = by_state.get(row.state.value, 0) + 1
+    records = [v.record for v in views]
+    sized = bool(records) and all(r.total_tokens is not None for r in records)
+    return dict(shards=len(rows), by_state=by_state, done=sum(r.done + r.skipped for r in records),
+                total=sum(r.total for r in records), tokens=sum(r.tokens for r in records),
+                total_tokens=sum(r.total_tokens for r in records) if sized else None,
+                bytes_written=sum(r.bytes for r in records), gpus_planned=sum(gpus_of(v) for v in views),
+                gpus_expected=sum(gpus_of(v) for v, row in zip(views, rows) if row.state not in NOT_EXPECTED))
+
+
+def throughput(expected, views: list[ShardView], measured: list, gpus_expected: int) -> dict:
+    """The run's rates now, and how they compare with the expected figure."""
+    sps = sum(x.samples_per_s for _, x in measured)
+    tps = sum(x.tokens_per_s for _, x in measured)
+    vs = against_expected(expected, views, gpus_expected, sps, tps, bool(measured))
+    return dict(samples_per_s=_finite(sps) if measured else None,
+                tokens_per_s=_finite(tps, 1) if any(counts_tokens(v.record) for v, _ in measured) else None,
+                expected_unit=vs.unit, expected_per_s=_finite(vs.rate), expected_tokens_per_s=_finite(vs.tokens, 1),
+                ratio=_finite(vs.ratio, 3), ratio_unit=vs.ratio_unit,
+                alert=vs.level in ("low", "critical"), alert_level=vs.level)
+
+
+def eta_fields(rows: list[ShardStatus], eta: float | None, unit: str | None, settled: bool) -> dict:
+    """The run's ETA, whether it is rough, and the shards it leaves out."""
+    return dict(eta_s=_finite(eta, 0), eta_unit=unit,
+                eta_rough=eta is not None and not settled and any(r.eta_rough for r in rows if r.state not in SETTLED),
+                eta_left_out=[r.id for r in rows if r.state in (State.FATAL, State.STOPPED)])
+
+
+def averages(done: int, tokens: int, gpus: int, elapsed: float | None) -> dict:
+    """Over the run's elapsed time: what a finished run is summed up by."""
+    if not elapsed:
+        return {}
+    return dict(avg_samples_per_s=_finite(done / elapsed), avg_tokens_per_s=_finite(tokens / elapsed, 1),
+                avg_tokens_per_s_per_gpu=_finite(tokens / elapsed / gpus, 1) if gpus else None)
+
+
+def costs(hosts: dict[str, Host], hours: float | None, settled: bool, eta: float | None, tokens: int) -> dict:
+    rate, spent, projected = money(hosts, hours, settled, eta)
+    return dict(usd_per_hour=_finite(rate), usd_spent=_finite(spent), usd_projected=_finite(projected),
+                usd_per_million_tokens=_finite(spent / tokens * 1e6, 3) if spent is not None and tokens else None)
+
+
 def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now: float,
                    expected) -> FleetSnapshot:
     """`views`: every shard of the run's plan; `expected` the config's ExpectedSpec; `now` the
@@ -490,47 +553,21 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
         if rate is not None:
             measured.append((v, rate))
     states = [row.state for row in rows]
-    by_state: dict[str, int] = {}
-    for st in states:
-        by_state[st.value] = by_state.get(st.value, 0) + 1
     settled = bool(states) and all(s in SETTLED for s in states)
     finished = bool(states) and all(s == State.DONE for s in states)
-    gpus_planned = sum(gpus_of(v) for v in views)
-    gpus_expected = sum(gpus_of(v) for v, st in zip(views, states) if st not in NOT_EXPECTED)
-    sps = sum(x.samples_per_s for _, x in measured)
-    tps = sum(x.tokens_per_s for _, x in measured)
-    vs = against_expected(expected, views, gpus_expected, sps, tps, bool(measured))
     eta_unit, eta = run_eta(views, rows, measured, finished)
     elapsed = elapsed_s(views, hosts, settled, now)
     hours = elapsed / 3600 if elapsed is not None else None
     hosts_out, disk_eta = host_rows(hosts, views, measured, hours, now)
-    usd_rate, spent, projected = money(hosts, hours, settled, eta)
-    finished_samples = sum(v.record.done + v.record.skipped for v in views)
-    tokens = sum(v.record.tokens for v in views)
-    all_sized = bool(views) and all(v.record.total_tokens is not None for v in views)
+    n = counts(views, rows)
     return FleetSnapshot(
         run=run, time=round(now, 3), hosts=hosts_out, shards=rows,
-        totals=Totals(
-            shards=len(rows), by_state=by_state, done=finished_samples, total=sum(v.record.total for v in views),
-            samples_per_s=_finite(sps) if measured else None,
-            tokens_per_s=_finite(tps, 1) if any(counts_tokens(v.record) for v, _ in measured) else None,
-            tokens=tokens, total_tokens=sum(v.record.total_tokens for v in views) if all_sized else None,
-            gpus_planned=gpus_planned, gpus_expected=gpus_expected,
-            expected_unit=vs.unit, expected_per_s=_finite(vs.rate), expected_tokens_per_s=_finite(vs.tokens, 1),
-            ratio=_finite(vs.ratio, 3), ratio_unit=vs.ratio_unit,
-            alert=vs.level in ("low", "critical"), alert_level=vs.level,
-            eta_s=_finite(eta, 0), eta_unit=eta_unit if views else None,
-            eta_rough=eta is not None and not settled and any(r.eta_rough for r in rows if r.state not in SETTLED),
-            eta_left_out=[r.id for r in rows if r.state in (State.FATAL, State.STOPPED)],
-            elapsed_s=_finite(elapsed, 1), finished=finished,
-            avg_samples_per_s=_finite(finished_samples / elapsed) if elapsed else None,
-            avg_tokens_per_s=_finite(tokens / elapsed, 1) if elapsed else None,
-            avg_tokens_per_s_per_gpu=_finite(tokens / elapsed / gpus_planned, 1) if elapsed and gpus_planned
-            else None,
-            bytes_written=sum(v.record.bytes for v in views), disk_full_eta_s=_finite(disk_eta, 0),
-            usd_per_hour=_finite(usd_rate), usd_spent=_finite(spent), usd_projected=_finite(projected),
-            usd_per_million_tokens=_finite(spent / tokens * 1e6, 3) if spent is not None and tokens else None,
-            replayed=all_replayed(hosts.values()), settled=settled))
+        totals=Totals(**n, **throughput(expected, views, measured, n["gpus_expected"]),
+                      **eta_fields(rows, eta, eta_unit if views else None, settled),
+                      **averages(n["done"], n["tokens"], n["gpus_planned"], elapsed),
+                      **costs(hosts, hours, settled, eta, n["tokens"]),
+                      elapsed_s=_finite(elapsed, 1), finished=finished, disk_full_eta_s=_finite(disk_eta, 0),
+                      replayed=all_replayed(hosts.values()), settled=settled))
 
 
 def status_exit_code(snap: FleetSnapshot) -> int:
