@@ -52,7 +52,7 @@ def format_status(snap: FleetSnapshot) -> str:
         lines.append("states: " + ", ".join(f"{k} {v}" for k, v in t.by_state.items()))
     for h in snap.hosts:
         if h.reachable is False:
-            lines.append(f"host {h.name}: UNKNOWN ({h.error})")
+            lines.append(f"host {h.name}: {'unusable' if h.unusable else 'unreachable'} ({h.error})")
             continue
         tele = "no GPU telemetry" if not h.gpus else ", ".join(
             f"gpu{g.index} {gib(g.mem_used)}/{gib(g.mem_total)} GiB" for g in h.gpus)

@@ -58,6 +58,8 @@ class HostStatus(BaseModel):
     reachable: Optional[bool] = Field(None, description="false: unreachable (then gpus and disk are "
                                                         "null, not zero); null: not tried yet")
     error: Optional[str] = Field(None, description="why it is unreachable, or the agent's last error")
+    unusable: bool = Field(False, description="reached, but its python or the agent fails there "
+                                              "(reachable is false then too)")
     telemetry: Optional[Literal["nvml", "nvidia-smi", "none"]] = None
     gpus: Optional[list[Gpu]] = None
     gpu_age_s: Optional[float] = None
@@ -472,6 +474,7 @@ def host_rows(hosts: dict[str, Host], views: list[ShardView], measured: list, ho
             disk_eta = min(disk_eta if disk_eta is not None else math.inf, fills)
         out.append(HostStatus(
             name=h.name, address=h.address, role=h.role, reachable=h.reachable, error=h.error,
+            unusable=h.unusable and h.reachable is False,
             telemetry=h.telemetry if h.reachable else None,
             gpus=list(h.gpus) if h.reachable else None,
             gpu_age_s=_finite(h.host_now(now) - h.gpu_t, 1) if h.gpu_t and h.reachable else None,
