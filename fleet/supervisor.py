@@ -20,7 +20,6 @@ judge and the snapshot are the same.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -114,7 +113,7 @@ class Supervisor:
         self.shards: dict[int, ShardSlot] = {}
         self.placements: list[Placement] = []
         self.num_shards = 0
-        self.plan: dict | None = None
+        self.plan: protocol.Plan | None = None
         self._closing = False
         self.starved = 0.0                  # seconds the decide loop ran late lately (decaying max)
         self._decider: asyncio.Task | None = None
@@ -143,7 +142,7 @@ class Supervisor:
                 link.host.reachable = True
         return ok, failures
 
-    async def settle_plan(self, results: list[deploy.Preflight], replan: bool = False) -> dict:
+    async def settle_plan(self, results: list[deploy.Preflight], replan: bool = False) -> protocol.Plan:
         """The run's plan after deploy: the one the hosts hold if fleet.toml still agrees with it,
         else a refusal (PlanError) naming the differences — or, with `replan` and nothing live, a
         new one. Every host gets the plan that is used."""
@@ -153,9 +152,9 @@ class Supervisor:
             if diffs:
                 raise PlanError(f"{r.host}'s model or data differs from {base.host}'s: " + "; ".join(diffs))
         desired = make_plan(self.config, {r.host: r.gpus for r in results}, base.identity,
-                            {r.host: r.report.get("host_id") for r in results})
+                            {r.host: r.report.host_id for r in results})
         held = [r.plan for r in results if r.plan]
-        existing = max(held, key=lambda p: p.get("created", 0)) if held else None
+        existing = max(held, key=lambda p: p.created) if held else None
         plan, replaced = desired, False
         if existing is not None:
             diffs = plan_differences(existing, desired)
@@ -175,19 +174,19 @@ class Supervisor:
         self.use_plan(plan)
         return plan
 
-    async def _write_plan(self, link: HostLink, plan: dict, replaced: bool) -> None:
+    async def _write_plan(self, link: HostLink, plan: protocol.Plan, replaced: bool) -> None:
         argv = deploy.python_argv(self.config, link.spec, "plan", "write", "--run-dir",
                                   self.config.run_dir(link.spec), *(["--archive-records"] if replaced else []))
-        r = await link.transport.run(argv, timeout=60, input=json.dumps(plan).encode())
+        r = await link.transport.run(argv, timeout=60, input=plan.to_json().encode())
         if r.rc != 0:
             raise PlanError(f"{link.spec.name}: cannot write the run's plan: {deploy.last_line(r.stderr)}")
 
-    def use_plan(self, plan: dict) -> None:
+    def use_plan(self, plan: protocol.Plan) -> None:
         """Take the shard layout from the run's plan and create the shard records."""
         check_hosts(plan, self.config)
         self.plan = plan
         self.placements = placements(plan)
-        self.num_shards = plan["num_shards"]
+        self.num_shards = plan.num_shards
         for link in self.links.values():
             link.placements = [p for p in self.placements if p.host == link.spec.name]
         self.shards = {p.shard: self._new_slot(p) for p in self.placements}
@@ -195,7 +194,7 @@ class Supervisor:
     def _another_machine(self, link: HostLink, host_id: str | None) -> str | None:
         """The plan's machine for this host name is not the one that answered (names swapped in
         fleet.toml): nothing is done there, by any command."""
-        planned = ((self.plan or {}).get("host_ids") or {}).get(link.spec.name)
+        planned = self.plan.host_ids.get(link.spec.name) if self.plan else None
         if planned and host_id and planned != host_id:
             return (f"{link.spec.name} is another machine: the plan's {link.spec.name} is {planned}, this "
                     f"one is {host_id} (names swapped or an address changed in fleet.toml?); nothing done there")
@@ -281,7 +280,7 @@ class Supervisor:
                 lines = r.stdout.splitlines()
                 hello = protocol.parse_message(lines[0]) if lines else None
                 if isinstance(hello, protocol.Hello) and hello.plan:
-                    plans.append(hello.plan)
+                    plans.append(deploy.parse_reply(protocol.Plan, hello.plan, f"{link.spec.name}: the agent's plan"))
                 if r.rc != 0 and not any('"type":"error"' in l for l in lines):
                     raise HostUnusable(deploy._python_missing(self.config, link.spec, r.stderr) or
                                        f"{link.spec.name}: the agent failed there ({self.config.python(link.spec)}, "
@@ -290,10 +289,10 @@ class Supervisor:
             except HostError as e:
                 self._host_down(link, e)
                 return []
-        plans: list[dict] = []
+        plans: list[protocol.Plan] = []
         outputs = await asyncio.gather(*(one(l) for l in self.links.values()))
         if plans:
-            self.use_plan(max(plans, key=lambda p: p.get("created", 0)))
+            self.use_plan(max(plans, key=lambda p: p.created))
         for link, lines in zip(self.links.values(), outputs):
             try:
                 if lines:                       # before the messages: one may say what went wrong
