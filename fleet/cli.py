@@ -19,6 +19,8 @@ import click
 from worker.identity import differences
 
 from worker.formats import FORMATS
+from worker.protocol import Plan
+from worker.ranges import runs_text
 
 from . import render, setup
 from .actions import describe
@@ -75,7 +77,7 @@ def main() -> None:
 
 # --- up ----------------------------------------------------------------------------------------
 
-async def deploy_and_plan(sup: Supervisor, replan: bool = False, allow_partial: bool = False) -> dict:
+async def deploy_and_plan(sup: Supervisor, replan: bool = False, allow_partial: bool = False) -> Plan:
     """Deploy and preflight every host, check the output fits, then settle the run's plan; exits
     on any refusal."""
     config = sup.config
@@ -107,7 +109,7 @@ def output_needs(config: Config, results: list, replan: bool) -> list:
     from .plan import placements
     held = [r.plan for r in results if r.plan]
     if held and not replan:
-        places = placements(max(held, key=lambda p: p.get("created", 0)))
+        places = placements(max(held, key=lambda p: p.created))
     else:
         places = place_shards(config, {h.name: [] for h in config.hosts} | {r.host: r.gpus for r in results})
     by_host: dict[str, list[int]] = {}
@@ -120,7 +122,7 @@ def output_needs(config: Config, results: list, replan: bool) -> list:
 def output_verdicts(results: list, groups: list, allow_partial: bool) -> list[str]:
     """Print the whole run's projection and the warnings; return the refusals."""
     from .footprint import describe, verdicts
-    fp = next((r.report["footprint"] for r in results if r.report.get("footprint")), None)
+    fp = next((r.report.footprint for r in results if r.report.footprint), None)
     if fp:
         click.echo(describe(fp), err=True)
     refusals, warnings = verdicts(groups, allow_partial)
@@ -299,7 +301,7 @@ def restart(config_path: str, shard: str) -> None:
         sup = Supervisor(config)
         try:
             k = await find_shard(sup, shard)
-            if sup.plan and (diffs := differences(sup.plan.get("spec", {}), spec_of(config))):
+            if sup.plan and (diffs := differences(sup.plan.spec, spec_of(config))):
                 fail(refusal(sup.plan, diffs), EXIT_FAULT)
             result = (await sup.request([k], "restart", wait=config.spec.supervise.stop_grace + 30))[k]
         finally:
@@ -382,7 +384,7 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
         for i, why in list(result.skipped.items())[:20]:
             click.echo(f"  skipped {i}: {why}")
         if result.missing:
-            shown = ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in result.missing[:20])
+            shown = runs_text(result.missing[:20], ", ")
             click.echo(f"missing: {sum(b - a for a, b in result.missing)} sample(s): {shown}")
         for p in result.problems[:50]:
             click.echo(f"problem: {p}")
@@ -425,7 +427,7 @@ def export(config_path: str, fmt: str, out: str) -> None:
         finally:
             await sup.close()
         for host, s in result.summaries.items():
-            click.echo(f"{host}: {s['written']} written, {s['skipped']} skipped -> {s['out']} ({fmt})")
+            click.echo(f"{host}: {s.written} written, {s.skipped} skipped -> {s.out} ({fmt})")
         for why in list(result.failed.values()) + list(result.unreachable.values()):
             click.echo(f"error: {why}", err=True)    # a host's export that stopped says why last
         if result.unreachable:

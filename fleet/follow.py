@@ -185,12 +185,15 @@ async def read_all(store: Store, links: dict[str, HostLink], config: Config) -> 
     store.forget()
     outputs = await asyncio.gather(*(link.read_once(config) for link in links.values()))
     plans = []
-    for lines in outputs:
+    for link, lines in zip(links.values(), outputs):
         hello = protocol.parse_message(lines[0]) if lines else None
         if isinstance(hello, protocol.Hello) and hello.plan:
-            plans.append(hello.plan)
+            try:
+                plans.append(deploy.parse_reply(protocol.Plan, hello.plan, f"{link.name}: the agent's plan"))
+            except HostError as e:
+                link.host.down(e)
     if plans:
-        store.use_plan(max(plans, key=lambda p: p.get("created", 0)))
+        store.use_plan(max(plans, key=lambda p: p.created))
     for link, lines in zip(links.values(), outputs):
         try:
             if lines:                       # before the messages: one may say what went wrong

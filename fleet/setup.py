@@ -5,10 +5,10 @@ run's plan (the one the hosts hold if fleet.toml still agrees with it) and give 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import TYPE_CHECKING
 
 from worker.identity import differences
+from worker.protocol import Plan
 
 from . import deploy
 from .follow import HostLink
@@ -40,7 +40,7 @@ async def deploy_all(sup: Supervisor) -> tuple[list[deploy.Preflight], dict[str,
     return ok, failures
 
 
-async def settle_plan(sup: Supervisor, results: list[deploy.Preflight], replan: bool = False) -> dict:
+async def settle_plan(sup: Supervisor, results: list[deploy.Preflight], replan: bool = False) -> Plan:
     """The run's plan after deploy: the one the hosts hold if fleet.toml still agrees with it,
     else a refusal (PlanError) naming the differences — or, with `replan` and nothing live, a
     new one. Every host gets the plan that is used."""
@@ -50,9 +50,9 @@ async def settle_plan(sup: Supervisor, results: list[deploy.Preflight], replan: 
         if diffs:
             raise PlanError(f"{r.host}'s model or data differs from {base.host}'s: " + "; ".join(diffs))
     desired = make_plan(sup.config, {r.host: r.gpus for r in results}, base.identity,
-                        {r.host: r.report.get("host_id") for r in results})
+                        {r.host: r.report.host_id for r in results})
     held = [r.plan for r in results if r.plan]
-    existing = max(held, key=lambda p: p.get("created", 0)) if held else None
+    existing = max(held, key=lambda p: p.created) if held else None
     plan, replaced = desired, False
     if existing is not None:
         diffs = plan_differences(existing, desired)
@@ -71,10 +71,10 @@ async def settle_plan(sup: Supervisor, results: list[deploy.Preflight], replan: 
     return plan
 
 
-async def write_plan(sup: Supervisor, link: HostLink, plan: dict, replaced: bool) -> None:
+async def write_plan(sup: Supervisor, link: HostLink, plan: Plan, replaced: bool) -> None:
     argv = deploy.python_argv(sup.config, link.spec, "plan", "write", "--run-dir", sup.config.run_dir(link.spec),
                               *(["--archive-records"] if replaced else []))
-    r = await link.transport.run(argv, timeout=60, input=json.dumps(plan).encode())
+    r = await link.transport.run(argv, timeout=60, input=plan.to_json().encode())
     if r.rc != 0:
         raise PlanError(f"{link.name}: cannot write the run's plan: {deploy.last_line(r.stderr)}")
 

@@ -173,7 +173,7 @@ class Store:
             for h in config.hosts}
         self.shards: dict[int, Shard] = {}
         self.placements: list[Placement] = []
-        self.plan: dict | None = None
+        self.plan: protocol.Plan | None = None
         self.shown: dict[int, tuple[State, int]] = {}    # shard -> (state, failures) last published
 
     @property
@@ -184,7 +184,7 @@ class Store:
         return [p for p in self.placements if p.host == host]
 
     # --- the plan ----------------------------------------------------------------------------------
-    def use_plan(self, plan: dict) -> None:
+    def use_plan(self, plan: protocol.Plan) -> None:
         """Take the shard layout from the run's plan and create the shard records."""
         check_hosts(plan, self.config)
         self.plan = plan
@@ -211,7 +211,7 @@ class Store:
     def another_machine(self, host: str, host_id: str | None) -> str | None:
         """The plan's machine for this host name is not the one that answered (names swapped in
         fleet.toml): nothing is done there, by any command."""
-        planned = ((self.plan or {}).get("host_ids") or {}).get(host)
+        planned = self.plan.host_ids.get(host) if self.plan else None
         if planned and host_id and planned != host_id:
             return (f"{host} is another machine: the plan's {host} is {planned}, this one is {host_id} "
                     f"(names swapped or an address changed in fleet.toml?); nothing done there")

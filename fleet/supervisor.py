@@ -69,7 +69,7 @@ class Supervisor:
         return self.store.shards
 
     @property
-    def plan(self) -> dict | None:
+    def plan(self) -> protocol.Plan | None:
         return self.store.plan
 
     @property

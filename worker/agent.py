@@ -318,7 +318,8 @@ class Agent:
 
     def replay(self) -> None:
         """hello, every shard's record so far with its liveness, GPUs, disk, then `replayed`."""
-        self.send(protocol.Hello(host=socket.gethostname(), pid=os.getpid(), plan=read_plan(self.run_dir),
+        plan = read_plan(self.run_dir)
+        self.send(protocol.Hello(host=socket.gethostname(), pid=os.getpid(), plan=plan.to_dict() if plan else None,
                                  host_id=read_host_id(self.run_dir)))
         self.poll_shards(replay=True, force_liveness=True)
         self.poll_gpu()

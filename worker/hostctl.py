@@ -41,7 +41,9 @@ import threading
 import time
 
 from . import protocol
+from .files import write_atomic
 from .sentinels import LogWatcher, SentinelSpec, log_size
+from .text import exit_words
 
 RUNNER_PID_FILE = "runner.pid"
 POLL_S = 0.25
@@ -81,9 +83,7 @@ def read_pid(shard_dir: str) -> int | None:
 
 
 def _write_int(path: str, value: int) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(f"{value}\n")
-    os.replace(path + ".tmp", path)
+    write_atomic(path, f"{value}\n")
 
 
 def last_launch(events_path: str) -> int:
@@ -168,12 +168,6 @@ def _log_marker(path: str, text: str) -> None:
         pass
 
 
-def _exit_words(code: int | None) -> str:
-    if code is None:
-        return "no exit status"
-    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-
-
 def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n: int,
         log_offset: int, sentinels: dict | None, started: dict | None = None) -> int:
     """The detached runner: start the process, record its pid, follow its log for sentinels,
@@ -227,7 +221,7 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
         _log_marker(p["log"], f"launch {launch_n}: {leftovers} process(es) it left behind were killed")
     intent = next((e for e in reversed(protocol.read_events(p["events"]))
                    if isinstance(e, protocol.StopRequested) and e.launch == launch_n), None)
-    _log_marker(p["log"], f"launch {launch_n} ended: {_exit_words(code)}" +
+    _log_marker(p["log"], f"launch {launch_n} {exit_words(code)}" +
                 (f" after a {intent.why} stop" + (f" ({intent.reason})" if intent.reason else "") if intent else ""))
     for path in (p["pid"], p["runner"]):
         try:
@@ -253,9 +247,9 @@ def _report_gpus(path: str, launch_n: int, node: str, stop: threading.Event) -> 
     while True:
         try:
             gpus = slurm.own_gpus(reader.read(), allocated, visible)
-            slurm.write_atomic(path, json.dumps({"t": protocol.now(), "launch": launch_n, "node": node,
-                                                   "source": reader.source, "gpus": gpus,
-                                                   "error": reader.error}), 0o644)
+            write_atomic(path, json.dumps({"t": protocol.now(), "launch": launch_n, "node": node,
+                                             "source": reader.source, "gpus": gpus,
+                                             "error": reader.error}))
         except Exception:
             pass
         if reader.source == "none" or stop.wait(GPU_REPORT_S):
@@ -538,10 +532,8 @@ def finish(run_dir: str, action: protocol.ShardAction, lock_fd: int | None) -> i
 
 
 def _write_result(shard_dir: str, action: protocol.ShardAction, status: str) -> None:
-    path = os.path.join(shard_dir, "act.result")
-    with open(path + ".tmp", "w") as f:
-        json.dump({"t": protocol.now(), "kind": action.kind, "status": status}, f)
-    os.replace(path + ".tmp", path)
+    write_atomic(os.path.join(shard_dir, "act.result"),
+                 json.dumps({"t": protocol.now(), "kind": action.kind, "status": status}))
 
 
 def wait_idle(shard_dir: str, seconds: float) -> str | None:
@@ -556,13 +548,13 @@ def wait_idle(shard_dir: str, seconds: float) -> str | None:
         return None
 
 
-def reopen(shard_dir: str, samples: int, reason: str) -> dict:
+def reopen(shard_dir: str, samples: int, reason: str) -> protocol.Status:
     """Record that samples of a finished shard were dropped (by verify --repair): it is not DONE."""
     if is_running(shard_dir):
-        return {"status": "running"}
+        return protocol.Status("running")
     os.makedirs(shard_dir, exist_ok=True)
     protocol.append_jsonl(_paths(shard_dir)["events"], protocol.Reopened(samples=samples, reason=reason))
-    return {"status": "reopened"}
+    return protocol.Status("reopened")
 
 
 def stop_all(run_dir: str, timeout: float) -> dict:
@@ -649,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             print(r.to_json(), flush=True)
         return 0
-    print(json.dumps(result), flush=True)
+    print(result.to_json() if isinstance(result, protocol.Reply) else json.dumps(result), flush=True)
     return 0
 
 

@@ -24,17 +24,17 @@ from worker import protocol as p
 from worker.verify import verify
 
 
-def footprint(rows: int, per_row: list[float]) -> dict:
+def footprint(rows: int, per_row: list[float]) -> p.Footprint:
     edges = list(range(rows + 1))
-    return {"rows": rows, "edges": edges, "remaining": per_row, "bytes_per_token": 2, "bytes_per_token_fp8": 1}
+    return p.Footprint(rows=rows, edges=edges, remaining=per_row, bytes_per_token=2, bytes_per_token_fp8=1)
 
 
 def test_each_host_needs_the_rows_of_its_shards_and_a_shared_folder_sums_them():
     fp = footprint(8, [100, 100, 100, 100, 0, 0, 0, 800])       # rows 4-6 already written
     assert bytes_in(fp, 0, 8) == 1200 and bytes_in(fp, 4, 8) == 800
-    coarse = {"rows": 8, "edges": [0, 4, 8], "remaining": [400, 800]}
+    coarse = p.Footprint(rows=8, edges=[0, 4, 8], remaining=[400, 800])
     assert bytes_in(coarse, 2, 6) == 200 + 400                   # a cut bucket counts pro rata
-    reports = {"a": {"footprint": fp, "free_bytes": 500}, "b": {"footprint": fp, "free_bytes": 500}}
+    reports = {"a": p.PreflightReport(footprint=fp, free_bytes=500), "b": p.PreflightReport(footprint=fp, free_bytes=500)}
     outputs = {"a": "/o", "b": "/o"}
     groups = needs(reports, outputs, {"a": [0, 1], "b": [2, 3]}, 4)       # 2 rows a shard
     assert [(g.hosts, g.need, g.fp8_need, g.fits) for g in groups] == \
@@ -46,7 +46,7 @@ def test_each_host_needs_the_rows_of_its_shards_and_a_shared_folder_sums_them():
     assert refusals == [] and any("stops when the disk is full" in w for w in warnings)
     # One folder on a shared file system (the same folder_id): one free space for both.
     for r in reports.values():
-        r["folder_id"] = "f1"
+        r.folder_id = "f1"
     [shared] = needs(reports, outputs, {"a": [0, 1], "b": [2, 3]}, 4)
     assert (shared.hosts, shared.need, shared.free, shared.fits) == (["a", "b"], 1200, 500, False)
     # Close to full: a warning, not a refusal.

@@ -248,7 +248,7 @@ async def test_a_traceback_fails_with_its_exception_line_and_the_log_marks_each_
         log = (tmp_path / "fleet" / "job" / "shards" / "0" / "log").read_text()
         marks = [line for line in log.splitlines() if line.startswith("── fleet:")]
         assert len(marks) == 2 and "launch 1 (started by the user)" in marks[0]
-        assert "launch 1 ended: exit code 1" in marks[1]
+        assert "launch 1 exited with code 1" in marks[1]
     finally:
         await sup.close()
 

@@ -107,17 +107,18 @@ def test_the_plan_of_a_slurm_run_is_its_shard_count():
     base = {"version": 1, "run": "r", "num_shards": 2, "launcher": "slurm",
             "shards": [{"id": k, "host": "slurm", "gpu": 0} for k in range(2)], "spec": {}, "identity": {}}
     grown = {**base, "num_shards": 4, "shards": [{"id": k, "host": "slurm", "gpu": 0} for k in range(4)]}
+    ssh = {**base, "launcher": None, "shards": [{"id": 0, "host": "box", "gpu": 0}]}
+    base, grown, ssh = (p.Plan.from_dict(d) for d in (base, grown, ssh))
     assert plan_differences(base, grown) == ["shards: 2 -> 4"]
     assert plan_differences(base, base) == []
-    ssh = {**base, "launcher": None, "shards": [{"id": 0, "host": "box", "gpu": 0}]}
     assert plan_differences(ssh, base) == ["launcher: ssh hosts -> slurm"]
 
 
 def test_make_plan_for_slurm(tmp_path):
     c = load_config(write(tmp_path, RUN + SLURM))
     plan = make_plan(c, {"slurm": []}, {})
-    assert plan["num_shards"] == 128 and plan["launcher"] == "slurm" and plan["shards"][127] == \
-        {"id": 127, "host": "slurm", "gpu": 0, "gpus": [0]}
+    assert plan.num_shards == 128 and plan.launcher == "slurm" and plan.shards[127] == \
+        p.PlanShard(id=127, host="slurm", gpu=0, gpus=[0])
 
 
 def test_a_shard_of_several_gpus_is_a_task_asking_for_them(tmp_path):
@@ -132,7 +133,7 @@ def test_a_shard_of_several_gpus_is_a_task_asking_for_them(tmp_path):
     assert "--gres=gpu:2" in sub["sbatch"]
     argv = sub["tasks"]["5"]["argv"]
     assert argv[argv.index("--gpus-per-shard") + 1] == "2" and "CUDA_VISIBLE_DEVICES" not in sub["tasks"]["5"]["env"]
-    assert make_plan(c, {"slurm": []}, {})["shards"][5] == {"id": 5, "host": "slurm", "gpu": 0, "gpus": [0, 1]}
+    assert make_plan(c, {"slurm": []}, {}).shards[5] == p.PlanShard(id=5, host="slurm", gpu=0, gpus=[0, 1])
     path = write(tmp_path, two + SLURM)
     assert error_of(tmp_path, two + SLURM) == (
         f"{path}:13: slurm.gpus_per_task = 1, but [run] gpus_per_shard = 2: each array task runs one shard "
