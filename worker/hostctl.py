@@ -42,6 +42,7 @@ import time
 
 from . import protocol
 from .files import write_atomic
+from .launches import LaunchState
 from .sentinels import LogWatcher, SentinelSpec, log_size
 from .text import exit_words
 
@@ -86,15 +87,6 @@ def _write_int(path: str, value: int) -> None:
     write_atomic(path, f"{value}\n")
 
 
-def last_launch(events_path: str) -> int:
-    """The number of the newest launch in a shard's record (0: never launched)."""
-    n = 0
-    for ev in protocol.read_events(events_path):
-        if isinstance(ev, protocol.Launch):
-            n = max(n, ev.launch)
-    return n
-
-
 def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None, by: str,
            gpu: int | None = None, sentinels: dict | None = None) -> dict:
     os.makedirs(shard_dir, mode=0o755, exist_ok=True)
@@ -103,7 +95,7 @@ def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None
     if not try_lock(fd, fcntl.LOCK_EX):
         os.close(fd)
         return {"status": "running", "pid": read_pid(shard_dir)}
-    n = last_launch(p["events"]) + 1
+    n = LaunchState.read(p["events"]).n + 1
     _log_marker(p["log"], f"launch {n} ({'automatic restart' if by == 'auto' else 'started by the user'})")
     offset = log_size(p["log"])                # the job's sentinels are read from here: not the marker
     protocol.append_jsonl(p["events"], protocol.Launch(launch=n, by=by, gpu=gpu, argv=argv))
@@ -219,8 +211,7 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
     append(protocol.Exited(launch=launch_n, code=code, pid=child.pid, stopped=bool(stopping)))
     if leftovers:
         _log_marker(p["log"], f"launch {launch_n}: {leftovers} process(es) it left behind were killed")
-    intent = next((e for e in reversed(protocol.read_events(p["events"]))
-                   if isinstance(e, protocol.StopRequested) and e.launch == launch_n), None)
+    intent = LaunchState.read(p["events"]).stop_of(launch_n)
     _log_marker(p["log"], f"launch {launch_n} {exit_words(code)}" +
                 (f" after a {intent.why} stop" + (f" ({intent.reason})" if intent.reason else "") if intent else ""))
     for path in (p["pid"], p["runner"]):
@@ -277,7 +268,7 @@ def task(submission_path: str) -> int:
             launch=n, reason="the shard's lock is held by another process (an earlier task still running?)"))
         protocol.append_jsonl(p["events"], protocol.Exited(launch=n))
         return 1
-    state = slurm.LaunchState.read(p["events"])
+    state = LaunchState.read(p["events"])
     if state.n != n or state.ended:
         print(f"fleet: launch {n} of shard {index} is not live (newest {state.n}, ended {state.ended}): "
               f"nothing to run", file=sys.stderr)
@@ -420,17 +411,6 @@ def _held(path: str) -> bool:
         os.close(fd)
 
 
-def user_stopped(events_path: str, newest: int) -> bool:
-    """A user's (or the run's) stop stands for the newest launch (or before the first one)."""
-    return any(isinstance(e, protocol.StopRequested) and e.final and (e.launch or 0) == newest
-               for e in protocol.read_events(events_path))
-
-
-def last_stop(events_path: str) -> protocol.StopRequested | None:
-    stops = [e for e in protocol.read_events(events_path) if isinstance(e, protocol.StopRequested)]
-    return stops[-1] if stops else None
-
-
 def _launch_spec(a: protocol.ShardAction, shard_dir: str) -> dict:
     spec = dict(a.launch_spec or {})
     if not spec.get("argv"):
@@ -452,14 +432,15 @@ def act(run_dir: str, action: protocol.ShardAction) -> protocol.ActResult:
     d = protocol.shard_dir(run_dir, action.shard)
     os.makedirs(d, mode=0o755, exist_ok=True)
     events = _paths(d)["events"]
-    newest = last_launch(events)
+    record = LaunchState.read(events)
+    newest = record.n
 
     def result(status: str, detail: str | None = None) -> protocol.ActResult:
-        return protocol.ActResult(shard=action.shard, status=status, launch=last_launch(events) or None,
+        return protocol.ActResult(shard=action.shard, status=status, launch=LaunchState.read(events).n or None,
                                   detail=detail)
     if action.kind != "stop" and action.expect_launch is not None and newest != action.expect_launch:
         return result("stale", f"launch {newest} is newer than the {action.expect_launch} acted on")
-    if action.kind != "stop" and action.policy and user_stopped(events, newest):
+    if action.kind != "stop" and action.policy and record.user_stopped:
         return result("stale", "stopped by the user: only the user starts it again")
     fd = os.open(os.path.join(d, protocol.ACT_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -515,7 +496,7 @@ def finish(run_dir: str, action: protocol.ShardAction, lock_fd: int | None) -> i
             return 1
     status = kill_shard(d, action.grace)
     if action.kind == "restart":
-        intent = last_stop(events)
+        intent = LaunchState.read(events).last_stop
         if intent is not None and intent.restart and status != "still running":
             status = launch(**_launch_spec(action, d))["status"]
         else:
@@ -523,7 +504,7 @@ def finish(run_dir: str, action: protocol.ShardAction, lock_fd: int | None) -> i
     else:
         while is_running(d):                   # a restart launched just before this stop was read
             protocol.append_jsonl(events, protocol.StopRequested(
-                launch=last_launch(events) or None, why=action.why, grace=action.grace))
+                launch=LaunchState.read(events).n or None, why=action.why, grace=action.grace))
             status = kill_shard(d, action.grace)
             if status == "still running":
                 break
@@ -637,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
                 if r.status in ("stopping", "restarting"):
                     last = wait_idle(protocol.shard_dir(args.run_dir, a.shard), args.wait)
                     r.status, r.detail = "done", last
-                    r.launch = last_launch(_paths(protocol.shard_dir(args.run_dir, a.shard))["events"]) or None
+                    r.launch = LaunchState.read(_paths(protocol.shard_dir(args.run_dir, a.shard))["events"]).n or None
         for r in results:
             print(r.to_json(), flush=True)
         return 0

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from . import protocol
 from .files import write_atomic
+from .launches import LaunchState
 from .ranges import ranges_text
 from .text import last_line
 
@@ -190,37 +191,6 @@ def views_of(jobs: list[str]) -> dict[str, View]:
 
 
 # --- a shard's record, as far as Slurm is concerned --------------------------------------------
-
-@dataclass
-class LaunchState:
-    """The newest launch of a shard's record: its number, whether it ended, its Slurm task."""
-    n: int = 0
-    t: float = 0.0
-    ended: bool = True
-    slurm: bool = False
-    job: str | None = None
-    slurm_ended: bool = False
-
-    def apply(self, ev: protocol.Record) -> None:
-        if isinstance(ev, protocol.Launch):
-            self.n, self.t, self.ended = ev.launch, ev.t, False
-            self.slurm, self.job, self.slurm_ended = ev.launcher == "slurm", None, False
-        elif ev.launch is not None and ev.launch != self.n:
-            return
-        elif isinstance(ev, protocol.Submitted) or (isinstance(ev, protocol.Started) and ev.job):
-            self.job = self.job or ev.job
-        elif isinstance(ev, protocol.SlurmEnded):
-            self.slurm_ended = True
-        elif isinstance(ev, protocol.Exited):
-            self.ended = True
-
-    @classmethod
-    def read(cls, events_path: str) -> "LaunchState":
-        state = cls()
-        for ev in protocol.read_events(events_path):
-            state.apply(ev)
-        return state
-
 
 def events_path(shard_dir: str) -> str:
     return os.path.join(shard_dir, protocol.EVENTS_FILE)
