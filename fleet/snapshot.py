@@ -48,6 +48,29 @@ class Disk(BaseModel):
     error: Optional[str] = None
 
 
+class GpuTotals(BaseModel):
+    """A host's GPUs summed up (the ones NVML still sees): what its one row in the live view shows."""
+    count: int = Field(description="GPUs listed, lost ones included")
+    lost: int = 0
+    mem_used: int = Field(0, description="bytes, over the GPUs not lost")
+    mem_total: int = 0
+    util: Optional[float] = Field(None, description="mean percent over the GPUs that report it")
+    temp_max: Optional[float] = None
+    power_w: float = 0.0
+
+
+def gpu_totals(gpus: list[Gpu]) -> GpuTotals | None:
+    """None when the host reports no GPU that is not lost."""
+    seen = [g for g in gpus if not g.lost]
+    if not seen:
+        return None
+    utils = [g.util for g in seen if g.util is not None]
+    temps = [g.temp for g in seen if g.temp is not None]
+    return GpuTotals(count=len(gpus), lost=len(gpus) - len(seen), mem_used=sum(g.mem_used or 0 for g in seen),
+                     mem_total=sum(g.mem_total or 0 for g in seen), util=sum(utils) / len(utils) if utils else None,
+                     temp_max=max(temps) if temps else None, power_w=sum(g.power_w or 0 for g in seen))
+
+
 class HostStatus(BaseModel):
     name: str
     address: str
@@ -62,6 +85,7 @@ class HostStatus(BaseModel):
                                               "(reachable is false then too)")
     telemetry: Optional[Literal["nvml", "nvidia-smi", "none"]] = None
     gpus: Optional[list[Gpu]] = None
+    gpu_totals: Optional[GpuTotals] = None
     gpu_age_s: Optional[float] = None
     disk: Optional[Disk] = None
     last_seen_age_s: Optional[float] = None
@@ -477,6 +501,7 @@ def host_rows(hosts: dict[str, Host], views: list[ShardView], measured: list, ho
             unusable=h.unusable and h.reachable is False,
             telemetry=h.telemetry if h.reachable else None,
             gpus=list(h.gpus) if h.reachable else None,
+            gpu_totals=gpu_totals([Gpu.model_validate(g) for g in h.gpus]) if h.reachable else None,
             gpu_age_s=_finite(h.host_now(now) - h.gpu_t, 1) if h.gpu_t and h.reachable else None,
             disk=h.disk if h.reachable else None,
             last_seen_age_s=_finite(now - h.last_seen, 1) if h.last_seen else None,

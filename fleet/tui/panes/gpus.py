@@ -120,25 +120,20 @@ class GpuTable(LineTable):
                     h.error or "", "", "", "", cost_cell(h), _num(h.last_seen_age_s, "s ago"))
         if h.reachable is None:
             return (f"{arrow} {h.name}", (("connecting…", "italic"),), "", "", "", "", cost_cell(h), "")
-        gpus = [g for g in (h.gpus or []) if not g.lost]
-        if not gpus:
+        t = h.gpu_totals
+        if t is None:
             return (f"{arrow} {h.name}", (("no GPU telemetry", "italic"),), "", "", "", "", cost_cell(h), "")
-        used = sum(g.mem_used or 0 for g in gpus)
-        total = sum(g.mem_total or 0 for g in gpus)
-        utils = [g.util for g in gpus if g.util is not None]
-        util = sum(utils) / len(utils) if utils else None
-        temps = [g.temp for g in gpus if g.temp is not None]
-        power = sum(g.power_w or 0 for g in gpus)
-        frac = used / total if total else None
-        lost = len(h.gpus or []) - len(gpus)
-        hist = [sum(x) / len(x) for x in zip(*(self.history.get(f"g:{h.name}:{g.index}", ()) for g in gpus))]
-        return (f"{arrow} {h.name} {len(h.gpus)}×",
-                meter(frac, 6, f"{gib(used, 0)}/{gib(total, 0)}", memory_level(frac or 0), no_color),
-                meter(util / 100 if util is not None else None, 4, _num(util, "%"), util_level(util or 0), no_color),
+        frac = t.mem_used / t.mem_total if t.mem_total else None
+        seen = [f"g:{h.name}:{g.index}" for g in h.gpus or [] if not g.lost]
+        hist = [sum(x) / len(x) for x in zip(*(self.history.get(key, ()) for key in seen))]
+        return (f"{arrow} {h.name} {t.count}×",
+                meter(frac, 6, f"{gib(t.mem_used, 0)}/{gib(t.mem_total, 0)}", memory_level(frac or 0), no_color),
+                meter(t.util / 100 if t.util is not None else None, 4, _num(t.util, "%"), util_level(t.util or 0),
+                      no_color),
                 spark(hist, 10, 100),
-                _styled(_num(max(temps), "°"), temp_level(max(temps)), no_color) if temps else "—",
-                f"{power / 1000:.1f}k" if power >= 1000 else _num(power, "W"),
-                cost_cell(h), self.age(h) if not lost else (("GPU lost", "bold red"),))
+                _styled(_num(t.temp_max, "°"), temp_level(t.temp_max), no_color) if t.temp_max is not None else "—",
+                f"{t.power_w / 1000:.1f}k" if t.power_w >= 1000 else _num(t.power_w, "W"),
+                cost_cell(h), self.age(h) if not t.lost else (("GPU lost", "bold red"),))
 
     def gpu_cells(self, h: HostStatus, g, hist, no_color: bool) -> tuple:
         name = f"  {g.index} {(g.name or '').removeprefix('NVIDIA ')}"
