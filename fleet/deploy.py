@@ -137,8 +137,14 @@ class Preflight:
     gpus: list[int] = field(default_factory=list)
     uploaded: bool = False
     report: protocol.PreflightReport = field(default_factory=protocol.PreflightReport)
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[str]:
+        return self.report.errors
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.report.warnings
 
     @property
     def plan(self) -> protocol.Plan | None:
@@ -196,7 +202,6 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec,
                                                *(["--account", sl.account] if sl.account else []),
                                                reply=protocol.SlurmCheck, timeout=120)
         report.checks = report.checks + report.slurm.checks
-    result.errors, result.warnings = report.errors, report.warnings
     where = ("Slurm allocates the GPUs" if config.slurm is not None
              else f"{len(result.gpus)} shard(s) on the CPU" if run.device == "cpu" or not report.gpu_count
              else f"{len(result.gpus)} GPU(s)")
