@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fleet.config import load_config
 from fleet.state import State
+from fleet import setup
 from fleet.supervisor import Supervisor
 from bench.ssh_latency import write_config
 from tests.sshd_server import start_sshd
@@ -48,9 +49,9 @@ async def storm(config_path: str, timeout: float) -> dict:
     logs: list[str] = []
     unreachable: dict[str, str] = {}
     sup = Supervisor(config, on_log=logs.append)
-    results, failures = await sup.deploy()
+    results, failures = await setup.deploy_all(sup)
     assert not failures, failures
-    await sup.settle_plan(results)
+    await setup.settle_plan(sup, results)
     await sup.start()
 
     def watch() -> None:

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fleet.config import load_config
 from fleet.state import State
+from fleet import setup
 from fleet.supervisor import Supervisor
 from tests.sshd_server import start_sshd
 
@@ -80,9 +81,9 @@ async def wait(predicate, timeout=30.0, step=0.001):
 async def detection(config_path: str, trials: int) -> dict:
     config = load_config(config_path)
     sup = Supervisor(config)
-    results, failures = await sup.deploy()
+    results, failures = await setup.deploy_all(sup)
     assert not failures, failures
-    await sup.settle_plan(results)
+    await setup.settle_plan(sup, results)
     await sup.start()
     await sup.launch_all()
     pid_file = os.path.join(config.run_dir(config.hosts[0]), "shards", "0", "pid")
@@ -106,9 +107,9 @@ async def detection(config_path: str, trials: int) -> dict:
 async def launch_hosts(config_path: str) -> None:
     config = load_config(config_path)
     sup = Supervisor(config)
-    results, failures = await sup.deploy()
+    results, failures = await setup.deploy_all(sup)
     assert not failures, failures
-    await sup.settle_plan(results)
+    await setup.settle_plan(sup, results)
     await sup.start()
     await sup.launch_all()
     await sup.close()

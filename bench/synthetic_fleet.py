@@ -19,7 +19,8 @@ its launches as the shard's own and puts it on the shard's GPU:
                                user asked for;
   fatal-0.jsonl                a model with a weight missing: `failed` fatal=true while loading (FATAL).
 
-A user's restart launches the shard again with the opening of a recorded manual launch, then
+Like the supervisor's decide pass, it tells its subscribers (the live view's toasts) which shards
+changed state, computed by the store's own `changes`. A user's restart launches the shard again with the opening of a recorded manual launch, then
 resumes the shard's own run where it stopped (the worker resumes from its manifest), at the pace
 that run was recorded at. Actions land at the moment they are asked (the recorded stop ends took
 a second or two). A STALLED shard is one whose next events never arrive while its process lives;
@@ -45,7 +46,9 @@ from fleet.actions import refusal
 from fleet.config import ExpectedSpec
 from fleet.judge import Policy, judge, throughput_history
 from fleet.record import ShardRecord
-from fleet.snapshot import FleetSnapshot, HostView, ShardView, build_snapshot
+from fleet.snapshot import Disk, FleetSnapshot, Gpu, ShardView, build_snapshot
+from fleet.state import State
+from fleet.store import Host, Transition, changes
 from worker import protocol
 
 RUNS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "runs")
@@ -107,7 +110,7 @@ class SyntheticFleet:
         self.now = start
         self.expected = ExpectedSpec(samples_per_s_per_gpu=8, alert_ratio=0.8)   # the demo's fleet.toml
         self.policy = Policy(max_restarts=3, backoff_base=60, backoff_max=60, stall_timeout=120)
-        self.hosts: dict[str, HostView] = {}
+        self.hosts: dict[str, Host] = {}
         self.shards: list[tuple[str, int, ShardRecord]] = []
         self.alive: list[bool] = []
         self.log_lines = log_lines
@@ -118,19 +121,19 @@ class SyntheticFleet:
         self.exit_code: list[int | None] = []                 # of each shard's last exit
         self.events: list[list[protocol.Record]] = []        # each shard's events.jsonl, as written
         self.stalled = set(stalled)
+        self.listeners: list = []                             # the live view's, told of transitions
+        self.shown: dict[int, tuple[State, int]] = {}         # what was last told, as the store keeps it
         for h in range(hosts):
             name = f"box{h:02d}"
-            host = HostView(name, f"10.0.{h // 250}.{h % 250 + 1}", reachable=h not in unreachable,
-                            error="connection refused" if h in unreachable else None,
-                            telemetry="nvml" if telemetry else "none", gpu_t=start, last_seen=start,
-                            replayed=True,
-                            disk={"path": "/workspace/hs", "free": 12 * 10**12, "total": 30 * 10**12},
-                            usd_per_hour=None if usd_per_gpu_hour is None else usd_per_gpu_hour * gpus)
+            host = Host(name, f"10.0.{h // 250}.{h % 250 + 1}", reachable=h not in unreachable,
+                        error="connection refused" if h in unreachable else None,
+                        telemetry="nvml" if telemetry else "none", gpu_t=start, last_seen=start,
+                        replayed=True, disk=Disk(path="/workspace/hs", free=12 * 10**12, total=30 * 10**12),
+                        usd_per_hour=None if usd_per_gpu_hour is None else usd_per_gpu_hour * gpus)
             if telemetry:
-                host.gpus = [{"index": g, "name": "NVIDIA H200", "uuid": f"GPU-{h}-{g}",
-                              "mem_used": int((60 + g) * 2**30), "mem_total": 150754820096,
-                              "util": 90 + g % 10, "temp": 60 + g, "power_w": 550.0 + g,
-                              "power_limit_w": 700.0} for g in range(gpus)]
+                host.gpus = [Gpu(index=g, name="NVIDIA H200", uuid=f"GPU-{h}-{g}", mem_used=int((60 + g) * 2**30),
+                                 mem_total=150754820096, util=90 + g % 10, temp=60 + g, power_w=550.0 + g,
+                                 power_limit_w=700.0) for g in range(gpus)]
             self.hosts[name] = host
             for g in range(gpus):
                 self.shards.append((name, g, ShardRecord()))
@@ -220,15 +223,34 @@ class SyntheticFleet:
             for host in self.hosts.values():
                 host.gpu_t = self.now
                 for g in host.gpus:
-                    g["util"] = self.rng.randint(85, 100)
-                    g["power_w"] = round(self.rng.uniform(500, 700), 1)
-                    g["mem_used"] = int(self.rng.uniform(60, 70) * 2**30)
+                    g.util = self.rng.randint(85, 100)
+                    g.power_w = round(self.rng.uniform(500, 700), 1)
+                    g.mem_used = int(self.rng.uniform(60, 70) * 2**30)
         for k, (host, _, r) in enumerate(self.shards):
             if k in self.stalled or not self.hosts[host].reachable:
                 continue
             self._apply(k, self.now)
             if self.loop and not self.pending[k] and not self.alive[k] and self.exit_code[k] == 0:
                 self._again(k)
+        self._publish()
+
+    def _transitions(self) -> list[Transition]:
+        """What changed since the last call, as the supervisor's decide pass computes it."""
+        current = [(k, State.UNKNOWN if self.hosts[host].reachable is False else
+                    judge(r, self.alive[k], self.now, self.policy).state, r.failures)
+                   for k, (host, _, r) in enumerate(self.shards)]
+        return changes(self.shown, current, self.now)
+
+    def _publish(self) -> None:
+        if self.listeners and (told := self._transitions()):
+            for listener in self.listeners:
+                listener(told)
+
+    def subscribe(self, listener) -> None:
+        """`listener` gets the shards' transitions from now on (what was before is not news)."""
+        if not self.listeners:
+            self._transitions()
+        self.listeners.append(listener)
 
     def _again(self, k: int) -> None:
         host, gpu, _ = self.shards[k]
@@ -239,6 +261,7 @@ class SyntheticFleet:
     def kill(self, k: int) -> None:
         """Shard k's worker is killed by SIGKILL now (the recorded kill -9: its runner's exit -9)."""
         self._end_now(k, ending(attempt(KILLED, 1), protocol.Exited))
+        self._publish()
 
     def finish(self, ids=None) -> None:
         """Bring shards (default: every live one) to DONE: each is a recorded run that ended now."""
@@ -251,6 +274,7 @@ class SyntheticFleet:
             self.stalled.discard(k)
             self._begin(k, recorded(self.runs[k]), end_at=self.now)
             self._apply(k, self.now)
+        self._publish()
 
     # --- the FleetSource -----------------------------------------------------------------------------
     def snapshot(self) -> FleetSnapshot:
@@ -273,11 +297,13 @@ class SyntheticFleet:
                 self._stop_now(k, attempt(USER, 2))           # the recorded `fleet restart`'s stop
             self.stalled.discard(k)
             self._launch_now(k)
+        self._publish()
         return [f"shard {k}: started" for k in ids]
 
     async def stop(self, ids: list[int]) -> list[str]:
         for k in ids:
             self._stop_now(k, attempt(USER, 1))
+        self._publish()
         return [f"shard {k}: stopped" for k in ids]
 
     async def stop_all(self) -> list[str]:

@@ -19,8 +19,10 @@ import click
 from worker.identity import differences
 
 from worker.formats import FORMATS
+from worker.protocol import Plan
+from worker.ranges import runs_text
 
-from . import render
+from . import render, setup
 from .actions import describe
 from .config import Config, ConfigError, load_config
 from .snapshot import json_schema, status_exit_code
@@ -75,12 +77,12 @@ def main() -> None:
 
 # --- up ----------------------------------------------------------------------------------------
 
-async def deploy_and_plan(sup: Supervisor, replan: bool = False, allow_partial: bool = False) -> dict:
+async def deploy_and_plan(sup: Supervisor, replan: bool = False, allow_partial: bool = False) -> Plan:
     """Deploy and preflight every host, check the output fits, then settle the run's plan; exits
     on any refusal."""
     config = sup.config
     click.echo(f"deploying to {len(config.hosts)} host(s)…", err=True)
-    results, failures = await sup.deploy()
+    results, failures = await setup.deploy_all(sup)
     from .deploy import format_preflight
     groups = output_needs(config, results, replan)
     click.echo(format_preflight(results, failures, {h: g.need for g in groups for h in g.hosts}), err=True)
@@ -93,7 +95,7 @@ async def deploy_and_plan(sup: Supervisor, replan: bool = False, allow_partial: 
     if errors or refusals:
         fail("preflight refused: " + "; ".join(errors + refusals), EXIT_FAULT)
     try:
-        return await sup.settle_plan(results, replan)
+        return await setup.settle_plan(sup, results, replan)
     except PlanError as e:
         fail(str(e), EXIT_FAULT)
         raise
@@ -107,7 +109,7 @@ def output_needs(config: Config, results: list, replan: bool) -> list:
     from .plan import placements
     held = [r.plan for r in results if r.plan]
     if held and not replan:
-        places = placements(max(held, key=lambda p: p.get("created", 0)))
+        places = placements(max(held, key=lambda p: p.created))
     else:
         places = place_shards(config, {h.name: [] for h in config.hosts} | {r.host: r.gpus for r in results})
     by_host: dict[str, list[int]] = {}
@@ -120,7 +122,7 @@ def output_needs(config: Config, results: list, replan: bool) -> list:
 def output_verdicts(results: list, groups: list, allow_partial: bool) -> list[str]:
     """Print the whole run's projection and the warnings; return the refusals."""
     from .footprint import describe, verdicts
-    fp = next((r.report["footprint"] for r in results if r.report.get("footprint")), None)
+    fp = next((r.report.footprint for r in results if r.report.footprint), None)
     if fp:
         click.echo(describe(fp), err=True)
     refusals, warnings = verdicts(groups, allow_partial)
@@ -150,48 +152,34 @@ def up(config_path: str, headless: bool, replan: bool, allow_partial: bool) -> N
     """
     config = load(config_path)
 
-    async def deploy_phase() -> dict:
-        t0 = time.monotonic()
-        sup = Supervisor(config, on_log=lambda m: click.echo(f"  {time.monotonic() - t0:5.1f}s  {m}", err=True))
-        try:
-            return await deploy_and_plan(sup, replan, allow_partial)
-        finally:
-            await sup.close()
-
-    if not headless:
-        from .tui.app import run_tui
-        try:
-            plan = asyncio.run(deploy_phase())
-        except KeyboardInterrupt:
-            sys.exit(130)
-        sys.exit(run_tui(config, plan))
-
     async def go() -> int:
-        seen: dict[int, str] = {}
-
-        def print_changes() -> None:
-            """Every state change, as it happens (not sampled: a fast shard's RUNNING still shows);
-            a host's history is summed up once its agent has replayed it."""
-            if sup.replayed:
-                for line in render.transitions(seen, sup.snapshot()):
-                    click.echo(line)
-
-        sup = Supervisor(config, on_change=print_changes, on_log=lambda m: click.echo(f"  {m}", err=True))
-        await deploy_and_plan(sup, replan, allow_partial)
-        await sup.start()
-        await sup.launch_all()
-        try:
-            while not (sup.replayed and not sup.acting and sup.snapshot().totals.settled):
-                print_changes()
-                await asyncio.sleep(0.25)
-            print_changes()
-        finally:
-            await sup.close()
-        snap = sup.snapshot()
-        click.echo(render.format_status(snap))
-        ok = all(s.state == State.DONE for s in snap.shards)
-        return 0 if ok else EXIT_FAULT
+        t0 = time.monotonic()
+        async with Supervisor(config, on_log=lambda m: click.echo(f"  {time.monotonic() - t0:5.1f}s  {m}",
+                                                                  err=True)) as sup:
+            await deploy_and_plan(sup, replan, allow_partial)
+            if not headless:
+                from .tui.app import run_tui
+                message = await run_tui(sup)
+                if message:
+                    print(message)
+                return 0
+            return await supervise_headless(sup)
     run_async(go)
+
+
+async def supervise_headless(sup: Supervisor) -> int:
+    """`up --headless`: one line per transition as it is published, until every shard settles
+    (DONE, FATAL or STOPPED); 0 when all are DONE."""
+    sup.on_log = lambda m: click.echo(f"  {m}", err=True)
+    sup.subscribe(lambda changes: [click.echo(line) for line in render.transition_lines(changes, sup.snapshot())])
+    await sup.start()
+    await sup.launch_all()
+    sup.settled_event.clear()                     # judged again once the launches are in flight
+    await sup.settled_event.wait()
+    await sup.close()
+    snap = sup.snapshot()
+    click.echo(render.format_status(snap))
+    return 0 if all(s.state == State.DONE for s in snap.shards) else EXIT_FAULT
 
 
 # --- status ------------------------------------------------------------------------------------
@@ -279,11 +267,11 @@ async def find_shard(sup: Supervisor, ref: str) -> int:
     try:
         k = sup.resolve_shard(ref)
     except KeyError as e:
-        down = [link.host for link in sup.links.values() if link.host.reachable is False]
+        down = [h for h in sup.store.hosts.values() if h.reachable is False]
         if down:                                 # its shard may be on a host not read: say why
             fail("; ".join(h.error or f"{h.name}: unreachable" for h in down), EXIT_UNREACHABLE)
         fail(str(e.args[0]), EXIT_CONFIG)
-    host = sup.links[sup.shards[k].placement.host].host
+    host = sup.store.hosts[sup.shards[k].placement.host]
     if host.reachable is False:
         fail(host.error or f"{host.name}: unreachable", EXIT_UNREACHABLE)
     return k
@@ -313,7 +301,7 @@ def restart(config_path: str, shard: str) -> None:
         sup = Supervisor(config)
         try:
             k = await find_shard(sup, shard)
-            if sup.plan and (diffs := differences(sup.plan.get("spec", {}), spec_of(config))):
+            if sup.plan and (diffs := differences(sup.plan.spec, spec_of(config))):
                 fail(refusal(sup.plan, diffs), EXIT_FAULT)
             result = (await sup.request([k], "restart", wait=config.spec.supervise.stop_grace + 30))[k]
         finally:
@@ -371,7 +359,7 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
         from .verify import reopen_repaired, skip_problem, verify_fleet
         sup = Supervisor(config)
         try:
-            if repair and (live := await sup.live_shards()):
+            if repair and (live := await setup.live_shards(sup)):
                 fail(f"--repair needs every shard stopped; live: {', '.join(live)} (fleet down first)",
                      EXIT_FAULT)
             result, failures = await verify_fleet(
@@ -396,7 +384,7 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
         for i, why in list(result.skipped.items())[:20]:
             click.echo(f"  skipped {i}: {why}")
         if result.missing:
-            shown = ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in result.missing[:20])
+            shown = runs_text(result.missing[:20], ", ")
             click.echo(f"missing: {sum(b - a for a, b in result.missing)} sample(s): {shown}")
         for p in result.problems[:50]:
             click.echo(f"problem: {p}")
@@ -439,7 +427,7 @@ def export(config_path: str, fmt: str, out: str) -> None:
         finally:
             await sup.close()
         for host, s in result.summaries.items():
-            click.echo(f"{host}: {s['written']} written, {s['skipped']} skipped -> {s['out']} ({fmt})")
+            click.echo(f"{host}: {s.written} written, {s.skipped} skipped -> {s.out} ({fmt})")
         for why in list(result.failed.values()) + list(result.unreachable.values()):
             click.echo(f"error: {why}", err=True)    # a host's export that stopped says why last
         if result.unreachable:

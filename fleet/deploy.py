@@ -13,9 +13,11 @@ import os
 import tarfile
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Callable
+from typing import Callable, TypeVar
 
 import worker
+from worker import protocol
+from worker.text import bytes_text, last_line
 
 from .config import Config, HostSpec
 from .jobs import output_args
@@ -60,23 +62,32 @@ def _python_missing(config: Config, host: HostSpec, stderr: str) -> str | None:
     return None
 
 
+R = TypeVar("R", bound=protocol.Reply)
+
+
 async def run_worker_module(t: Transport, config: Config, host: HostSpec, module: str, *args: str,
-                            timeout: float | None = 300, input: bytes | None = None) -> dict:
-    """Run a worker module that prints one JSON object; its errors become a HostError."""
+                            reply: type[R], timeout: float | None = 300, input: bytes | None = None) -> R:
+    """Run a worker module that prints one JSON object, parsed here as `reply` (its one typed
+    form: worker/protocol.py); its errors, and a reply that is not one, become a HostUnusable."""
     r = await t.run(python_argv(config, host, module, *args), timeout=timeout, input=input)
     if r.rc != 0:
         why = _python_missing(config, host, r.stderr) or \
             f"{host.name}: worker.{module} failed (exit {r.rc}): {last_line(r.stderr)}"
         raise HostUnusable(why)
     try:
-        return json.loads(r.stdout.strip().splitlines()[-1])
+        d = json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         raise HostUnusable(f"{host.name}: worker.{module} printed no result: {last_line(r.stdout)}") from None
+    return parse_reply(reply, d, f"{host.name}: worker.{module}")
 
 
-def last_line(text: str) -> str:
-    lines = [l for l in text.strip().splitlines() if l.strip()]
-    return lines[-1][:300] if lines else "(no output)"
+def parse_reply(reply: type[R], d: object, where: str) -> R:
+    """`d` (a host's JSON) as `reply`; one that is not one is a HostUnusable saying `where` (the
+    host and the command) and which field holds what."""
+    try:
+        return reply.from_dict(d)
+    except protocol.ReplyError as e:
+        raise HostUnusable(f"{where}: {e}") from None
 
 
 # Unpacks a gzip'd tar from stdin into a temp folder beside the target, then renames it into
@@ -125,19 +136,19 @@ class Preflight:
     host: str
     gpus: list[int] = field(default_factory=list)
     uploaded: bool = False
-    report: dict = field(default_factory=dict)
+    report: protocol.PreflightReport = field(default_factory=protocol.PreflightReport)
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     @property
-    def plan(self) -> dict | None:
+    def plan(self) -> protocol.Plan | None:
         """The run's plan.json on this host, if it has one."""
-        return self.report.get("plan")
+        return self.report.plan
 
     @property
     def identity(self) -> dict:
         """What this host's model and data are (worker.identity)."""
-        return self.report.get("identity") or {}
+        return self.report.identity
 
 
 async def deploy_host(t: Transport, config: Config, host: HostSpec,
@@ -173,21 +184,21 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec,
         args += ["--data", data]
     if config.spec.job is None:
         args.append("--builtin")
-    report = await run_worker_module(t, config, host, "preflight", *args, timeout=300)
+    report = await run_worker_module(t, config, host, "preflight", *args, reply=protocol.PreflightReport,
+                                     timeout=300)
     result.report = report
-    result.gpus = report.get("gpus", [])
+    result.gpus = report.gpus
     if config.slurm is not None:
         result.gpus = []
         sl = config.slurm
-        more = await run_worker_module(t, config, host, "slurm", "check", "--shards", str(sl.shards),
-                                       *(["--partition", sl.partition] if sl.partition else []),
-                                       *(["--account", sl.account] if sl.account else []), timeout=120)
-        report["checks"] = report.get("checks", []) + more.get("checks", [])
-        report["slurm"] = {k: v for k, v in more.items() if k != "checks"}
-    for c in report.get("checks", []):
-        (result.errors if c["level"] == "error" else result.warnings).append(c["message"])
+        report.slurm = await run_worker_module(t, config, host, "slurm", "check", "--shards", str(sl.shards),
+                                               *(["--partition", sl.partition] if sl.partition else []),
+                                               *(["--account", sl.account] if sl.account else []),
+                                               reply=protocol.SlurmCheck, timeout=120)
+        report.checks = report.checks + report.slurm.checks
+    result.errors, result.warnings = report.errors, report.warnings
     where = ("Slurm allocates the GPUs" if config.slurm is not None
-             else f"{len(result.gpus)} shard(s) on the CPU" if run.device == "cpu" or not report.get("gpu_count")
+             else f"{len(result.gpus)} shard(s) on the CPU" if run.device == "cpu" or not report.gpu_count
              else f"{len(result.gpus)} GPU(s)")
     step(f"{host.name}: preflight " + (f"refused: {result.errors[0]}" if result.errors else f"ok ({where})"))
     return result
@@ -208,13 +219,11 @@ def format_preflight(results: list[Preflight], failures: dict[str, HostError],
     rows = [("host", "worker", "python", "torch", "gpus", "free", "needs", "result")]
     for p in results:
         r = p.report
-        free = r.get("free_bytes")
-        need = (needs or {}).get(p.host, r.get("estimated_bytes"))
+        need = (needs or {}).get(p.host, r.estimated_bytes)
         verdict = "ERROR: " + p.errors[0] if p.errors else ("warning: " + p.warnings[0] if p.warnings else "ok")
-        rows.append((p.host, "uploaded" if p.uploaded else "cached", r.get("python", "?"), r.get("torch", "-"),
+        rows.append((p.host, "uploaded" if p.uploaded else "cached", r.python or "?", r.torch or "-",
                      ",".join(map(str, p.gpus)) or "-",
-                     f"{free / 1e9:.1f} GB" if free is not None else "?",
-                     f"{need / 1e9:.1f} GB" if need is not None else "?", verdict))
+                     bytes_text(r.free_bytes), bytes_text(need), verdict))
     for host, e in failures.items():
         label = "REFUSED: " if isinstance(e, HostUnusable) else "UNREACHABLE: "
         rows.append((host, "-", "-", "-", "-", "-", "-", label + str(e).removeprefix(f"{host}: ")))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from worker import protocol
+
 from . import deploy
 from .config import Config
 from .transport import HostError, Transport
@@ -16,7 +18,7 @@ from .transport import HostError, Transport
 
 @dataclass
 class ExportResult:
-    summaries: dict[str, dict] = field(default_factory=dict)   # host -> worker.export's summary
+    summaries: dict[str, protocol.ExportSummary] = field(default_factory=dict)   # host -> worker.export's
     failed: dict[str, str] = field(default_factory=dict)       # host -> why its export stopped
     unreachable: dict[str, str] = field(default_factory=dict)  # host -> why it was not reached
 
@@ -38,7 +40,7 @@ async def export_fleet(config: Config, transports: dict[str, Transport], fmt: st
         try:
             result.summaries[host.name] = await deploy.run_worker_module(
                 t, config, host, "export", config.host_path(host, config.run.output),
-                "--format", fmt, "--out", config.host_path(host, out), timeout=None)
+                "--format", fmt, "--out", config.host_path(host, out), reply=protocol.ExportSummary, timeout=None)
         except HostError as e:
             result.failed[host.name] = str(e)
     await asyncio.gather(*(one(h) for h in config.hosts))

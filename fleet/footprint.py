@@ -2,7 +2,7 @@
 
 Preflight (worker/preflight.py `footprint`) projects every row's bytes from the dataset's real
 lengths where that is cheap, and reports what is still to write in buckets of rows. A host writes
-the rows of its shards (contiguous ranges, worker.data.shard_range), so its need is the sum of
+the rows of its shards (contiguous ranges, worker.ranges.shard_range), so its need is the sum of
 those rows' buckets (a bucket cut by a shard boundary counts pro rata). Hosts whose output is one
 folder (the same meta.json folder_id: a shared file system, known once the folder holds a
 meta.json) draw on one free space together. Pure functions; `fleet up` prints them and refuses a
@@ -13,19 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from worker.protocol import Footprint, PreflightReport
+from worker.ranges import ranges_text, shard_range
+
 from .units import bytes_text
 
 WARN_FRACTION = 0.8              # a need above this share of the free space is worth a warning
 
 
-def shard_range(num_rows: int, num_shards: int, shard: int) -> tuple[int, int]:
-    """The rows of a shard: worker.data.shard_range (fleet does not import numpy)."""
-    return shard * num_rows // num_shards, (shard + 1) * num_rows // num_shards
-
-
-def bytes_in(fp: dict, start: int, stop: int) -> float:
+def bytes_in(fp: Footprint, start: int, stop: int) -> float:
     """Bytes still to write for rows [start, stop) by the footprint's buckets (pro rata in a cut one)."""
-    edges, remaining = fp["edges"], fp["remaining"]
+    edges, remaining = fp.edges, fp.remaining
     total = 0.0
     for j, need in enumerate(remaining):
         lo, hi = edges[j], edges[j + 1]
@@ -54,29 +52,29 @@ class Need:
         return ", ".join(self.hosts)
 
 
-def needs(reports: dict[str, dict], outputs: dict[str, str], shards_by_host: dict[str, list[int]],
+def needs(reports: dict[str, PreflightReport], outputs: dict[str, str], shards_by_host: dict[str, list[int]],
           num_shards: int) -> list[Need]:
     """One Need per output folder, from each host's preflight report (hosts without a footprint,
     such as a custom [job], are left out)."""
     groups: dict[str, Need] = {}
     for host, report in reports.items():
-        fp = report.get("footprint")
+        fp = report.footprint
         if not fp or host not in shards_by_host:
             continue
-        key = report.get("folder_id") or f"host:{host}"
+        key = report.folder_id or f"host:{host}"
         group = groups.get(key)
         if group is None:
             group = groups[key] = Need([], outputs.get(host, "?"))
         group.hosts.append(host)
-        free = report.get("free_bytes")
+        free = report.free_bytes
         if free is not None:
             group.free = free if group.free is None else min(group.free, free)
         for k in shards_by_host[host]:
             group.shards.append(k)
-            need = bytes_in(fp, *shard_range(fp["rows"], num_shards, k))
+            need = bytes_in(fp, *shard_range(fp.rows, num_shards, k))
             group.need += round(need)
-            if fp.get("bytes_per_token_fp8"):
-                ratio = fp["bytes_per_token_fp8"] / fp["bytes_per_token"]
+            if fp.bytes_per_token_fp8:
+                ratio = fp.bytes_per_token_fp8 / fp.bytes_per_token
                 group.fp8_need = (group.fp8_need or 0) + round(need * ratio)
     return list(groups.values())
 
@@ -86,14 +84,14 @@ def gb(n: float) -> str:
     return bytes_text(n, 2)
 
 
-def describe(fp: dict) -> str:
+def describe(fp: Footprint) -> str:
     """The whole run's projection in one line, saying how it was counted."""
-    per_element = "1 byte + a float32 scale per token per layer" if fp["dtype"] == "fp8" else "2 bytes"
-    line = (f"output: {gb(fp['total_bytes'])} for the whole run in {fp['dtype']}: {fp['rows']:,} rows, "
-            f"{fp['tokens']:,} tokens ({fp['basis']}) x {fp['layers']} layers x {fp['hidden_size']} x "
+    per_element = "1 byte + a float32 scale per token per layer" if fp.dtype == "fp8" else "2 bytes"
+    line = (f"output: {gb(fp.total_bytes)} for the whole run in {fp.dtype}: {fp.rows:,} rows, "
+            f"{fp.tokens:,} tokens ({fp.basis}) x {fp.layers} layers x {fp.hidden_size} x "
             f"{per_element}")
-    if fp.get("written_bytes"):
-        line += f"; {gb(fp['written_bytes'])} already written"
+    if fp.written_bytes:
+        line += f"; {gb(fp.written_bytes)} already written"
     return line
 
 
@@ -106,7 +104,7 @@ def verdicts(groups: list[Need], allow_partial: bool) -> tuple[list[str], list[s
         if not g.fits:
             cheaper = (f"; dtype = \"fp8\" needs about {gb(g.fp8_need)}" if g.fp8_need else "")
             line = (f"{g.name}: output {g.path} needs {gb(g.need)} more for shard(s) "
-                    f"{_ranges(g.shards)}, {gb(g.free)} free{cheaper}")
+                    f"{ranges_text(g.shards)}, {gb(g.free)} free{cheaper}")
             if allow_partial:
                 warnings.append(line + f" (--allow-partial: it stops when the disk is full, "
                                        f"after about {g.free / g.need:.0%} of it)")
@@ -115,15 +113,3 @@ def verdicts(groups: list[Need], allow_partial: bool) -> tuple[list[str], list[s
         elif g.need > WARN_FRACTION * g.free:
             warnings.append(f"{g.name}: output {g.path} needs {gb(g.need)} more of {gb(g.free)} free")
     return refusals, warnings
-
-
-def _ranges(ids: list[int]) -> str:
-    ids = sorted(ids)
-    parts, start = [], None
-    for i, k in enumerate(ids):
-        if start is None:
-            start = k
-        if i + 1 == len(ids) or ids[i + 1] != k + 1:
-            parts.append(str(start) if start == k else f"{start}-{k}")
-            start = None
-    return ",".join(parts)

@@ -283,3 +283,15 @@ def throughput_history(records, now: float, step: float, points: int) -> list[tu
                 out[i] += (after - before) / step
                 before = after
     return [(edges[i + 1], tokens[i], samples[i]) for i in range(points)]
+
+
+def policy_for(config) -> Policy:
+    """The judge's policy from fleet.toml's [supervise] (and [job]: a job without progress lines
+    cannot stall; one with a done sentinel must print it)."""
+    sup, job = config.spec.supervise, config.spec.job
+    has_progress = job is None or bool(job.progress or job.progress_glob)
+    return Policy(max_restarts=sup.max_restarts, backoff_base=sup.backoff_base,
+                  backoff_max=sup.backoff_max,
+                  stall_timeout=sup.stall_timeout if has_progress else None,
+                  restart_stalled=sup.restart_stalled, needs_done_sentinel=bool(job and job.done),
+                  custom_job=job is not None)

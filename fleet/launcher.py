@@ -109,17 +109,18 @@ class SlurmLauncher(_Engine):
                 submit.setdefault(a.by, []).append(a.shard)
                 continue
             r = await self._cancel(t, host, a, wait)
-            if a.kind == "restart" and r.get("status") == "not running":
+            if a.kind == "restart" and r.status == "not running":
                 submit.setdefault(a.by, []).append(a.shard)
                 continue
             status = {"stopped": "stopped", "not running": "not running", "error": "error"}.get(
-                r.get("status"), "restarting" if a.kind == "restart" else "stopping")
-            results[a.shard] = protocol.ActResult(shard=a.shard, status=status, detail=r.get("error"))
+                r.status, "restarting" if a.kind == "restart" else "stopping")
+            results[a.shard] = protocol.ActResult(shard=a.shard, status=status, detail=r.error)
         for by, shards in submit.items():
             results.update(await self._submit(t, host, [places[k] for k in shards], num_shards, by))
         return [results[a.shard] for a in actions if a.shard in results]
 
-    async def _cancel(self, t: Transport, host: HostSpec, a: protocol.ShardAction, wait: float) -> dict:
+    async def _cancel(self, t: Transport, host: HostSpec, a: protocol.ShardAction,
+                      wait: float) -> protocol.SlurmCancelled:
         timeout = max(a.grace, 60.0)
         args = ["cancel", "--run-dir", self.config.run_dir(host), "--shard", str(a.shard), "--why", a.why,
                 "--timeout", str(timeout if wait else 1.0)]
@@ -127,7 +128,8 @@ class SlurmLauncher(_Engine):
             args += ["--reason", a.reason]
         if a.kind == "restart":
             args += ["--then", "launch", "--by", a.by]
-        return await deploy.run_worker_module(t, self.config, host, "slurm", *args, timeout=timeout + 60)
+        return await deploy.run_worker_module(t, self.config, host, "slurm", *args,
+                                              reply=protocol.SlurmCancelled, timeout=timeout + 60)
 
     async def _cancel_all(self, t: Transport, host: HostSpec, actions: list[protocol.ShardAction],
                           wait: float) -> list[protocol.ActResult]:
@@ -135,10 +137,11 @@ class SlurmLauncher(_Engine):
         timeout = max(actions[0].grace, 60.0) if wait else 1.0
         r = await deploy.run_worker_module(t, self.config, host, "slurm", "cancel-all", "--run-dir",
                                            self.config.run_dir(host), "--job-name", self.config.job_name,
-                                           "--timeout", str(timeout), timeout=timeout + 60)
-        if "error" in r:
-            return [protocol.ActResult(shard=a.shard, status="error", detail=r["error"]) for a in actions]
-        return [protocol.ActResult(shard=a.shard, status=r.get(str(a.shard), "not running")) for a in actions]
+                                           "--timeout", str(timeout), reply=protocol.SlurmCancelled,
+                                           timeout=timeout + 60)
+        if r.error is not None:
+            return [protocol.ActResult(shard=a.shard, status="error", detail=r.error) for a in actions]
+        return [protocol.ActResult(shard=a.shard, status=r.shards.get(str(a.shard), "not running")) for a in actions]
 
     async def _submit(self, t: Transport, host: HostSpec, places: list[Placement], num_shards: int,
                       by: str) -> dict[int, protocol.ActResult]:
@@ -147,13 +150,13 @@ class SlurmLauncher(_Engine):
         spec = slurm_submission.submission(self.config, host, places, num_shards, by)
         result = await deploy.run_worker_module(t, self.config, host, "slurm", "submit", "--run-dir",
                                                 self.config.run_dir(host), input=json.dumps(spec).encode(),
-                                                timeout=180)
-        states = result.get("shards", {})
+                                                reply=protocol.SlurmSubmitted, timeout=180)
+        states = result.shards
         out = {}
         for p in places:
             state = states.get(str(p.shard))            # submitted | refused (recorded) | held (live)
-            detail = (f"as job {result['job']}" if state == "submitted" and result.get("job")
-                      else result.get("error") or (None if state else "submission failed"))
+            detail = (f"as job {result.job}" if state == "submitted" and result.job
+                      else result.error or (None if state else "submission failed"))
             out[p.shard] = protocol.ActResult(
                 shard=p.shard, status={"held": "running"}.get(state, state or "error"), detail=detail)
         return out

@@ -18,8 +18,7 @@ without a notice.
 from __future__ import annotations
 
 import asyncio
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,6 +27,7 @@ from .render import finished_summary
 from .units import duration
 from .snapshot import FleetSnapshot, ShardStatus, Totals
 from .state import State
+from .store import Transition
 
 SCHEMA = "fleet.notify/1"
 ALERT_RANK = {None: 0, "ok": 0, "low": 1, "critical": 2}
@@ -51,56 +51,59 @@ class Notice(BaseModel):
         return self.model_dump_json(by_alias=True)
 
 
-@dataclass
-class Seen:
-    """What the last snapshot said, to tell what changed since."""
-    states: dict[int, str] = field(default_factory=dict)
-    failures: dict[int, int] = field(default_factory=dict)
-    alert: str | None = None             # the level last told
-    low_since: float | None = None       # snapshot time the throughput went under alert_ratio
-    finished: bool = False
-
-
-def notices(seen: Seen | None, snap: FleetSnapshot, alert_after: float = 0.0) -> tuple[list[Notice], Seen]:
-    """The notices between the snapshot `seen` summed up and `snap`; None: this is the first
-    snapshot watched, which tells nothing (its history happened before)."""
-    t = snap.totals
-    now = Seen(states={s.id: s.state.value for s in snap.shards},
-               failures={s.id: s.failures for s in snap.shards}, finished=t.finished)
-    bad = ALERT_RANK[t.alert_level] > 0
-    if seen is None:                     # a low rate already there is told once it has held
-        now.low_since = snap.time if bad else None
-        return [], now
+def notices(changes: list[Transition], snap: FleetSnapshot) -> list[Notice]:
+    """The notices for one decide pass's transitions, `snap` the picture after them: a state
+    event per shard that changed (FAILED for a failure whose restart came at once), `finished`
+    when this pass finished the run. A transition from no state (a host's replay) is history,
+    not news: nothing is told."""
+    rows = {s.id: s for s in snap.shards}
     out: list[Notice] = []
 
     def notice(event: str, message: str, shard: ShardStatus | None = None, previous: str | None = None):
         out.append(Notice(event=event, run=snap.run, time=snap.time, message=message, shard=shard,
-                          previous=previous, totals=t))
+                          previous=previous, totals=snap.totals))
 
-    for s in snap.shards:
-        before = seen.states.get(s.id)
-        failed = s.failures > seen.failures.get(s.id, s.failures)
-        if before == s.state.value and not failed:
+    for c in changes:
+        s = rows.get(c.shard)
+        if c.before is None or s is None:
             continue
-        if s.state == State.FAILED or (failed and before != State.FAILED.value and s.state != State.FATAL):
+        if c.after == State.FAILED or (c.failed and c.before != State.FAILED and c.after != State.FATAL):
             event = State.FAILED.value
-            why = s.last_failure if s.state != State.FAILED else s.reason
+            why = s.last_failure if c.after != State.FAILED else s.reason
         else:
-            event, why = s.state.value, s.reason
-        notice(event, f"{snap.run}: shard {s.id} ({s.host}:{s.gpu}) {before or '-'} -> {s.state.value}"
-                      + (f": {why}" if why else ""), s, before)
-
-    now.low_since = (seen.low_since if seen.low_since is not None else snap.time) if bad else None
-    now.alert = seen.alert if bad else None
-    held = bad and snap.time - now.low_since >= alert_after
-    if held and ALERT_RANK[t.alert_level] > ALERT_RANK[seen.alert]:
-        unit = t.ratio_unit or "samples"
-        notice("alert", f"{snap.run}: throughput {t.ratio:.0%} of expected in {unit} ({t.alert_level}) "
-                        f"for {duration(snap.time - now.low_since)}", previous=seen.alert or "ok")
-        now.alert = t.alert_level
-    if t.finished and not seen.finished:
+            event, why = c.after.value, s.reason
+        notice(event, f"{snap.run}: shard {s.id} ({s.host}:{s.gpu}) {c.before.value} -> {c.after.value}"
+                      + (f": {why}" if why else ""), s, c.before.value)
+    if snap.totals.finished and any(c.before is not None and c.after == State.DONE for c in changes):
         notice("finished", f"{snap.run}: {finished_summary(snap, ' · ')} → fleet verify")
-    return out, now
+    return out
+
+
+@dataclass(frozen=True)
+class Alert:
+    """The throughput alert as last told."""
+    level: str | None = None             # the level last told
+    low_since: float | None = None       # snapshot time the throughput went under alert_ratio
+
+
+def alert_notice(seen: Alert | None, snap: FleetSnapshot, alert_after: float = 0.0) -> tuple[Notice | None, Alert]:
+    """`alert` when throughput has stayed under `[expected] alert_ratio` for `alert_after`, or got
+    worse (low to critical); `seen` None: the first look, which tells nothing yet (a low rate
+    already there is told once it has held)."""
+    t = snap.totals
+    bad = ALERT_RANK[t.alert_level] > 0
+    if seen is None:
+        return None, Alert(None, snap.time if bad else None)
+    if not bad:
+        return None, Alert()
+    low_since = seen.low_since if seen.low_since is not None else snap.time
+    if snap.time - low_since < alert_after or ALERT_RANK[t.alert_level] <= ALERT_RANK[seen.level]:
+        return None, Alert(seen.level, low_since)
+    unit = t.ratio_unit or "samples"
+    told = Notice(event="alert", run=snap.run, time=snap.time, previous=seen.level or "ok", totals=t,
+                  message=f"{snap.run}: throughput {t.ratio:.0%} of expected in {unit} ({t.alert_level}) "
+                          f"for {duration(snap.time - low_since)}")
+    return told, Alert(t.alert_level, low_since)
 
 
 STDERR_TAIL = 1 << 16          # bytes of a notify command's stderr kept: its last line is what is told
@@ -123,20 +126,23 @@ async def _feed_and_tail(proc, data: bytes) -> bytes:
 
 
 class Notifier:
-    """Runs `[notify] command` for the notices a user chose, following a supervisor's snapshots."""
+    """Runs `[notify] command` for the notices a user chose: the supervisor's transitions as
+    they are published (`told`), and the throughput alert, looked at every `interval`."""
 
-    def __init__(self, spec, cwd: str, on_log: Callable[[str], None], interval: float = 0.25):
+    def __init__(self, spec, cwd: str, on_log: Callable[[str], None], interval: float = 1.0):
         self.spec = spec
         self.cwd = cwd
         self.on_log = on_log
         self.interval = interval
-        self.seen: Seen | None = None
+        self.alert: Alert | None = None
+        self._snapshot: Callable[[], FleetSnapshot] | None = None
         self._sends: set[asyncio.Task] = set()
-        self._task: asyncio.Task | None = None
 
-    def check(self, snap: FleetSnapshot) -> list[Notice]:
-        """Tell what changed since the last check (call it only on a replayed picture)."""
-        new, self.seen = notices(self.seen, snap, self.spec.alert_after)
+    def told(self, changes: list[Transition]) -> list[Notice]:
+        """Send the chosen notices of one decide pass's transitions."""
+        return self._send([n for n in notices(changes, self._snapshot())])
+
+    def _send(self, new: list[Notice]) -> list[Notice]:
         chosen = [n for n in new if n.event in self.spec.on]
         for n in chosen:
             task = asyncio.create_task(self.send(n))
@@ -165,23 +171,20 @@ class Notifier:
             last = (err.decode(errors="replace").strip().splitlines() or ["(no output)"])[-1]
             self.on_log(f"notify: {argv[0]} exited {proc.returncode}: {last[:200]}")
 
-    def start(self, snapshot: Callable[[], FleetSnapshot], replayed: Callable[[], bool]) -> None:
-        async def loop() -> None:
-            while not replayed():            # the first look is the baseline: take it at once, so
-                await asyncio.sleep(0.05)    # a failure soon after attaching is told, not absorbed
+    def start(self, snapshot: Callable[[], FleetSnapshot], group: asyncio.TaskGroup) -> None:
+        """Watch the throughput alert in `group` (the supervisor's tasks)."""
+        self._snapshot = snapshot
+
+        async def watch() -> None:
             while True:
-                self.check(snapshot())
+                snap = snapshot()
+                if snap.totals.replayed:
+                    told, self.alert = alert_notice(self.alert, snap, self.spec.alert_after)
+                    self._send([told] if told else [])
                 await asyncio.sleep(self.interval)
-        self._snapshot, self._replayed = snapshot, replayed
-        self._task = asyncio.create_task(loop(), name="notify")
+        group.create_task(watch(), name="notify")
 
     async def close(self) -> None:
-        """One last look (a run that just finished is told), then wait for the commands running."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-            if self._replayed():
-                self.check(self._snapshot())
+        """Wait for the commands still running."""
         if self._sends:
             await asyncio.gather(*self._sends, return_exceptions=True)

@@ -13,6 +13,7 @@ import time
 
 from worker.identity import differences, upgraded
 from worker.plan import PLAN_VERSION
+from worker.protocol import Plan, PlanShard
 
 from .config import Config
 from .jobs import Placement, place_shards
@@ -38,69 +39,66 @@ def spec_of(config: Config) -> dict:
 
 
 def make_plan(config: Config, gpus_by_host: dict[str, list[int]], identity: dict,
-              host_ids: dict[str, str | None] | None = None) -> dict:
+              host_ids: dict[str, str | None] | None = None) -> Plan:
     """`host_ids`: each host name's machine (its identity file, worker.preflight.host_id)."""
     places = place_shards(config, gpus_by_host)
-    plan = {"version": PLAN_VERSION, "run": config.run.name, "created": round(time.time(), 3),
-            "num_shards": len(places),
-            "shards": [{"id": p.shard, "host": p.host, "gpu": p.gpu, "gpus": list(p.all_gpus)}
-                       for p in places],
-            "spec": spec_of(config), "identity": identity,
-            "host_ids": {name: i for name, i in (host_ids or {}).items() if i}}
-    if config.slurm is not None:
-        plan["launcher"] = "slurm"           # one array task per shard; "gpu" is the task's first
-    return plan
+    return Plan(version=PLAN_VERSION, run=config.run.name, created=round(time.time(), 3),
+                num_shards=len(places),
+                shards=[PlanShard(p.shard, p.host, p.gpu, list(p.all_gpus)) for p in places],
+                spec=spec_of(config), identity=identity,
+                host_ids={name: i for name, i in (host_ids or {}).items() if i},
+                launcher="slurm" if config.slurm is not None else None)   # slurm: one array task per
+                                                                            # shard; gpu: the task's first
 
 
-def placements(plan: dict) -> list[Placement]:
-    return [Placement(s["id"], s["host"], s["gpu"], tuple(s["gpus"]) if len(s.get("gpus", ())) > 1 else ())
-            for s in plan["shards"]]
+def placements(plan: Plan) -> list[Placement]:
+    return [Placement(s.id, s.host, s.gpu, tuple(s.gpus) if len(s.gpus) > 1 else ()) for s in plan.shards]
 
 
-def layout(plan: dict) -> dict[str, list[int]]:
+def layout(plan: Plan) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
-    for s in plan["shards"]:
-        out.setdefault(s["host"], []).extend(s.get("gpus") or [s["gpu"]])
+    for s in plan.shards:
+        out.setdefault(s.host, []).extend(s.gpus or [s.gpu])
     return out
 
 
-def plan_differences(old: dict, new: dict, compare_identity: bool = True) -> list[str]:
+def plan_differences(old: Plan, new: Plan, compare_identity: bool = True) -> list[str]:
     """How `new` (from fleet.toml now) differs from `old` (the run's plan), one line each."""
     out = []
     a, b = layout(old), layout(new)
-    if old.get("launcher") != new.get("launcher"):
-        out.append(f"launcher: {old.get('launcher') or 'ssh hosts'} -> {new.get('launcher') or 'ssh hosts'}")
+    if old.launcher != new.launcher:
+        out.append(f"launcher: {old.launcher or 'ssh hosts'} -> {new.launcher or 'ssh hosts'}")
         a = b = {}
-    elif new.get("launcher") == "slurm":
-        if old["num_shards"] != new["num_shards"]:
-            out.append(f"shards: {old['num_shards']} -> {new['num_shards']}")
+    elif new.launcher == "slurm":
+        if old.num_shards != new.num_shards:
+            out.append(f"shards: {old.num_shards} -> {new.num_shards}")
         a = b = {}
     for host in sorted(set(a) | set(b)):
         if a.get(host) != b.get(host):
             out.append(f"gpus of {host}: {a.get(host, 'none')} -> {b.get(host, 'none')}")
-    old_ids, new_ids = old.get("host_ids") or {}, new.get("host_ids") or {}
+    old_ids, new_ids = old.host_ids, new.host_ids
     for host in sorted(set(old_ids) & set(new_ids)):
         if old_ids[host] != new_ids[host]:
             out.append(f"host {host} is another machine: the plan's {host} is {old_ids[host]}, fleet.toml's "
                        f"{host} is {new_ids[host]} (names swapped or an address changed in fleet.toml?)")
-    spec = new.get("spec", {})
+    spec = new.spec
     defaults = {key: value for key, value in SPEC_DEFAULTS.items() if key in spec}
-    out += differences({**defaults, **old.get("spec", {})}, spec)
+    out += differences({**defaults, **old.spec}, spec)
     if compare_identity:
-        out += differences(upgraded(old.get("identity", {})), new.get("identity", {}))
+        out += differences(upgraded(old.identity), new.identity)
     return out
 
 
-def refusal(old: dict, diffs: list[str]) -> str:
-    made = time.strftime("%Y-%m-%d %H:%M", time.localtime(old.get("created", 0)))
-    return (f"fleet.toml disagrees with run {old.get('run')}'s plan (made {made}): "
+def refusal(old: Plan, diffs: list[str]) -> str:
+    made = time.strftime("%Y-%m-%d %H:%M", time.localtime(old.created))
+    return (f"fleet.toml disagrees with run {old.run}'s plan (made {made}): "
             + "; ".join(diffs) + ". To run the new plan: `fleet down`, then `fleet up --replan` "
             "(finished samples are kept); or restore fleet.toml")
 
 
-def check_hosts(plan: dict, config: Config) -> None:
+def check_hosts(plan: Plan, config: Config) -> None:
     known = {h.name for h in config.hosts}
-    missing = sorted({s["host"] for s in plan["shards"]} - known)
+    missing = sorted({s.host for s in plan.shards} - known)
     if missing:
         raise PlanError(f"the run's plan places shards on {', '.join(missing)}, which fleet.toml no "
                         f"longer lists: restore it, or `fleet down` and `fleet up --replan`")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from worker import protocol
+from worker.text import exit_words as describe_exit
 
 HISTORY_POINTS = 600               # progress points kept per attempt (bounded memory)
 
@@ -65,14 +66,6 @@ class Attempt:
     @property
     def slurm(self) -> bool:
         return self.launcher == "slurm"
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "ended without an exit status"
-    if code < 0:
-        return f"killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 # Slurm states in which Slurm, not the shard, ended the task: the reason the shard failed.

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from .snapshot import FleetSnapshot
 from .state import MEASURED, State
 from .units import bytes_text, duration, gib, number
+
+if TYPE_CHECKING:
+    from .store import Transition
 
 
 def finished_summary(snap: FleetSnapshot, sep: str = ", ") -> str:
@@ -48,7 +52,7 @@ def format_status(snap: FleetSnapshot) -> str:
         lines.append("states: " + ", ".join(f"{k} {v}" for k, v in t.by_state.items()))
     for h in snap.hosts:
         if h.reachable is False:
-            lines.append(f"host {h.name}: UNKNOWN ({h.error})")
+            lines.append(f"host {h.name}: {'unusable' if h.unusable else 'unreachable'} ({h.error})")
             continue
         tele = "no GPU telemetry" if not h.gpus else ", ".join(
             f"gpu{g.index} {gib(g.mem_used)}/{gib(g.mem_total)} GiB" for g in h.gpus)
@@ -66,17 +70,19 @@ def format_status(snap: FleetSnapshot) -> str:
     return "\n".join(lines)
 
 
-def transitions(before: dict[int, str], snap: FleetSnapshot) -> list[str]:
-    """One line per shard whose state changed since `before` (which is updated)."""
-    out = []
+def transition_lines(changes: list[Transition], snap: FleetSnapshot) -> list[str]:
+    """One line per published transition (`up --headless`); a host's history is summed up once
+    its agent has replayed it (the transitions from no state)."""
+    rows = {s.id: s for s in snap.shards}
     stamp = time.strftime("%H:%M:%S")
-    for s in snap.shards:
-        old = before.get(s.id)
-        if old != s.state.value:
-            before[s.id] = s.state.value
-            why = f" ({s.reason})" if s.reason and s.state.value not in ("RUNNING", "DONE") else ""
-            out.append(f"{stamp} shard {s.id} {s.host}:{s.gpu} {old or '-'} -> {s.state.value}"
-                       f" {s.done + s.skipped}/{s.total}{why}")
+    out = []
+    for c in changes:
+        s = rows.get(c.shard)
+        if s is None:
+            continue
+        why = f" ({s.reason})" if s.reason and c.after not in (State.RUNNING, State.DONE) else ""
+        out.append(f"{stamp} shard {s.id} {s.host}:{s.gpu} {c.before.value if c.before else '-'} -> "
+                   f"{c.after.value} {s.done + s.skipped}/{s.total}{why}")
     return out
 
 

@@ -8,8 +8,8 @@ Every figure is computed here once; the views only format it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -17,6 +17,9 @@ from .figures import pace, pace_eta, progress_age
 from .judge import Rates, Verdict, rates
 from .record import ShardRecord
 from .state import FAULTY, MEASURED, SETTLED, State
+
+if TYPE_CHECKING:
+    from .store import Host
 
 LIVE_PROGRESS = frozenset({State.STARTING, State.LOADING, State.RUNNING, State.STALLED})
 
@@ -55,6 +58,8 @@ class HostStatus(BaseModel):
     reachable: Optional[bool] = Field(None, description="false: unreachable (then gpus and disk are "
                                                         "null, not zero); null: not tried yet")
     error: Optional[str] = Field(None, description="why it is unreachable, or the agent's last error")
+    unusable: bool = Field(False, description="reached, but its python or the agent fails there "
+                                              "(reachable is false then too)")
     telemetry: Optional[Literal["nvml", "nvidia-smi", "none"]] = None
     gpus: Optional[list[Gpu]] = None
     gpu_age_s: Optional[float] = None
@@ -218,28 +223,6 @@ def json_schema() -> dict:
 # --- inputs (what the supervisor holds) ---------------------------------------------------------
 
 @dataclass
-class HostView:
-    """What the supervisor knows of a host from its agent."""
-    name: str
-    address: str
-    reachable: bool | None = None
-    error: str | None = None
-    telemetry: str | None = None
-    gpus: list = field(default_factory=list)
-    gpu_t: float | None = None             # host clock of the last GPU reading
-    disk: dict | None = None
-    clock_offset: float = 0.0              # host clock - supervisor clock
-    last_seen: float | None = None         # supervisor clock
-    replayed: bool = False
-    role: str | None = None                # with [slurm]: "login" or "node"
-    usd_per_hour: float | None = None      # [[hosts]] usd_per_hour
-    unusable: bool = False                 # reached, but its python or agent fails there
-
-    def host_now(self, now: float) -> float:
-        return now + self.clock_offset
-
-
-@dataclass
 class ShardView:
     """One shard as the snapshot needs it: where it runs, its record, its liveness, the verdict."""
     id: int
@@ -269,26 +252,6 @@ def slurm_task(record: ShardRecord, live) -> SlurmTaskStatus | None:
                            node=a.node)
 
 
-def slurm_nodes(login: HostView, tasks: list[tuple[str, object | None]]) -> dict[str, HostView]:
-    """With [slurm], one host per compute node the shards run or ran on: GPUs are the live tasks'
-    own readings there (`protocol.TaskGpus`), merged by index; reachable as the login node is."""
-    nodes: dict[str, HostView] = {}
-    for node, reading in tasks:
-        h = nodes.get(node)
-        if h is None:
-            h = nodes[node] = HostView(node, node, reachable=login.reachable, clock_offset=login.clock_offset,
-                                       last_seen=login.last_seen, replayed=login.replayed, role="node")
-        if reading is None:
-            continue
-        if h.telemetry in (None, "none"):
-            h.telemetry = reading.source
-        known = {g.get("index") for g in h.gpus}
-        h.gpus = sorted(h.gpus + [g for g in reading.gpus if g.get("index") not in known],
-                        key=lambda g: g.get("index", 0))
-        h.gpu_t = reading.t if h.gpu_t is None else min(h.gpu_t, reading.t)
-    return nodes
-
-
 # --- the one computation ------------------------------------------------------------------------
 
 def _finite(x: float | None, digits: int = 2) -> float | None:
@@ -310,7 +273,7 @@ def all_replayed(hosts) -> bool:
     return all(h.replayed or h.reachable is False for h in hosts)
 
 
-def shown_state(view: ShardView, host: HostView) -> State:
+def shown_state(view: ShardView, host: Host) -> State:
     return State.UNKNOWN if host.reachable is False else view.verdict.state
 
 
@@ -385,18 +348,12 @@ def disk_full_eta(records: list[ShardRecord], tokens_per_s: float, free: int) ->
 NOT_EXPECTED = (State.DONE, State.STOPPED, State.UNKNOWN, State.QUEUED)   # GPUs not expected to produce
 
 
-def shard_row(v: ShardView, host: HostView, now: float) -> tuple[ShardStatus, Rates | None]:
+def shard_row(v: ShardView, host: Host, now: float) -> tuple[ShardStatus, Rates | None]:
     """One shard's row and its rates (None: not measured), from its record and verdict."""
     hn = host.host_now(now)
     state = shown_state(v, host)
     r, a = v.record, v.record.attempt
     rate = rates(r, state, hn) if host.reachable else None
-    shard_pace = pace(r, hn) if state in MEASURED else None
-    late = progress_age(r, hn, v.idle_s) if state in LIVE_PROGRESS and host.reachable else None
-    eta_s = 0.0 if state == State.DONE else pace_eta(r, shard_pace)
-    if eta_s is None:
-        eta_s = shard_eta(r, state, rate)
-    due = v.verdict.due_t
     row = ShardStatus(
         id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), slurm=v.slurm, state=state,
         reason=(f"host {'unusable' if host.unusable else 'unreachable'}: {host.error}" if host.reachable is False
@@ -406,22 +363,44 @@ def shard_row(v: ShardView, host: HostView, now: float) -> tuple[ShardStatus, Ra
         tokens=r.tokens, total_tokens=r.total_tokens, bytes=r.bytes,
         samples_per_s=_finite(rate.samples_per_s) if rate else None,
         tokens_per_s=_finite(rate.tokens_per_s, 1) if rate and counts_tokens(r) else None,
-        eta_s=_finite(eta_s, 0), eta_rough=state != State.DONE and eta_s is not None and not (
-            shard_pace is not None and shard_pace.settled),
-        progress_age_s=_finite(late.age_s, 1) if late else None,
-        progress_interval_s=_finite(late.usual_s, 1) if late and late.usual_s is not None else None,
-        progress_late=bool(late and late.late),
+        **shard_eta_fields(r, state, rate, hn),
+        **lateness(r, state, hn, v.idle_s) if host.reachable else {},
+        **life(v, host, state, hn),
         restarts=max(r.launches - 1, 0), auto_attempts=v.verdict.attempts,
         max_restarts=v.max_restarts, failures=r.failures, last_failure=r.last_failure,
-        alive=v.alive if host.reachable else None,
-        pid=(v.pid or (a.pid if a and not a.ended else None)) if v.alive else None,
-        exit_code=a.end.code if a and a.end else None,
-        last_event=r.last_event,
-        last_event_age_s=_finite(hn - r.last_event_t, 1) if r.last_event_t else None,
-        backoff_s=_finite(max(due - hn, 0.0), 1) if due is not None and state != State.UNKNOWN else None,
         writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
         detail=a.detail if a and state == State.LOADING else None, path=r.path)
     return row, rate
+
+
+def shard_eta_fields(r: ShardRecord, state: State, rate: Rates | None, host_now: float) -> dict:
+    """The shard's ETA at its pace over minutes (its rate now until that is measured), and
+    whether that pace is still short (rough)."""
+    shard_pace = pace(r, host_now) if state in MEASURED else None
+    eta_s = 0.0 if state == State.DONE else pace_eta(r, shard_pace)
+    if eta_s is None:
+        eta_s = shard_eta(r, state, rate)
+    rough = state != State.DONE and eta_s is not None and not (shard_pace is not None and shard_pace.settled)
+    return dict(eta_s=_finite(eta_s, 0), eta_rough=rough)
+
+
+def lateness(r: ShardRecord, state: State, host_now: float, idle_s: float | None) -> dict:
+    """How long a live shard has gone without progress, against its own usual interval."""
+    late = progress_age(r, host_now, idle_s) if state in LIVE_PROGRESS else None
+    if late is None:
+        return {}
+    return dict(progress_age_s=_finite(late.age_s, 1), progress_late=late.late,
+                progress_interval_s=_finite(late.usual_s, 1) if late.usual_s is not None else None)
+
+
+def life(v: ShardView, host: Host, state: State, host_now: float) -> dict:
+    """Its process (alive, pid, exit code), its last event, and when a pending restart is due."""
+    r, a, due = v.record, v.record.attempt, v.verdict.due_t
+    return dict(alive=v.alive if host.reachable else None,
+                pid=(v.pid or (a.pid if a and not a.ended else None)) if v.alive else None,
+                exit_code=a.end.code if a and a.end else None, last_event=r.last_event,
+                last_event_age_s=_finite(host_now - r.last_event_t, 1) if r.last_event_t else None,
+                backoff_s=_finite(max(due - host_now, 0.0), 1) if due is not None and state != State.UNKNOWN else None)
 
 
 def gpus_of(v: ShardView) -> int:
@@ -469,7 +448,7 @@ def run_eta(views: list[ShardView], rows: list[ShardStatus], measured: list, fin
     return unit, eta
 
 
-def elapsed_s(views: list[ShardView], hosts: dict[str, HostView], settled: bool, now: float) -> float | None:
+def elapsed_s(views: list[ShardView], hosts: dict[str, Host], settled: bool, now: float) -> float | None:
     """From the first launch, on the supervisor's clock; once settled, to the last event."""
     starts = [v.record.first_launch_t - hosts[v.host].clock_offset for v in views
               if v.record.first_launch_t is not None]
@@ -480,7 +459,7 @@ def elapsed_s(views: list[ShardView], hosts: dict[str, HostView], settled: bool,
     return max(end - min(starts), 0.0)
 
 
-def host_rows(hosts: dict[str, HostView], views: list[ShardView], measured: list, hours: float | None,
+def host_rows(hosts: dict[str, Host], views: list[ShardView], measured: list, hours: float | None,
               now: float) -> tuple[list[HostStatus], float | None]:
     """Each host as status shows it, and the soonest time a host's disk fills at its current rate."""
     host_tps: dict[str, float] = {}
@@ -488,17 +467,18 @@ def host_rows(hosts: dict[str, HostView], views: list[ShardView], measured: list
         host_tps[v.host] = host_tps.get(v.host, 0.0) + x.tokens_per_s
     disk_eta, out = None, []
     for h in hosts.values():
-        free = (h.disk or {}).get("free")
+        free = h.disk.free if h.disk else None
         fills = disk_full_eta([v.record for v in views if v.host == h.name], host_tps.get(h.name, 0.0),
                               free) if free is not None and h.reachable else None
         if fills is not None:
             disk_eta = min(disk_eta if disk_eta is not None else math.inf, fills)
         out.append(HostStatus(
             name=h.name, address=h.address, role=h.role, reachable=h.reachable, error=h.error,
+            unusable=h.unusable and h.reachable is False,
             telemetry=h.telemetry if h.reachable else None,
-            gpus=[Gpu(**g) for g in h.gpus] if h.reachable else None,
+            gpus=list(h.gpus) if h.reachable else None,
             gpu_age_s=_finite(h.host_now(now) - h.gpu_t, 1) if h.gpu_t and h.reachable else None,
-            disk=Disk(**h.disk) if h.reachable and h.disk else None,
+            disk=h.disk if h.reachable else None,
             last_seen_age_s=_finite(now - h.last_seen, 1) if h.last_seen else None,
             replayed=h.replayed, usd_per_hour=h.usd_per_hour,
             usd_spent=_finite(h.usd_per_hour * hours) if h.usd_per_hour is not None and hours is not None
@@ -506,7 +486,7 @@ def host_rows(hosts: dict[str, HostView], views: list[ShardView], measured: list
     return out, disk_eta
 
 
-def money(hosts: dict[str, HostView], hours: float | None, settled: bool,
+def money(hosts: dict[str, Host], hours: float | None, settled: bool,
           eta: float | None) -> tuple[float | None, float | None, float | None]:
     """What the priced hosts cost an hour, over the run's elapsed time, and at this rate to the end."""
     priced = [h.usd_per_hour for h in hosts.values() if h.usd_per_hour is not None]
@@ -518,7 +498,54 @@ def money(hosts: dict[str, HostView], hours: float | None, settled: bool,
     return rate, spent, projected
 
 
-def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView], now: float,
+def counts(views: list[ShardView], rows: list[ShardStatus]) -> dict:
+    """Shards by state, samples and tokens done, bytes, and the GPUs planned and expected to work."""
+    by_state: dict[str, int] = {}
+    for row in rows:
+        by_state[row.state.value] = by_state.get(row.state.value, 0) + 1
+    records = [v.record for v in views]
+    sized = bool(records) and all(r.total_tokens is not None for r in records)
+    return dict(shards=len(rows), by_state=by_state, done=sum(r.done + r.skipped for r in records),
+                total=sum(r.total for r in records), tokens=sum(r.tokens for r in records),
+                total_tokens=sum(r.total_tokens for r in records) if sized else None,
+                bytes_written=sum(r.bytes for r in records), gpus_planned=sum(gpus_of(v) for v in views),
+                gpus_expected=sum(gpus_of(v) for v, row in zip(views, rows) if row.state not in NOT_EXPECTED))
+
+
+def throughput(expected, views: list[ShardView], measured: list, gpus_expected: int) -> dict:
+    """The run's rates now, and how they compare with the expected figure."""
+    sps = sum(x.samples_per_s for _, x in measured)
+    tps = sum(x.tokens_per_s for _, x in measured)
+    vs = against_expected(expected, views, gpus_expected, sps, tps, bool(measured))
+    return dict(samples_per_s=_finite(sps) if measured else None,
+                tokens_per_s=_finite(tps, 1) if any(counts_tokens(v.record) for v, _ in measured) else None,
+                expected_unit=vs.unit, expected_per_s=_finite(vs.rate), expected_tokens_per_s=_finite(vs.tokens, 1),
+                ratio=_finite(vs.ratio, 3), ratio_unit=vs.ratio_unit,
+                alert=vs.level in ("low", "critical"), alert_level=vs.level)
+
+
+def eta_fields(rows: list[ShardStatus], eta: float | None, unit: str | None, settled: bool) -> dict:
+    """The run's ETA, whether it is rough, and the shards it leaves out."""
+    return dict(eta_s=_finite(eta, 0), eta_unit=unit,
+                eta_rough=eta is not None and not settled and any(r.eta_rough for r in rows if r.state not in SETTLED),
+                eta_left_out=[r.id for r in rows if r.state in (State.FATAL, State.STOPPED)])
+
+
+def averages(done: int, tokens: int, gpus: int, elapsed: float | None) -> dict:
+    """Over the run's elapsed time: what a finished run is summed up by."""
+    if not elapsed:
+        return {}
+    return dict(avg_samples_per_s=_finite(done / elapsed), avg_tokens_per_s=_finite(tokens / elapsed, 1),
+                avg_tokens_per_s_per_gpu=_finite(tokens / elapsed / gpus, 1) if gpus else None)
+
+
+def costs(hosts: dict[str, Host], hours: float | None, settled: bool, eta: float | None, tokens: int) -> dict:
+    rate, spent, projected = money(hosts, hours, settled, eta)
+    return dict(usd_per_hour=_finite(rate), usd_spent=_finite(spent), usd_projected=_finite(projected),
+                usd_per_million_tokens=_finite(spent / tokens * 1e6, 3) if spent is not None and tokens else None)
+
+
+def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now: float,
                    expected) -> FleetSnapshot:
     """`views`: every shard of the run's plan; `expected` the config's ExpectedSpec; `now` the
     supervisor's clock. Each figure is one of the small functions above."""
@@ -529,47 +556,21 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, HostView],
         if rate is not None:
             measured.append((v, rate))
     states = [row.state for row in rows]
-    by_state: dict[str, int] = {}
-    for st in states:
-        by_state[st.value] = by_state.get(st.value, 0) + 1
     settled = bool(states) and all(s in SETTLED for s in states)
     finished = bool(states) and all(s == State.DONE for s in states)
-    gpus_planned = sum(gpus_of(v) for v in views)
-    gpus_expected = sum(gpus_of(v) for v, st in zip(views, states) if st not in NOT_EXPECTED)
-    sps = sum(x.samples_per_s for _, x in measured)
-    tps = sum(x.tokens_per_s for _, x in measured)
-    vs = against_expected(expected, views, gpus_expected, sps, tps, bool(measured))
     eta_unit, eta = run_eta(views, rows, measured, finished)
     elapsed = elapsed_s(views, hosts, settled, now)
     hours = elapsed / 3600 if elapsed is not None else None
     hosts_out, disk_eta = host_rows(hosts, views, measured, hours, now)
-    usd_rate, spent, projected = money(hosts, hours, settled, eta)
-    finished_samples = sum(v.record.done + v.record.skipped for v in views)
-    tokens = sum(v.record.tokens for v in views)
-    all_sized = bool(views) and all(v.record.total_tokens is not None for v in views)
+    n = counts(views, rows)
     return FleetSnapshot(
         run=run, time=round(now, 3), hosts=hosts_out, shards=rows,
-        totals=Totals(
-            shards=len(rows), by_state=by_state, done=finished_samples, total=sum(v.record.total for v in views),
-            samples_per_s=_finite(sps) if measured else None,
-            tokens_per_s=_finite(tps, 1) if any(counts_tokens(v.record) for v, _ in measured) else None,
-            tokens=tokens, total_tokens=sum(v.record.total_tokens for v in views) if all_sized else None,
-            gpus_planned=gpus_planned, gpus_expected=gpus_expected,
-            expected_unit=vs.unit, expected_per_s=_finite(vs.rate), expected_tokens_per_s=_finite(vs.tokens, 1),
-            ratio=_finite(vs.ratio, 3), ratio_unit=vs.ratio_unit,
-            alert=vs.level in ("low", "critical"), alert_level=vs.level,
-            eta_s=_finite(eta, 0), eta_unit=eta_unit if views else None,
-            eta_rough=eta is not None and not settled and any(r.eta_rough for r in rows if r.state not in SETTLED),
-            eta_left_out=[r.id for r in rows if r.state in (State.FATAL, State.STOPPED)],
-            elapsed_s=_finite(elapsed, 1), finished=finished,
-            avg_samples_per_s=_finite(finished_samples / elapsed) if elapsed else None,
-            avg_tokens_per_s=_finite(tokens / elapsed, 1) if elapsed else None,
-            avg_tokens_per_s_per_gpu=_finite(tokens / elapsed / gpus_planned, 1) if elapsed and gpus_planned
-            else None,
-            bytes_written=sum(v.record.bytes for v in views), disk_full_eta_s=_finite(disk_eta, 0),
-            usd_per_hour=_finite(usd_rate), usd_spent=_finite(spent), usd_projected=_finite(projected),
-            usd_per_million_tokens=_finite(spent / tokens * 1e6, 3) if spent is not None and tokens else None,
-            replayed=all_replayed(hosts.values()), settled=settled))
+        totals=Totals(**n, **throughput(expected, views, measured, n["gpus_expected"]),
+                      **eta_fields(rows, eta, eta_unit if views else None, settled),
+                      **averages(n["done"], n["tokens"], n["gpus_planned"], elapsed),
+                      **costs(hosts, hours, settled, eta, n["tokens"]),
+                      elapsed_s=_finite(elapsed, 1), finished=finished, disk_full_eta_s=_finite(disk_eta, 0),
+                      replayed=all_replayed(hosts.values()), settled=settled))
 
 
 def status_exit_code(snap: FleetSnapshot) -> int:

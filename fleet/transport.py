@@ -45,8 +45,17 @@ class Stream:
 
 
 class Transport:
+    """Commands on one host, argv only. An async context manager: connected inside, closed after."""
+
     def __init__(self, host: HostSpec):
         self.host = host
+
+    async def __aenter__(self) -> Transport:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
 
     async def connect(self) -> None:
         pass

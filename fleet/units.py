@@ -5,18 +5,7 @@ An unknown figure is '?' everywhere."""
 
 from __future__ import annotations
 
-UNKNOWN = "?"
-
-
-def bytes_text(n: float | None, digits: int = 1) -> str:
-    """1234567 -> '1.2 MB' (decimal units: kB, MB, GB, TB, PB)."""
-    if n is None:
-        return UNKNOWN
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
-        n /= 1000
-    return UNKNOWN
+from worker.text import UNKNOWN, bytes_text  # noqa: F401  (bytes: one rule for both sides)
 
 
 def gib(n: float | None, digits: int = 1) -> str:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from worker import protocol
+from worker.ranges import expand, shard_of
+
 from . import deploy
 from .config import Config
 from .jobs import shard_dir
@@ -24,7 +27,7 @@ class VerifyResult:
     missing: list[list[int]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     unrecorded_files: int = 0
-    repaired: dict[str, dict] = field(default_factory=dict)   # host -> what --repair did there
+    repaired: dict[str, protocol.Repair] = field(default_factory=dict)   # host -> what --repair did there
     shared: dict[str, str] = field(default_factory=dict)      # host -> the host whose folder it shares
     commands: dict[str, str] = field(default_factory=dict)    # host -> the command that trains on its folder
     notes: list[str] = field(default_factory=list)            # what the trainer would miss, not wrong
@@ -38,51 +41,46 @@ class VerifyResult:
         return not self.problems and not self.missing and self.num_samples is not None
 
 
-def _expand(ranges: list[list[int]]):
-    for a, b in ranges:
-        yield from range(a, b)
-
-
-def merge_reports(reports: dict[str, dict]) -> VerifyResult:
+def merge_reports(reports: dict[str, protocol.VerifyReport]) -> VerifyResult:
     result = VerifyResult()
     owner: dict[int, str] = {}
     folders: dict[str, str] = {}
     for host, rep in reports.items():
-        folder = rep.get("folder_id")
+        folder = rep.folder_id
         if folder and folder in folders:               # one shared folder (NFS): counted once
             result.shared[host] = folders[folder]
             continue
         if folder:
             folders[folder] = host
-        n = rep.get("num_samples")
+        n = rep.num_samples
         if n is not None:
             if result.num_samples is not None and result.num_samples != n:
                 result.problems.append(f"{host}: meta.json says {n} samples, another host {result.num_samples}")
             result.num_samples = n
-        fmt = rep.get("format")
+        fmt = rep.format
         if fmt is not None:
             if result.format is not None and result.format != fmt:
                 result.problems.append(f"{host}: files in format {fmt}, another host's in {result.format}")
             result.format = fmt
-        dtype = rep.get("dtype")
+        dtype = rep.dtype
         if dtype is not None:
             if result.dtype is not None and result.dtype != dtype:
                 result.problems.append(f"{host}: hidden states in {dtype}, another host's in {result.dtype}")
             result.dtype = dtype
-        result.problems += [f"{host}: {p}" for p in rep.get("problems", [])]
-        if rep.get("command"):
-            result.commands[host] = rep["command"]
-        result.notes += [f"{host}: {n}" for n in rep.get("notes", [])]
-        if rep.get("repaired"):
-            result.repaired[host] = rep["repaired"]
-        result.unrecorded_files += rep.get("unrecorded_files", 0)
-        indices = list(_expand(rep.get("written", []))) + [int(i) for i in rep.get("skipped", {})]
+        result.problems += [f"{host}: {p}" for p in rep.problems]
+        if rep.command:
+            result.commands[host] = rep.command
+        result.notes += [f"{host}: {n}" for n in rep.notes]
+        if rep.repaired:
+            result.repaired[host] = rep.repaired
+        result.unrecorded_files += rep.unrecorded_files
+        indices = list(expand(rep.written)) + [int(i) for i in rep.skipped]
         for i in indices:
             if i in owner:
                 result.problems.append(f"sample {i}: present on {owner[i]} and on {host}")
             owner[i] = host
-        result.written += sum(b - a for a, b in rep.get("written", []))
-        result.skipped.update({int(i): why for i, why in rep.get("skipped", {}).items()})
+        result.written += sum(b - a for a, b in rep.written)
+        result.skipped.update({int(i): why for i, why in rep.skipped.items()})
     if result.num_samples is None:
         result.problems.append("no meta.json on any host: nothing has been extracted yet")
         return result
@@ -101,11 +99,6 @@ def merge_reports(reports: dict[str, dict]) -> VerifyResult:
     return result
 
 
-def shard_of(index: int, num_rows: int, num_shards: int) -> int:
-    """The shard whose contiguous range holds `index` (the inverse of worker.data.shard_range)."""
-    return next(k for k in range(num_shards - 1, -1, -1) if k * num_rows // num_shards <= index)
-
-
 async def verify_fleet(config: Config, transports: dict[str, Transport], deep: bool = True,
                        repair: bool = False) -> tuple[VerifyResult, dict[str, str]]:
     """Run the per-host check everywhere in parallel; (merged result, unreachable hosts)."""
@@ -118,7 +111,8 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
         await deploy.upload_worker(t, config, host)      # a newer fleet's checks, not the old ones
         args = ["--out", config.host_path(host, config.run.output)] + ([] if deep else ["--shallow"]) \
             + (["--repair"] if repair else [])
-        return await deploy.run_worker_module(t, config, host, "verify", *args, timeout=None)
+        return await deploy.run_worker_module(t, config, host, "verify", *args, reply=protocol.VerifyReport,
+                                              timeout=None)
     results = await asyncio.gather(*(one(h) for h in config.hosts), return_exceptions=True)
     reports, failures = {}, {}
     for host, r in zip(config.hosts, results):
@@ -145,26 +139,27 @@ async def reopen_repaired(sup, result: VerifyResult) -> list[str]:
     lines, per_shard = [], {}
     await sup.read_once()
     plan = sup.plan
-    dropped = {i for rep in result.repaired.values() for i in rep["dropped"]}
+    dropped = {i for rep in result.repaired.values() for i in rep.dropped}
     if plan and result.num_samples:
-        for i in _expand(result.missing):
+        for i in expand(result.missing):
             if i in dropped:                     # missing because dropped just now: counted below
                 continue
-            k = shard_of(i, result.num_samples, plan["num_shards"])
+            k = shard_of(i, result.num_samples, plan.num_shards)
             per_shard[k] = per_shard.get(k, 0) + 1
     for host, rep in result.repaired.items():
-        lines.append(f"{host}: repaired: dropped {len(rep['dropped'])} broken or missing sample(s)"
-                     f"{' ' + str(rep['dropped'][:20]) if rep['dropped'] else ''}, removed "
-                     f"{rep['removed_files']} file(s), {len(rep['deduplicated'])} duplicate entr(ies)")
+        lines.append(f"{host}: repaired: dropped {len(rep.dropped)} broken or missing sample(s)"
+                     f"{' ' + str(rep.dropped[:20]) if rep.dropped else ''}, removed "
+                     f"{rep.removed_files} file(s), {len(rep.deduplicated)} duplicate entr(ies)")
         if plan and result.num_samples:
-            for i in rep["dropped"]:
-                k = shard_of(i, result.num_samples, plan["num_shards"])
+            for i in rep.dropped:
+                k = shard_of(i, result.num_samples, plan.num_shards)
                 per_shard[k] = per_shard.get(k, 0) + 1
     for k, n in sorted(per_shard.items()):
-        place = next(p for p in sup.placements if p.shard == k)
+        place = sup.shards[k].placement
         link = sup.links[place.host]
         await deploy.run_worker_module(link.transport, sup.config, link.spec, "hostctl", "reopen",
                                        "--shard-dir", shard_dir(sup.config, link.spec, k),
-                                       "--samples", str(n), "--reason", "dropped by fleet verify --repair")
+                                       "--samples", str(n), "--reason", "dropped by fleet verify --repair",
+                                       reply=protocol.Status)
         lines.append(f"shard {k}: {n} sample(s) to redo: `fleet up` (or `fleet restart {k}`) redoes them")
     return lines

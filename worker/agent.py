@@ -207,44 +207,59 @@ class Agent:
         after its job was read, and its record is read again before anything is written."""
         watch = self.slurm
         events = {k: f.read() for k, f in self.shards.items()}
-        now_host = protocol.now()
-        for f in self.shards.values():           # an ended launch whose final word is still unread
-            if f.ended and (not f.state.slurm or f.state.slurm_ended or f.state.job is None
-                            or f.end_t is None or now_host - f.end_t > SLURM_END_WINDOW_S):
-                f.final_checked = True
+        self._close_final_checks(protocol.now())
         wanted = [f for f in self.shards.values() if f.state.job and (not f.ended or not f.final_checked)]
         answered = watch.poll([f.state.job for f in wanted], force=replay, beat=self._beat)
         if replay or (watch.error,) != watch.sent_error:
             watch.sent_error = (watch.error,)
             self.send(protocol.SlurmPoll(error=watch.error))
         for k, f in self.shards.items():
-            state, view = f.state, watch.views.get(f.state.job) if f.state.job else None
-            fresh = answered and f.job_seen < watch.began
-            if state.slurm and not f.ended and state.job is None and answered:
-                events[k] += self._settle_submission(f)
-            elif view is not None and view.terminal and fresh and (not f.ended or not f.final_checked):
-                if f.ended and view.state in ("COMPLETED", "UNKNOWN"):
-                    f.final_checked = True            # nothing to add to the task's own end
-                elif self._under_run_lock(lambda: slurm.record_end(f.dir, view)):
-                    events[k] += f.read()
-                    f.final_checked = True
-            if replay:
-                events[k] = thin_progress(events[k])
-            for raw in events[k]:
-                self.send(protocol.EventMessage(shard=k, event=raw))
-            alive = bool(state.n) and not f.ended and (view is None or view.live)
-            if force_liveness or alive != f.alive:
-                f.alive = alive
-                self.send(protocol.Liveness(shard=k, alive=alive, pid=read_pid(f.dir) if alive else None))
-            key = (state.n, view) if alive and view is not None else None
-            if key is not None and (replay or key != f.sent_view):
-                self.send(protocol.SlurmTask(shard=k, launch=state.n, job=view.job, state=view.state,
-                                             reason=view.reason, node=view.node))
-            f.sent_view = key
-            if alive and view is not None and view.state == "RUNNING":
-                self._task_gpus(k, f, replay)
+            view = watch.views.get(f.state.job) if f.state.job else None
+            events[k] += self._record_slurm_end(f, view, answered)
+            self._send_slurm_shard(k, f, view, thin_progress(events[k]) if replay else events[k],
+                                   replay, force_liveness)
         watch.urgent = any(v.state in ("COMPLETING", "CONFIGURING") for v in watch.views.values()) or \
             any(f.state.job and not f.final_checked for f in self.shards.values() if f.ended)
+
+    def _close_final_checks(self, now_host: float) -> None:
+        """An ended launch whose final word from Slurm is not worth waiting for any more."""
+        for f in self.shards.values():
+            if f.ended and (not f.state.slurm or f.state.slurm_ended or f.state.job is None
+                            or f.end_t is None or now_host - f.end_t > SLURM_END_WINDOW_S):
+                f.final_checked = True
+
+    def _record_slurm_end(self, f: ShardFollower, view, answered: bool) -> list[dict]:
+        """What Slurm's answer adds to a shard's record: a submission whose submitter died, or the
+        final state of a task that ended (from a query that began after its job was read)."""
+        state = f.state
+        fresh = answered and f.job_seen < self.slurm.began
+        if state.slurm and not f.ended and state.job is None and answered:
+            return self._settle_submission(f)
+        if view is not None and view.terminal and fresh and (not f.ended or not f.final_checked):
+            if f.ended and view.state in ("COMPLETED", "UNKNOWN"):
+                f.final_checked = True            # nothing to add to the task's own end
+            elif self._under_run_lock(lambda: slurm.record_end(f.dir, view)):
+                f.final_checked = True
+                return f.read()
+        return []
+
+    def _send_slurm_shard(self, k: int, f: ShardFollower, view, events: list[dict], replay: bool,
+                          force_liveness: bool) -> None:
+        """A shard's new events, its liveness as Slurm sees it, its task and the task's GPUs."""
+        state = f.state
+        for raw in events:
+            self.send(protocol.EventMessage(shard=k, event=raw))
+        alive = bool(state.n) and not f.ended and (view is None or view.live)
+        if force_liveness or alive != f.alive:
+            f.alive = alive
+            self.send(protocol.Liveness(shard=k, alive=alive, pid=read_pid(f.dir) if alive else None))
+        key = (state.n, view) if alive and view is not None else None
+        if key is not None and (replay or key != f.sent_view):
+            self.send(protocol.SlurmTask(shard=k, launch=state.n, job=view.job, state=view.state,
+                                         reason=view.reason, node=view.node))
+        f.sent_view = key
+        if alive and view is not None and view.state == "RUNNING":
+            self._task_gpus(k, f, replay)
 
     def _beat(self) -> None:
         self.send(protocol.Beat())
@@ -303,7 +318,8 @@ class Agent:
 
     def replay(self) -> None:
         """hello, every shard's record so far with its liveness, GPUs, disk, then `replayed`."""
-        self.send(protocol.Hello(host=socket.gethostname(), pid=os.getpid(), plan=read_plan(self.run_dir),
+        plan = read_plan(self.run_dir)
+        self.send(protocol.Hello(host=socket.gethostname(), pid=os.getpid(), plan=plan.to_dict() if plan else None,
                                  host_id=read_host_id(self.run_dir)))
         self.poll_shards(replay=True, force_liveness=True)
         self.poll_gpu()

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .identity import jsonl_row_count
+from .ranges import shard_range  # noqa: F401  (the rows of a shard: one definition, worker/ranges.py)
 
 
 class DataError(Exception):
@@ -36,13 +37,6 @@ class Sample:
 class BadRow:
     index: int
     reason: str
-
-
-def shard_range(num_rows: int, num_shards: int, shard: int) -> tuple[int, int]:
-    """Contiguous [start, stop) of shard `shard`: every index in exactly one shard, sizes within 1."""
-    if num_shards < 1 or not 0 <= shard < num_shards:
-        raise ValueError(f"shard index {shard} out of range for {num_shards} shard(s)")
-    return shard * num_rows // num_shards, (shard + 1) * num_rows // num_shards
 
 
 # --- formats -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 import threading
 
 from . import protocol
+from .launches import LaunchState
 
 # Events whose loss would change a shard's state are fsync'd; progress lines are not.
 _SYNCED = (protocol.Started, protocol.Loaded, protocol.Done, protocol.Failed, protocol.SampleSkipped)
@@ -45,6 +46,4 @@ class EventLog:
         that was asked for (k, D, fleet down, a restart) is a stop, not a failure."""
         if not self.path or self.launch is None:
             return None
-        asked = [e for e in protocol.read_events(self.path)
-                 if isinstance(e, protocol.StopRequested) and e.launch == self.launch]
-        return asked[-1] if asked else None
+        return LaunchState.read(self.path).stop_of(self.launch)

@@ -70,7 +70,7 @@ def convert(src: str, src_layout: Layout, dst: str, dst_layout: Layout, index: i
     return {"index": index, "tokens": int(ids.shape[0]), "bytes": size}
 
 
-def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> dict:
+def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> protocol.ExportSummary:
     meta, src_layout = open_source(src)
     dst_layout = target_layout(fmt, src_layout.plan, src_layout.dtype)
     if os.path.abspath(src) == os.path.abspath(dst):
@@ -107,8 +107,7 @@ def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> dic
         raise ExportError(str(e)) from None
     remove_stale_temps(dst, 0, 1 << 62)                   # what a killed export left
     manifest = Manifest(manifest_path(dst, "export"))
-    summary = {"source": src, "out": dst, "format": fmt, "dtype": dst_layout.dtype, "to_do": len(todo),
-               "written": 0, "skipped": 0, "problems": []}
+    summary = protocol.ExportSummary(source=src, out=dst, format=fmt, dtype=dst_layout.dtype, to_do=len(todo))
     t0 = time.monotonic()
 
     def one(i: int) -> dict:
@@ -128,11 +127,11 @@ def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> dic
             manifest.append([r for r in results if "problem" not in r])
             for r in results:
                 if "problem" in r:
-                    summary["problems"].append(r["problem"])
+                    summary.problems.append(r["problem"])
                 elif "skipped" in r:
-                    summary["skipped"] += 1
+                    summary.skipped += 1
                 else:
-                    summary["written"] += 1
+                    summary.written += 1
             if progress:
                 progress(min(start + CHUNK, len(todo)), len(todo), time.monotonic() - t0)
     if fmt == "speculators":                   # what speculators train reads beside the files
@@ -163,12 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     except DiskFullError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_PROBLEMS
-    for p in summary["problems"][:20]:
+    for p in summary.problems[:20]:
         print(f"problem: {p}", file=sys.stderr)
-    print(f"export: {summary['written']} written, {summary['skipped']} skipped, "
-          f"{len(summary['problems'])} problem(s) -> {args.out}", file=sys.stderr)
-    print(json.dumps(summary))
-    return EXIT_PROBLEMS if summary["problems"] else 0
+    print(f"export: {summary.written} written, {summary.skipped} skipped, "
+          f"{len(summary.problems)} problem(s) -> {args.out}", file=sys.stderr)
+    print(summary.to_json())
+    return EXIT_PROBLEMS if summary.problems else 0
 
 
 if __name__ == "__main__":

@@ -41,7 +41,10 @@ import threading
 import time
 
 from . import protocol
+from .files import write_atomic
+from .launches import LaunchState
 from .sentinels import LogWatcher, SentinelSpec, log_size
+from .text import exit_words
 
 RUNNER_PID_FILE = "runner.pid"
 POLL_S = 0.25
@@ -81,18 +84,7 @@ def read_pid(shard_dir: str) -> int | None:
 
 
 def _write_int(path: str, value: int) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(f"{value}\n")
-    os.replace(path + ".tmp", path)
-
-
-def last_launch(events_path: str) -> int:
-    """The number of the newest launch in a shard's record (0: never launched)."""
-    n = 0
-    for ev in protocol.read_events(events_path):
-        if isinstance(ev, protocol.Launch):
-            n = max(n, ev.launch)
-    return n
+    write_atomic(path, f"{value}\n")
 
 
 def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None, by: str,
@@ -103,7 +95,7 @@ def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None
     if not try_lock(fd, fcntl.LOCK_EX):
         os.close(fd)
         return {"status": "running", "pid": read_pid(shard_dir)}
-    n = last_launch(p["events"]) + 1
+    n = LaunchState.read(p["events"]).n + 1
     _log_marker(p["log"], f"launch {n} ({'automatic restart' if by == 'auto' else 'started by the user'})")
     offset = log_size(p["log"])                # the job's sentinels are read from here: not the marker
     protocol.append_jsonl(p["events"], protocol.Launch(launch=n, by=by, gpu=gpu, argv=argv))
@@ -168,12 +160,6 @@ def _log_marker(path: str, text: str) -> None:
         pass
 
 
-def _exit_words(code: int | None) -> str:
-    if code is None:
-        return "no exit status"
-    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-
-
 def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n: int,
         log_offset: int, sentinels: dict | None, started: dict | None = None) -> int:
     """The detached runner: start the process, record its pid, follow its log for sentinels,
@@ -225,9 +211,8 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
     append(protocol.Exited(launch=launch_n, code=code, pid=child.pid, stopped=bool(stopping)))
     if leftovers:
         _log_marker(p["log"], f"launch {launch_n}: {leftovers} process(es) it left behind were killed")
-    intent = next((e for e in reversed(protocol.read_events(p["events"]))
-                   if isinstance(e, protocol.StopRequested) and e.launch == launch_n), None)
-    _log_marker(p["log"], f"launch {launch_n} ended: {_exit_words(code)}" +
+    intent = LaunchState.read(p["events"]).stop_of(launch_n)
+    _log_marker(p["log"], f"launch {launch_n} {exit_words(code)}" +
                 (f" after a {intent.why} stop" + (f" ({intent.reason})" if intent.reason else "") if intent else ""))
     for path in (p["pid"], p["runner"]):
         try:
@@ -253,9 +238,9 @@ def _report_gpus(path: str, launch_n: int, node: str, stop: threading.Event) -> 
     while True:
         try:
             gpus = slurm.own_gpus(reader.read(), allocated, visible)
-            slurm.write_atomic(path, json.dumps({"t": protocol.now(), "launch": launch_n, "node": node,
-                                                   "source": reader.source, "gpus": gpus,
-                                                   "error": reader.error}), 0o644)
+            write_atomic(path, json.dumps({"t": protocol.now(), "launch": launch_n, "node": node,
+                                             "source": reader.source, "gpus": gpus,
+                                             "error": reader.error}))
         except Exception:
             pass
         if reader.source == "none" or stop.wait(GPU_REPORT_S):
@@ -283,7 +268,7 @@ def task(submission_path: str) -> int:
             launch=n, reason="the shard's lock is held by another process (an earlier task still running?)"))
         protocol.append_jsonl(p["events"], protocol.Exited(launch=n))
         return 1
-    state = slurm.LaunchState.read(p["events"])
+    state = LaunchState.read(p["events"])
     if state.n != n or state.ended:
         print(f"fleet: launch {n} of shard {index} is not live (newest {state.n}, ended {state.ended}): "
               f"nothing to run", file=sys.stderr)
@@ -426,17 +411,6 @@ def _held(path: str) -> bool:
         os.close(fd)
 
 
-def user_stopped(events_path: str, newest: int) -> bool:
-    """A user's (or the run's) stop stands for the newest launch (or before the first one)."""
-    return any(isinstance(e, protocol.StopRequested) and e.final and (e.launch or 0) == newest
-               for e in protocol.read_events(events_path))
-
-
-def last_stop(events_path: str) -> protocol.StopRequested | None:
-    stops = [e for e in protocol.read_events(events_path) if isinstance(e, protocol.StopRequested)]
-    return stops[-1] if stops else None
-
-
 def _launch_spec(a: protocol.ShardAction, shard_dir: str) -> dict:
     spec = dict(a.launch_spec or {})
     if not spec.get("argv"):
@@ -458,14 +432,15 @@ def act(run_dir: str, action: protocol.ShardAction) -> protocol.ActResult:
     d = protocol.shard_dir(run_dir, action.shard)
     os.makedirs(d, mode=0o755, exist_ok=True)
     events = _paths(d)["events"]
-    newest = last_launch(events)
+    record = LaunchState.read(events)
+    newest = record.n
 
     def result(status: str, detail: str | None = None) -> protocol.ActResult:
-        return protocol.ActResult(shard=action.shard, status=status, launch=last_launch(events) or None,
+        return protocol.ActResult(shard=action.shard, status=status, launch=LaunchState.read(events).n or None,
                                   detail=detail)
     if action.kind != "stop" and action.expect_launch is not None and newest != action.expect_launch:
         return result("stale", f"launch {newest} is newer than the {action.expect_launch} acted on")
-    if action.kind != "stop" and action.policy and user_stopped(events, newest):
+    if action.kind != "stop" and action.policy and record.user_stopped:
         return result("stale", "stopped by the user: only the user starts it again")
     fd = os.open(os.path.join(d, protocol.ACT_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -521,7 +496,7 @@ def finish(run_dir: str, action: protocol.ShardAction, lock_fd: int | None) -> i
             return 1
     status = kill_shard(d, action.grace)
     if action.kind == "restart":
-        intent = last_stop(events)
+        intent = LaunchState.read(events).last_stop
         if intent is not None and intent.restart and status != "still running":
             status = launch(**_launch_spec(action, d))["status"]
         else:
@@ -529,7 +504,7 @@ def finish(run_dir: str, action: protocol.ShardAction, lock_fd: int | None) -> i
     else:
         while is_running(d):                   # a restart launched just before this stop was read
             protocol.append_jsonl(events, protocol.StopRequested(
-                launch=last_launch(events) or None, why=action.why, grace=action.grace))
+                launch=LaunchState.read(events).n or None, why=action.why, grace=action.grace))
             status = kill_shard(d, action.grace)
             if status == "still running":
                 break
@@ -538,10 +513,8 @@ def finish(run_dir: str, action: protocol.ShardAction, lock_fd: int | None) -> i
 
 
 def _write_result(shard_dir: str, action: protocol.ShardAction, status: str) -> None:
-    path = os.path.join(shard_dir, "act.result")
-    with open(path + ".tmp", "w") as f:
-        json.dump({"t": protocol.now(), "kind": action.kind, "status": status}, f)
-    os.replace(path + ".tmp", path)
+    write_atomic(os.path.join(shard_dir, "act.result"),
+                 json.dumps({"t": protocol.now(), "kind": action.kind, "status": status}))
 
 
 def wait_idle(shard_dir: str, seconds: float) -> str | None:
@@ -556,13 +529,13 @@ def wait_idle(shard_dir: str, seconds: float) -> str | None:
         return None
 
 
-def reopen(shard_dir: str, samples: int, reason: str) -> dict:
+def reopen(shard_dir: str, samples: int, reason: str) -> protocol.Status:
     """Record that samples of a finished shard were dropped (by verify --repair): it is not DONE."""
     if is_running(shard_dir):
-        return {"status": "running"}
+        return protocol.Status("running")
     os.makedirs(shard_dir, exist_ok=True)
     protocol.append_jsonl(_paths(shard_dir)["events"], protocol.Reopened(samples=samples, reason=reason))
-    return {"status": "reopened"}
+    return protocol.Status("reopened")
 
 
 def stop_all(run_dir: str, timeout: float) -> dict:
@@ -645,11 +618,11 @@ def main(argv: list[str] | None = None) -> int:
                 if r.status in ("stopping", "restarting"):
                     last = wait_idle(protocol.shard_dir(args.run_dir, a.shard), args.wait)
                     r.status, r.detail = "done", last
-                    r.launch = last_launch(_paths(protocol.shard_dir(args.run_dir, a.shard))["events"]) or None
+                    r.launch = LaunchState.read(_paths(protocol.shard_dir(args.run_dir, a.shard))["events"]).n or None
         for r in results:
             print(r.to_json(), flush=True)
         return 0
-    print(json.dumps(result), flush=True)
+    print(result.to_json() if isinstance(result, protocol.Reply) else json.dumps(result), flush=True)
     return 0
 
 

@@ -18,7 +18,8 @@ import json
 import os
 import sys
 
-from .protocol import replace_atomically
+from .files import replace_atomically
+from .protocol import Plan
 
 PLAN_FILE = "plan.json"
 PLAN_VERSION = 1
@@ -28,24 +29,25 @@ def plan_path(run_dir: str) -> str:
     return os.path.join(run_dir, PLAN_FILE)
 
 
-def read_plan(run_dir: str) -> dict | None:
+def read_plan(run_dir: str) -> Plan | None:
     """The plan, or None when there is none (or it is unreadable: then the caller replans)."""
     try:
         with open(plan_path(run_dir)) as f:
-            plan = json.load(f)
-    except (OSError, ValueError):
+            d = json.load(f)
+        plan = Plan.from_dict(d)
+    except (OSError, ValueError):          # ReplyError is a ValueError
         return None
-    return plan if isinstance(plan, dict) and plan.get("version") == PLAN_VERSION else None
+    return plan if plan.version == PLAN_VERSION else None
 
 
-def write_plan(run_dir: str, plan: dict, archive_records: bool = False) -> None:
+def write_plan(run_dir: str, plan: Plan, archive_records: bool = False) -> None:
     os.makedirs(run_dir, exist_ok=True)
     records = os.path.join(run_dir, "shards")
     if archive_records and os.path.isdir(records):
-        os.rename(records, f"{records}.before-{int(plan.get('created', 0))}")
+        os.rename(records, f"{records}.before-{int(plan.created)}")
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
-            json.dump(plan, f, indent=1, sort_keys=True)
+            json.dump(plan.to_dict(), f, indent=1, sort_keys=True)
     replace_atomically(plan_path(run_dir), write)
 
 
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a new plan: move the old shard records aside")
     args = ap.parse_args(argv)
     os.umask(os.umask(0o022) | 0o022)
-    plan = json.loads(sys.stdin.read())
+    plan = Plan.from_dict(json.loads(sys.stdin.read()))
     write_plan(args.run_dir, plan, args.archive_records)
     print(json.dumps({"status": "written", "path": plan_path(args.run_dir)}))
     return 0

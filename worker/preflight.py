@@ -23,6 +23,7 @@ import sys
 import time
 
 from . import protocol
+from .files import manifest_records
 from .formats import FormatError, Layout, check_dtype, check_plan
 from .gpu import GpuReader
 from .identity import (IdentityError, model_shape, output_identity, output_mismatch,
@@ -30,6 +31,7 @@ from .identity import (IdentityError, model_shape, output_identity, output_misma
 from .layers import LayerError, resolve_layers
 from .plan import read_plan
 from .probe import disk_space
+from .text import bytes_text
 
 MIN_PYTHON = (3, 9)
 
@@ -100,18 +102,14 @@ def finished_rows(output: str) -> tuple[set[int], int]:
     """Indices the output's manifests record (written or skipped) and the bytes written."""
     done: set[int] = set()
     written = 0
-    folder = os.path.join(output, protocol.MANIFEST_DIR)
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if name.endswith(".jsonl"):
-            for rec in protocol.iter_jsonl(os.path.join(folder, name)):
-                if isinstance(rec.get("index"), int):
-                    done.add(rec["index"])
-                    written += rec.get("bytes", 0) if isinstance(rec.get("bytes"), int) else 0
+    for rec in manifest_records(output):
+        done.add(rec["index"])
+        written += rec.get("bytes", 0) if isinstance(rec.get("bytes"), int) else 0
     return done, written
 
 
 def footprint(data: str, output: str, layout: Layout, hidden_size: int, max_length: int | None = None,
-              too_long: str = "skip", max_positions: int | None = None) -> dict:
+              too_long: str = "skip", max_positions: int | None = None) -> protocol.Footprint:
     """The output's projected size for the whole run, and what is still to write, by row bucket."""
     if os.path.isfile(data) and not data.endswith(".parquet"):
         lengths, basis, exact = jsonl_lengths(data)
@@ -134,13 +132,12 @@ def footprint(data: str, output: str, layout: Layout, hidden_size: int, max_leng
         total += row_bytes
         if i not in done:
             remaining[i * k // rows] += row_bytes
-    report = {"rows": rows, "tokens": round(tokens), "exact": exact, "basis": basis, "dtype": layout.dtype,
-              "layers": len(layout.plan.ids), "hidden_size": hidden_size, "bytes_per_token": per_token,
-              "bytes_per_file": per_file, "total_bytes": round(total), "written_bytes": written,
-              "edges": edges, "remaining": [round(b) for b in remaining]}
-    if layout.dtype == "bf16" and layout.format == "speculators":     # what dtype = "fp8" would take
-        report["bytes_per_token_fp8"] = Layout(layout.format, layout.plan, "fp8").bytes_per_token(hidden_size)
-    return report
+    fp8 = (Layout(layout.format, layout.plan, "fp8").bytes_per_token(hidden_size)    # what dtype = "fp8"
+           if layout.dtype == "bf16" and layout.format == "speculators" else None)   # would take
+    return protocol.Footprint(rows=rows, tokens=round(tokens), exact=exact, basis=basis, dtype=layout.dtype,
+                              layers=len(layout.plan.ids), hidden_size=hidden_size, bytes_per_token=per_token,
+                              bytes_per_file=per_file, total_bytes=round(total), written_bytes=written,
+                              edges=edges, remaining=[round(b) for b in remaining], bytes_per_token_fp8=fp8)
 
 
 def dataset_problem(path: str, rows: int | None, sample: int = 100) -> str | None:
@@ -239,9 +236,9 @@ def fit_problem(model: str, shape, gpus: list[dict], k: int, budget: int, layers
     if need <= have:
         return None
     fits = math.ceil(weights / max(have - activations - captured, 1))
-    return (f"{_size(weights)} of weights over {k} GPU(s) plus one {budget}-token batch "
-            f"(~{_size(activations + captured)}) need ~{_size(need)} per GPU, which has "
-            f"{_size(min(totals))}: set gpus_per_shard = {max(fits, k + 1)} or lower max_tokens_per_batch")
+    return (f"{bytes_text(weights)} of weights over {k} GPU(s) plus one {budget}-token batch "
+            f"(~{bytes_text(activations + captured)}) need ~{bytes_text(need)} per GPU, which has "
+            f"{bytes_text(min(totals))}: set gpus_per_shard = {max(fits, k + 1)} or lower max_tokens_per_batch")
 
 
 def hybrid_kernels(model: str) -> str | None:
@@ -262,22 +259,17 @@ def hybrid_kernels(model: str) -> str | None:
             f"(or fleet[hybrid]) on the host")
 
 
-def _size(n: float) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-
-
-def run(args: argparse.Namespace) -> dict:
-    checks: list[dict] = []
+def run(args: argparse.Namespace) -> protocol.PreflightReport:
+    report = protocol.PreflightReport(python=".".join(map(str, sys.version_info[:3])))
 
     def check(level: str, message: str) -> None:
-        checks.append({"level": level, "message": message})
+        report.checks.append(protocol.Check(level, message))
 
-    report: dict = {"python": ".".join(map(str, sys.version_info[:3])), "checks": checks}
     if sys.version_info < MIN_PYTHON:
-        check("error", f"python {report['python']} is older than {'.'.join(map(str, MIN_PYTHON))}")
+        check("error", f"python {report.python} is older than {'.'.join(map(str, MIN_PYTHON))}")
     reader = GpuReader()
     gpus = reader.read()
-    report["telemetry"] = reader.source
+    report.telemetry = reader.source
     count = len(gpus)
     if args.builtin:
         missing = [m for m in ("torch", "transformers", "safetensors", "numpy")
@@ -287,10 +279,10 @@ def run(args: argparse.Namespace) -> dict:
                            f"(pip install 'fleet[worker]' on the host)")
         else:
             import torch
-            report["torch"] = torch.__version__
-            report["cuda_devices"] = torch.cuda.device_count()
-            count = max(count, report["cuda_devices"])
-    report["gpu_count"] = count
+            report.torch = torch.__version__
+            report.cuda_devices = torch.cuda.device_count()
+            count = max(count, report.cuda_devices)
+    report.gpu_count = count
     if args.gpus == "all":
         resolved = list(range(count))
         if not resolved:
@@ -307,7 +299,7 @@ def run(args: argparse.Namespace) -> dict:
                 check("error" if args.device == "cuda" else "warning",
                       f"GPU index {bad[0]} out of range: host has {count} GPU(s)"
                       + ("" if args.device == "cuda" else "; shards will run on the CPU"))
-    report["gpus"] = resolved
+    report.gpus = resolved
     k = args.gpus_per_shard
     if k > 1 and len(resolved) % k:
         check("error", f"{len(resolved)} GPU(s) {resolved} for gpus_per_shard = {k}: "
@@ -316,9 +308,9 @@ def run(args: argparse.Namespace) -> dict:
         if path and not os.path.exists(path):
             check("error", f"{label} path {path} does not exist")
     if args.run_dir:
-        report["plan"] = read_plan(args.run_dir)
+        report.plan = read_plan(args.run_dir)
         try:
-            report["host_id"] = host_id(os.path.dirname(os.path.abspath(args.run_dir)))
+            report.host_id = host_id(os.path.dirname(os.path.abspath(args.run_dir)))
         except OSError as e:
             check("error", f"cannot write this host's identity file under {os.path.dirname(args.run_dir)}: "
                            f"{e.strerror or e}")
@@ -342,10 +334,10 @@ def run(args: argparse.Namespace) -> dict:
         output = output_identity(layers, args.format, args.loss_mask, args.dtype) if layers else {}
         model = args.model if args.builtin and args.model and os.path.isdir(args.model) else None
         data = args.data if args.data and os.path.exists(args.data) else None
-        report["identity"] = identity = work_identity(model, data, output)
+        report.identity = identity = work_identity(model, data, output)
     except IdentityError as e:
         check("error", str(e))
-        report["identity"] = identity = {}
+        report.identity = identity = {}
     if args.builtin and args.data and os.path.isfile(args.data) and not args.data.endswith(".parquet"):
         problem = dataset_problem(args.data, identity.get("data", {}).get("rows"))
         if problem:
@@ -370,8 +362,8 @@ def run(args: argparse.Namespace) -> dict:
         check("warning", warning)
     if args.output:
         space = disk_space(args.output)
-        report["free_bytes"] = space.free
-        report["folder_id"] = _folder_id(args.output)
+        report.free_bytes = space.free
+        report.folder_id = _folder_id(args.output)
         if not os.access(space.probe, os.W_OK):
             check("error", f"output {args.output}: {space.probe} is not writable")
         if args.builtin and shape and layers and args.data and os.path.exists(args.data):
@@ -381,8 +373,8 @@ def run(args: argparse.Namespace) -> dict:
             except Exception as e:      # a projection that fails must not stop the run; it says why
                 check("warning", f"output size not projected: {type(e).__name__}: {e}")
             else:
-                report["footprint"] = fp
-                report["estimated_bytes"] = sum(fp["remaining"])
+                report.footprint = fp
+                report.estimated_bytes = sum(fp.remaining)
     return report
 
 
@@ -464,7 +456,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(json.dumps(run(parse_args(argv))))
+    print(run(parse_args(argv)).to_json())
     return 0
 
 

@@ -35,6 +35,7 @@ import errno
 import json
 import os
 import time
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Optional
 
@@ -538,28 +539,6 @@ def parse_message(line: str) -> Optional[Message]:
 
 # --- JSON lines files --------------------------------------------------------------------------
 
-def replace_atomically(path: str, write, tmp: str | None = None) -> None:
-    """Write a file whole or not at all: `write(tmp)` fills a temp file (its name starts with
-    TEMP_PREFIX, so no reader's listing picks it up), which is fsync'd and renamed to `path`; on
-    any failure the temp file is removed and the error raised."""
-    tmp = tmp or os.path.join(os.path.dirname(path) or ".",
-                              f"{TEMP_PREFIX}{os.path.basename(path)}-{os.getpid()}")
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def append_jsonl(path: str, record: Record | dict, sync: bool = True) -> None:
     """Append one record as a single write, so concurrent appenders never interleave a line. A write
     the disk cut short (full) is taken back and raised as OSError: never a torn line that would
@@ -613,3 +592,228 @@ def iter_jsonl(path: str) -> Iterator[dict]:
 def read_events(path: str) -> list[Record]:
     """Every typed event of a shard's record, in order."""
     return [e for e in map(parse_event, iter_jsonl(path)) if e is not None]
+
+
+# --- replies: what a host command prints, one JSON object, the last line of its stdout ----------
+#
+# Written by the host side through these classes (`to_dict`) and parsed once where they arrive in
+# fleet (`from_dict`, through fleet.deploy.run_worker_module's `reply=`): a reply that is not one
+# of these is an error naming the host there, never a KeyError later. Every field has a default,
+# so a reply from an older or newer worker still parses; unknown keys are dropped.
+
+class ReplyError(ValueError):
+    """A reply whose JSON is not the record it should be (one line: which field, what it holds)."""
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    """`value` as the type `hint` says (nested replies parsed), or ReplyError."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(value, inner[0], where)
+    if isinstance(hint, type) and issubclass(hint, Reply):
+        return hint.from_dict(value, where)
+    if origin is list or hint is list:
+        if not isinstance(value, list):
+            raise ReplyError(f"{where}: a list expected, not {value!r:.80}")
+        return [_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)] if args else value
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ReplyError(f"{where}: an object expected, not {value!r:.80}")
+        return {k: _check(v, args[1], f"{where}.{k}") for k, v in value.items()} if args else value
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, hint)
+    if not ok:
+        raise ReplyError(f"{where}: {getattr(hint, '__name__', hint)} expected, not {value!r:.80}")
+    return value
+
+
+class Reply:
+    """A typed reply (a dataclass). `to_dict` writes every field, None included, in declaration
+    order; `from_dict` checks each field against its annotation."""
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str | None = None):
+        where = where or cls.__name__
+        if not isinstance(d, dict):
+            raise ReplyError(f"{where}: an object expected, not {d!r:.80}")
+        hints = typing.get_type_hints(cls)
+        return cls(**{f.name: _check(d[f.name], hints[f.name], f"{where}.{f.name}")
+                      for f in dataclasses.fields(cls) if f.name in d})
+
+    def to_dict(self) -> dict:
+        def plain(v: Any) -> Any:
+            if isinstance(v, Reply):
+                return v.to_dict()
+            if isinstance(v, list):
+                return [plain(x) for x in v]
+            if isinstance(v, dict):
+                return {k: plain(x) for k, x in v.items()}
+            return v
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+
+@dataclass
+class Status(Reply):
+    """What a host command that only does one thing did (`hostctl reopen`: reopened | running)."""
+    status: str = ""
+
+
+@dataclass
+class Check(Reply):
+    """One finding of a host check: level error (refuses the host) | warning."""
+    level: str = "error"
+    message: str = ""
+
+
+@dataclass
+class PlanShard(Reply):
+    id: int = 0
+    host: str = ""
+    gpu: int = 0
+    gpus: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Plan(Reply):
+    """The run's plan (`<root>/<run>/plan.json`, worker/plan.py; made by fleet/plan.py): the shard
+    layout, the fleet.toml values the work depends on (`spec`), the identity of the work
+    (worker.identity), each host name's machine (`host_ids`), `launcher` "slurm" or None."""
+    version: int = 0
+    run: str = ""
+    created: float = 0.0
+    num_shards: int = 0
+    shards: list[PlanShard] = field(default_factory=list)
+    spec: dict = field(default_factory=dict)
+    identity: dict = field(default_factory=dict)
+    host_ids: dict[str, str] = field(default_factory=dict)
+    launcher: Optional[str] = None
+
+
+@dataclass
+class Footprint(Reply):
+    """The output's projected size (worker.preflight.footprint): the whole run's, and what is still
+    to write in row buckets [edges[j], edges[j+1]) (fleet/footprint.py sums a host's shards')."""
+    rows: int = 0
+    tokens: int = 0
+    exact: bool = False
+    basis: str = ""
+    dtype: str = "bf16"
+    layers: int = 0
+    hidden_size: int = 0
+    bytes_per_token: int = 0
+    bytes_per_file: int = 0
+    total_bytes: int = 0
+    written_bytes: int = 0
+    edges: list[int] = field(default_factory=list)
+    remaining: list[int] = field(default_factory=list)
+    bytes_per_token_fp8: Optional[int] = None    # what dtype = "fp8" would take (bf16 speculators)
+
+
+@dataclass
+class SlurmCheck(Reply):
+    """`python -m worker.slurm check` on the login node."""
+    checks: list[Check] = field(default_factory=list)
+    slurm_version: Optional[str] = None
+    sacct: Optional[bool] = None                 # whether sacct answers (Slurm's accounting)
+
+
+@dataclass
+class PreflightReport(Reply):
+    """`python -m worker.preflight`: what a host has and whether it can run its shards."""
+    python: str = ""
+    checks: list[Check] = field(default_factory=list)
+    telemetry: str = "none"                      # nvml | nvidia-smi | none
+    torch: Optional[str] = None
+    cuda_devices: Optional[int] = None
+    gpu_count: int = 0
+    gpus: list[int] = field(default_factory=list)   # the GPU indices its shards will use
+    plan: Optional[Plan] = None                  # the run's plan on this host, if it has one
+    host_id: Optional[str] = None                # which machine this is (<root>/host-id)
+    identity: dict = field(default_factory=dict)    # what its model and data are (worker.identity)
+    free_bytes: Optional[int] = None             # free at the output
+    folder_id: Optional[str] = None              # the output folder's id (its meta.json)
+    footprint: Optional[Footprint] = None
+    estimated_bytes: Optional[int] = None        # still to write for the whole run
+    slurm: Optional[SlurmCheck] = None           # with [slurm]: the login node's check (fleet adds it)
+
+    @property
+    def errors(self) -> list[str]:
+        return [c.message for c in self.checks if c.level == "error"]
+
+    @property
+    def warnings(self) -> list[str]:
+        return [c.message for c in self.checks if c.level != "error"]
+
+
+@dataclass
+class Repair(Reply):
+    """What `worker.verify --repair` did to a folder."""
+    dropped: list[int] = field(default_factory=list)
+    deduplicated: list[int] = field(default_factory=list)
+    removed_files: int = 0
+    retried_skips: list[int] = field(default_factory=list)
+
+
+@dataclass
+class VerifyReport(Reply):
+    """`python -m worker.verify`: one output folder checked. `written`: half-open runs of indices
+    (worker.ranges); `skipped`: index (as a string, JSON's keys) -> reason."""
+    num_samples: Optional[int] = None
+    format: Optional[str] = None
+    dtype: Optional[str] = None
+    checked: int = 0
+    folder_id: Optional[str] = None
+    repaired: Optional[Repair] = None
+    written: list[list[int]] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    unrecorded_files: int = 0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    command: Optional[str] = None                # the command that trains on the folder
+
+
+@dataclass
+class ExportSummary(Reply):
+    """`python -m worker.export`: what one host's export did."""
+    source: str = ""
+    out: str = ""
+    format: str = ""
+    dtype: str = ""
+    to_do: int = 0
+    written: int = 0
+    skipped: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SlurmSubmitted(Reply):
+    """`python -m worker.slurm submit`: status submitted | held (every shard still live) | error;
+    `shards`: shard -> submitted | refused (recorded as failed) | held (its task is live)."""
+    status: str = "error"
+    job: Optional[str] = None
+    argv: Optional[str] = None
+    error: Optional[str] = None
+    shards: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SlurmCancelled(Reply):
+    """`python -m worker.slurm cancel` (one shard: `status` not running | stopped | cancelling |
+    error) and `cancel-all` (`shards`: shard -> not running | stopped | cancelling)."""
+    status: str = "error"
+    job: Optional[str] = None
+    state: Optional[str] = None                  # Slurm's state of the task at the end
+    error: Optional[str] = None
+    shards: dict[str, str] = field(default_factory=dict)

@@ -36,6 +36,10 @@ import time
 from dataclasses import dataclass
 
 from . import protocol
+from .files import write_atomic
+from .launches import LaunchState
+from .ranges import ranges_text
+from .text import last_line
 
 # Final states of a job (sacct/squeue names). A task in any other state is alive in Slurm: queued,
 # running, completing, suspended, requeued or held.
@@ -82,11 +86,6 @@ def _run(argv: list[str], timeout: float = SLURM_TIMEOUT_S) -> subprocess.Comple
         raise SlurmError(f"{argv[0]} not found on this node (is Slurm's client installed and on PATH?)") from None
     except subprocess.TimeoutExpired:
         raise SlurmError(f"{argv[0]} did not answer within {timeout:.0f}s") from None
-
-
-def last_line(text: str) -> str:
-    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
-    return lines[-1][:300] if lines else "(no output)"
 
 
 def parse_squeue(text: str) -> dict[str, View]:
@@ -193,37 +192,6 @@ def views_of(jobs: list[str]) -> dict[str, View]:
 
 # --- a shard's record, as far as Slurm is concerned --------------------------------------------
 
-@dataclass
-class LaunchState:
-    """The newest launch of a shard's record: its number, whether it ended, its Slurm task."""
-    n: int = 0
-    t: float = 0.0
-    ended: bool = True
-    slurm: bool = False
-    job: str | None = None
-    slurm_ended: bool = False
-
-    def apply(self, ev: protocol.Record) -> None:
-        if isinstance(ev, protocol.Launch):
-            self.n, self.t, self.ended = ev.launch, ev.t, False
-            self.slurm, self.job, self.slurm_ended = ev.launcher == "slurm", None, False
-        elif ev.launch is not None and ev.launch != self.n:
-            return
-        elif isinstance(ev, protocol.Submitted) or (isinstance(ev, protocol.Started) and ev.job):
-            self.job = self.job or ev.job
-        elif isinstance(ev, protocol.SlurmEnded):
-            self.slurm_ended = True
-        elif isinstance(ev, protocol.Exited):
-            self.ended = True
-
-    @classmethod
-    def read(cls, events_path: str) -> "LaunchState":
-        state = cls()
-        for ev in protocol.read_events(events_path):
-            state.apply(ev)
-        return state
-
-
 def events_path(shard_dir: str) -> str:
     return os.path.join(shard_dir, protocol.EVENTS_FILE)
 
@@ -318,27 +286,7 @@ exec "$2" -m worker.hostctl task --submission "$3"
 
 def array_spec(indices: list[int], max_parallel: int | None) -> str:
     """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8" (+ "%M", Slurm's throttle of tasks running at once)."""
-    parts, run = [], []
-    for i in sorted(set(indices)):
-        if run and i == run[-1] + 1:
-            run.append(i)
-            continue
-        if run:
-            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [i]
-    if run:
-        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ",".join(parts) + (f"%{max_parallel}" if max_parallel else "")
-
-
-def write_atomic(path: str, text: str, mode: int = 0o600) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return ranges_text(indices) + (f"%{max_parallel}" if max_parallel else "")
 
 
 def task_script(run_dir: str) -> str:
@@ -352,7 +300,7 @@ def task_script(run_dir: str) -> str:
     return path
 
 
-def submit(run_dir: str, spec: dict) -> dict:
+def submit(run_dir: str, spec: dict) -> protocol.SlurmSubmitted:
     """Submit `spec["tasks"]` (shard -> argv, env, cwd, sentinels) as one array. Shards whose newest
     launch Slurm still holds are left alone ("never twice"); the others get a launch each."""
     by = spec.get("by", "manual")
@@ -375,12 +323,12 @@ def submit(run_dir: str, spec: dict) -> dict:
                 launch=n, by=by, gpu=None, argv=tasks[k]["argv"], launcher="slurm"))
             launches[k] = n
         if not launches:
-            return {"status": "held", "shards": result}
+            return protocol.SlurmSubmitted(status="held", shards=result)
         stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         submission = os.path.join(run_dir, SLURM_DIR, f"submit-{stamp}.json")
         write_atomic(submission, json.dumps({
             "run_dir": run_dir, "by": by,
-            "tasks": {k: {**tasks[k], "launch": n} for k, n in launches.items()}}))
+            "tasks": {k: {**tasks[k], "launch": n} for k, n in launches.items()}}), 0o600)
         argv = ["sbatch", "--parsable", f"--job-name={spec['job_name']}",
                 f"--array={array_spec([int(k) for k in launches], spec.get('max_parallel'))}",
                 f"--output={os.path.join(run_dir, 'shards', '%a', protocol.LOG_FILE)}",
@@ -405,8 +353,8 @@ def submit(run_dir: str, spec: dict) -> dict:
                 protocol.append_jsonl(path, protocol.Exited(launch=n))
                 result[k] = "refused"
         if error is not None:
-            return {"status": "error", "error": error, "shards": result}
-        return {"status": "submitted", "job": job, "argv": shlex.join(argv), "shards": result}
+            return protocol.SlurmSubmitted(status="error", error=error, shards=result)
+        return protocol.SlurmSubmitted(status="submitted", job=job, argv=shlex.join(argv), shards=result)
 
 
 # --- cancelling ------------------------------------------------------------------------------------
@@ -432,7 +380,7 @@ def _wait_final(jobs: list[str], timeout: float) -> dict[str, View]:
 
 
 def cancel(run_dir: str, shard: int, why: str, reason: str | None, timeout: float,
-           then: str | None = None, by: str | None = None) -> dict:
+           then: str | None = None, by: str | None = None) -> protocol.SlurmCancelled:
     """`stop` first (the intent: the user's or the run's stop, a restart's, the policy giving up),
     then scancel of the shard's task; returns once Slurm says it is over (its end recorded), or
     "cancelling" after `timeout`. A user's stop of a shard that is not running is still recorded:
@@ -445,23 +393,23 @@ def cancel(run_dir: str, shard: int, why: str, reason: str | None, timeout: floa
                 os.makedirs(shard_dir, mode=0o755, exist_ok=True)
                 protocol.append_jsonl(events_path(shard_dir), protocol.StopRequested(
                     launch=state.n or None, why=why, reason=reason))
-            return {"status": "not running"}
+            return protocol.SlurmCancelled(status="not running")
         protocol.append_jsonl(events_path(shard_dir), protocol.StopRequested(
             launch=state.n, why=why, reason=reason, then=then, by=by))
         if state.job is None:
             settle_unended(shard_dir, state, {})
-            return {"status": "stopped"}
+            return protocol.SlurmCancelled(status="stopped")
         error = _scancel([state.job])
         if error:
-            return {"status": "error", "error": error}
+            return protocol.SlurmCancelled(status="error", error=error)
         view = _wait_final([state.job], timeout)[state.job]
         if not view.terminal:
-            return {"status": "cancelling", "job": state.job, "state": view.state}
+            return protocol.SlurmCancelled(status="cancelling", job=state.job, state=view.state)
         record_end(shard_dir, view)
-        return {"status": "stopped", "job": state.job, "state": view.state}
+        return protocol.SlurmCancelled(status="stopped", job=state.job, state=view.state)
 
 
-def cancel_all(run_dir: str, job_name: str | None, timeout: float) -> dict:
+def cancel_all(run_dir: str, job_name: str | None, timeout: float) -> protocol.SlurmCancelled:
     """Every live shard of the run: `stop` (the user's) in its record, then one scancel of all their
     tasks, and of any other job of the run's name (a submission whose id was never recorded)."""
     folder = os.path.join(run_dir, "shards")
@@ -480,7 +428,7 @@ def cancel_all(run_dir: str, job_name: str | None, timeout: float) -> dict:
         jobs = [s.job for s in live.values() if s.job]
         error = _scancel(jobs, [f"--name={job_name}", f"--user={getpass.getuser()}"] if job_name else None)
         if error:
-            return {"error": error}
+            return protocol.SlurmCancelled(status="error", error=error)
         views = _wait_final(jobs, timeout) if jobs else {}
         for k, state in live.items():
             shard_dir = protocol.shard_dir(run_dir, k)
@@ -492,7 +440,7 @@ def cancel_all(run_dir: str, job_name: str | None, timeout: float) -> dict:
                 out[str(k)] = "stopped"
             else:
                 out[str(k)] = "cancelling"
-    return out
+    return protocol.SlurmCancelled(status="cancelled", shards=out)
 
 
 # --- inside a task -------------------------------------------------------------------------------
@@ -529,24 +477,23 @@ def own_gpus(readings: list[dict], allocated: list[int] | None, visible: str | N
 
 # --- checking the login node -------------------------------------------------------------------
 
-def check(partition: str | None, account: str | None, shards: int | None) -> dict:
-    checks: list[dict] = []
+def check(partition: str | None, account: str | None, shards: int | None) -> protocol.SlurmCheck:
+    report = protocol.SlurmCheck()
 
     def say(level: str, message: str) -> None:
-        checks.append({"level": level, "message": message})
+        report.checks.append(protocol.Check(level, message))
 
     missing = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c) is None]
     if missing:
         say("error", f"{', '.join(missing)} not found on the login node (Slurm's client commands)")
-        return {"checks": checks}
-    report: dict = {"checks": checks}
+        return report
     try:
         r = _run(["scontrol", "show", "config"])
         if r.returncode != 0:
             say("error", f"Slurm does not answer: {last_line(r.stderr or r.stdout)}")
             return report
         conf = dict(re.findall(r"^(\w+)\s*=\s*(.*?)\s*$", r.stdout, re.M))
-        report["slurm_version"] = conf.get("SLURM_VERSION")
+        report.slurm_version = conf.get("SLURM_VERSION")
         size = conf.get("MaxArraySize", "")
         if size.isdigit() and shards and shards > int(size) - 1:
             say("error", f"shards = {shards}, but this cluster's MaxArraySize is {size} (array "
@@ -557,7 +504,7 @@ def check(partition: str | None, account: str | None, shards: int | None) -> dic
                 say("error", f"partition {partition} unknown to Slurm: {last_line(p.stderr or p.stdout)}")
     except SlurmError as e:
         say("error", str(e))
-    report["sacct"] = sacct(["1"]) is not None
+    report.sacct = sacct(["1"]) is not None
     return report
 
 
@@ -584,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
     os.umask(os.umask(0o022) | 0o022)
+    result: protocol.Reply
     try:
         if args.cmd == "check":
             result = check(args.partition, args.account, args.shards)
@@ -594,8 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result = cancel_all(args.run_dir, args.job_name, args.timeout)
     except SlurmError as e:
-        result = {"status": "error", "error": str(e)}
-    print(json.dumps(result), flush=True)
+        result = (protocol.SlurmCheck(checks=[protocol.Check("error", str(e))]) if args.cmd == "check"
+                  else protocol.SlurmSubmitted(error=str(e)) if args.cmd == "submit"
+                  else protocol.SlurmCancelled(error=str(e)))
+    print(result.to_json(), flush=True)
     return 0
 
 

@@ -17,7 +17,7 @@ import json
 import os
 from collections import deque
 
-from .protocol import TEMP_PREFIX
+from .files import write_atomic
 
 WINDOW = 8                     # batches (or micro-batches) kept in flight in the record
 
@@ -65,8 +65,5 @@ class Suspects:
     def _save(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         inflight = [i for batch in self._recent for i in batch]
-        folder, name = os.path.split(self.path)
-        tmp = os.path.join(folder, f"{TEMP_PREFIX}{name}-{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump({"suspects": sorted(self.rows), "inflight": inflight, "alone": self._alone}, f)
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps({"suspects": sorted(self.rows), "inflight": inflight,
+                                            "alone": self._alone}), sync=False)

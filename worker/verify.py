@@ -14,19 +14,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from . import protocol
+from .files import manifest_records
 from .formats import FORMATS, FormatError, Layout
 from .layers import LayerPlan
-
-
-def to_ranges(indices) -> list[list[int]]:
-    """Sorted indices -> [[start, stop), ...]."""
-    ranges: list[list[int]] = []
-    for i in sorted(indices):
-        if ranges and ranges[-1][1] == i:
-            ranges[-1][1] = i + 1
-        else:
-            ranges.append([i, i + 1])
-    return ranges
+from .ranges import to_runs
 
 
 def layout_of(meta: dict) -> Layout:
@@ -68,6 +59,11 @@ def check_file(layout: Layout, out: str, rec: dict, hidden: int | None) -> str |
 
 
 def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) -> dict:
+    """check_folder's report as the JSON object `python -m worker.verify` prints."""
+    return check_folder(out, deep, threads, repair).to_dict()
+
+
+def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = False) -> protocol.VerifyReport:
     """The folder's report; with `repair`, manifest entries whose files are missing or broken are
     dropped (and the broken files removed), so the next launch of their shard redoes exactly those."""
     meta_path = os.path.join(out, protocol.META_FILE)
@@ -80,18 +76,13 @@ def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) 
     seen: dict[int, dict] = {}
     twice: set[int] = set()
     folder = os.path.join(out, protocol.MANIFEST_DIR)
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if not name.endswith(".jsonl"):
+    for rec in manifest_records(out):
+        i = rec["index"]
+        if i in seen:
+            problems.append(f"sample {i}: recorded twice in the manifests")
+            twice.add(i)
             continue
-        for rec in protocol.iter_jsonl(os.path.join(folder, name)):
-            i = rec.get("index")
-            if not isinstance(i, int):
-                continue
-            if i in seen:
-                problems.append(f"sample {i}: recorded twice in the manifests")
-                twice.add(i)
-                continue
-            seen[i] = rec
+        seen[i] = rec
     written = [r for r in seen.values() if "skipped" not in r]
     skipped = {i: r["skipped"] for i, r in seen.items() if "skipped" in r}
     broken: dict[int, str] = {}
@@ -102,22 +93,22 @@ def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) 
                 if problem:
                     problems.append(problem)
                     broken[rec["index"]] = problem
-    report = {"num_samples": meta.get("num_samples"), "format": layout.format, "dtype": layout.dtype,
-              "checked": len(written), "folder_id": meta.get("folder_id")}
+    report = protocol.VerifyReport(num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
+                                   checked=len(written), folder_id=meta.get("folder_id"))
     retry = {i for i, why in skipped.items() if retryable(why)} if repair else set()
     if repair and (broken or twice or retry):
-        report["repaired"] = repair_folder(out, layout, broken, twice, folder, retry)
+        report.repaired = repair_folder(out, layout, broken, twice, folder, retry)
         skipped = {i: why for i, why in skipped.items() if i not in retry}
         problems = [p for p in problems if not any(p.startswith(f"sample {i}:") for i in set(broken) | twice)]
         written = [r for r in written if r["index"] not in broken]
     unrecorded = set(layout.scan(out)) - {r["index"] for r in written}
-    report.update({"written": to_ranges(r["index"] for r in written),
-                   "skipped": {str(i): why for i, why in sorted(skipped.items())},
-                   "unrecorded_files": len(unrecorded), "problems": problems})
+    report.written = to_runs(r["index"] for r in written)
+    report.skipped = {str(i): why for i, why in sorted(skipped.items())}
+    report.unrecorded_files, report.problems = len(unrecorded), problems
     from .trainers import trainer_problems, training_command      # issue 22: what trains on it
-    more, report["notes"] = trainer_problems(out, meta)
-    problems += more
-    report["command"] = training_command(meta, out) if meta else None
+    more, report.notes = trainer_problems(out, meta)
+    report.problems += more
+    report.command = training_command(meta, out) if meta else None
     return report
 
 
@@ -132,7 +123,7 @@ def retryable(reason: str) -> bool:
 
 
 def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[int], folder: str,
-                  retry: set[int] = frozenset()) -> dict:
+                  retry: set[int] = frozenset()) -> protocol.Repair:
     """Rewrite each manifest without the broken entries and the retryable skips (and with one entry
     per index), atomically; remove the broken files. What is dropped is redone by the next launch
     of its shard."""
@@ -156,8 +147,8 @@ def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[i
             removed += 1
         except FileNotFoundError:
             pass
-    return {"dropped": sorted(set(broken) | set(retry)), "deduplicated": sorted(twice), "removed_files": removed,
-            "retried_skips": sorted(retry)}
+    return protocol.Repair(dropped=sorted(set(broken) | set(retry)), deduplicated=sorted(twice),
+                           removed_files=removed, retried_skips=sorted(retry))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repair and args.shallow:
         ap.error("--repair needs the files opened; drop --shallow")
-    print(json.dumps(verify(args.out, deep=not args.shallow, repair=args.repair)))
+    print(check_folder(args.out, deep=not args.shallow, repair=args.repair).to_json())
     return 0
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from . import fp8, protocol
+from .files import manifest_path, manifest_records, replace_atomically  # noqa: F401  (manifest_path: extract's)
 from .formats import Layout
 from .layers import LayerPlan
 
@@ -45,7 +46,7 @@ def write_sample_file(layout: Layout, out_dir: str, index: int, tensors: dict[st
     tmp = os.path.join(out_dir, f"{protocol.TEMP_PREFIX}{index}-{os.getpid()}-{threading.get_ident()}")
     os.makedirs(os.path.dirname(final), exist_ok=True)
     with disk_full_says(f"sample {index} to {out_dir}"):
-        protocol.replace_atomically(final, lambda path: layout.save(tensors, path, metadata), tmp)
+        replace_atomically(final, lambda path: layout.save(tensors, path, metadata), tmp)
     return os.path.getsize(final)
 
 
@@ -66,7 +67,7 @@ def write_json_atomic(path: str, obj: Any) -> None:
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=True)
     with disk_full_says(path):
-        protocol.replace_atomically(path, write)
+        replace_atomically(path, write)
 
 
 def write_lines_atomic(path: str, lines: list[str]) -> None:
@@ -75,7 +76,7 @@ def write_lines_atomic(path: str, lines: list[str]) -> None:
         with open(tmp, "w") as f:
             f.write("".join(line + "\n" for line in lines))
     with disk_full_says(path):
-        protocol.replace_atomically(path, write)
+        replace_atomically(path, write)
 
 
 class OwnerError(Exception):
@@ -151,22 +152,9 @@ def remove_stale_temps(out_dir: str, start: int, stop: int) -> int:
     return removed
 
 
-def manifest_path(out_dir: str, shard: int) -> str:
-    return os.path.join(out_dir, protocol.MANIFEST_DIR, f"{shard}.jsonl")
-
-
 def load_finished(out_dir: str) -> dict[int, dict]:
     """Every index any shard's manifest records (written or skipped), whatever the shard count."""
-    done: dict[int, dict] = {}
-    folder = os.path.join(out_dir, protocol.MANIFEST_DIR)
-    if not os.path.isdir(folder):
-        return done
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".jsonl"):
-            for rec in protocol.iter_jsonl(os.path.join(folder, name)):
-                if isinstance(rec.get("index"), int):
-                    done[rec["index"]] = rec
-    return done
+    return {rec["index"]: rec for rec in manifest_records(out_dir)}
 
 
 class Manifest:

@@ -33,6 +33,14 @@ class Refresh(Message):
         return isinstance(message, Refresh)
 
 
+class Changed(Message):
+    """Shards changed state (the supervisor's transitions of one decide pass)."""
+
+    def __init__(self, changes: list) -> None:
+        super().__init__()
+        self.changes = changes
+
+
 class FleetApp(App[str]):
     CSS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.tcss")  # subclasses too
     TITLE = "fleet"
@@ -85,12 +93,18 @@ class FleetApp(App[str]):
     async def on_mount(self) -> None:
         if self.open_source is not None:
             self.source = await self.open_source()
+        if (subscribe := getattr(self.source, "subscribe", None)) is not None:
+            subscribe(lambda changes: self.post_message(Changed(changes)))
         self.set_interval(self.interval, lambda: self.post_message(Refresh()))
         self.post_message(Refresh())
 
     def on_refresh(self, _: Refresh) -> None:
         if self.source is not None and self.screen_stack:       # not while closing
             self.draw(self.source.snapshot())
+
+    def on_changed(self, message: Changed) -> None:
+        if self.source is not None and self.screen_stack:
+            self.main.tell(message.changes, self.source.snapshot())
 
     def draw(self, snap: FleetSnapshot) -> None:
         self.main.draw(snap)
@@ -120,20 +134,15 @@ class FleetApp(App[str]):
             await close()
 
 
-def run_tui(config, plan: dict) -> int:
-    """Open the live view on a deployed run: follow every host, launch what is not live, draw."""
-    from ..supervisor import Supervisor
+async def run_tui(sup) -> str | None:
+    """The live view on a deployed, planned supervisor, in this event loop: follow every host,
+    launch what is not live, draw; returns what to print once it closes."""
     from .source import SupervisorSource
 
     async def open_source() -> SupervisorSource:
-        sup = Supervisor(config)
-        sup.use_plan(plan)
         await sup.start()
         source = SupervisorSource(sup)
         source.launch_task = asyncio.create_task(sup.launch_all())
         return source
 
-    message = FleetApp(open_source=open_source).run()
-    if message:
-        print(message)
-    return 0
+    return await FleetApp(open_source=open_source).run_async()

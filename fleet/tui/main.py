@@ -62,7 +62,6 @@ class MainScreen(Screen):
         super().__init__()
         self.view = View()
         self.snap: FleetSnapshot | None = None
-        self.seen: notify.Seen | None = None
         self._keys_shown: tuple | None = None
 
     @property
@@ -117,16 +116,17 @@ class MainScreen(Screen):
                 if history is not None:
                     width = max(chart.size.width, 60)
                     chart.fill(history(BUCKET_S, width), "tokens" if snap.totals.tokens else "samples")
-            told, self.seen = notify.notices(self.seen, snap)
-            for n in told:
-                if n.event in TOLD:
-                    self.notify(n.message, severity="information" if n.event == "finished" else "error",
-                                timeout=8)
-                    if n.event != "finished":
-                        self.app.bell()
         self.query_one(ThroughputChart).add(snap)
         self.query_one(GpuTable).observe(snap)
         self.redraw()
+
+    def tell(self, changes, snap: FleetSnapshot) -> None:
+        """Transitions published while watching: a toast (and the bell) for what needs a look."""
+        for n in notify.notices(changes, snap):
+            if n.event in TOLD:
+                self.notify(n.message, severity="information" if n.event == "finished" else "error", timeout=8)
+                if n.event != "finished":
+                    self.app.bell()
 
     def redraw(self) -> None:
         """Draw the last snapshot as the view says (a keypress needs no new snapshot)."""

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from ..actions import describe
 from ..judge import throughput_history
 from ..snapshot import FleetSnapshot
+from ..store import Transition
 from ..supervisor import Supervisor
 from ..transport import HostError
 
@@ -35,6 +36,9 @@ class FleetSource(Protocol):
 
     def follow_log(self, shard_id: int) -> AsyncIterator[str]: ...
 
+    def subscribe(self, listener: Callable[[list[Transition]], None]) -> None:
+        """`listener` gets the shards' transitions as they are published (optional)."""
+
 
 class SupervisorSource:
     def __init__(self, sup: Supervisor):
@@ -50,8 +54,11 @@ class SupervisorSource:
     def snapshot(self) -> FleetSnapshot:
         return self.sup.snapshot()
 
+    def subscribe(self, listener: Callable[[list[Transition]], None]) -> None:
+        self.sup.subscribe(listener)
+
     def history(self, step: float, points: int) -> list[tuple[float, float, float]]:
-        offsets = {name: link.host.clock_offset for name, link in self.sup.links.items()}
+        offsets = {name: host.clock_offset for name, host in self.sup.store.hosts.items()}
         records = [(s.record, offsets[s.placement.host]) for s in self.sup.shards.values()]
         return throughput_history(records, time.time(), step, points)
 

@@ -7,6 +7,7 @@ import pytest
 
 from fleet.config import ConfigError, load_config
 from fleet.plan import plan_differences
+from worker.protocol import Plan
 from tests.faults.test_hostile_inputs import local_toml
 
 
@@ -25,15 +26,18 @@ def test_dtype_in_fleet_toml_and_plans_made_before_it(tmp_path):
     old = {"shards": shards, "spec": {"format": "speculators"}, "identity": {"format": "speculators", "layer_ids": [1]}}
     new = {"shards": shards, "spec": {"format": "speculators", "dtype": "bf16"},
            "identity": {"format": "speculators", "layer_ids": [1], "dtype": "bf16"}}
-    assert plan_differences(old, new) == []
     fp8 = {**new, "spec": {**new["spec"], "dtype": "fp8"}, "identity": {**new["identity"], "dtype": "fp8"}}
+    old, new, fp8 = (Plan.from_dict(p) for p in (old, new, fp8))
+    assert plan_differences(old, new) == []
     assert plan_differences(old, fp8) == ["dtype: bf16 -> fp8", "dtype: bf16 -> fp8"]
 
 
 def test_verify_merge_refuses_hosts_with_bf16_and_fp8():
     from fleet.verify import merge_reports
+    from worker.protocol import VerifyReport
     a = {"num_samples": 4, "format": "speculators", "dtype": "fp8", "written": [[0, 2]], "skipped": {}, "problems": []}
     b = {"num_samples": 4, "format": "speculators", "dtype": "bf16", "written": [[2, 4]], "skipped": {}, "problems": []}
+    a, b = VerifyReport.from_dict(a), VerifyReport.from_dict(b)
     result = merge_reports({"box1": a, "box2": b})
     assert result.problems == ["box2: hidden states in bf16, another host's in fp8"] and not result.ok
     assert merge_reports({"box1": a}).dtype == "fp8"

@@ -14,7 +14,8 @@ import subprocess
 from fleet.config import ExpectedSpec
 from fleet.footprint import Need, bytes_in, needs, verdicts
 from fleet.record import fold
-from fleet.snapshot import HostView, build_snapshot
+from fleet.snapshot import Disk, build_snapshot
+from fleet.store import Host
 from tests.faults.test_hostile_inputs import local_toml
 from tests.faults.test_worker_faults import small_tmpfs  # noqa: F401  (fixture)
 from tests.fleet.conftest import fleet
@@ -23,17 +24,17 @@ from worker import protocol as p
 from worker.verify import verify
 
 
-def footprint(rows: int, per_row: list[float]) -> dict:
+def footprint(rows: int, per_row: list[float]) -> p.Footprint:
     edges = list(range(rows + 1))
-    return {"rows": rows, "edges": edges, "remaining": per_row, "bytes_per_token": 2, "bytes_per_token_fp8": 1}
+    return p.Footprint(rows=rows, edges=edges, remaining=per_row, bytes_per_token=2, bytes_per_token_fp8=1)
 
 
 def test_each_host_needs_the_rows_of_its_shards_and_a_shared_folder_sums_them():
     fp = footprint(8, [100, 100, 100, 100, 0, 0, 0, 800])       # rows 4-6 already written
     assert bytes_in(fp, 0, 8) == 1200 and bytes_in(fp, 4, 8) == 800
-    coarse = {"rows": 8, "edges": [0, 4, 8], "remaining": [400, 800]}
+    coarse = p.Footprint(rows=8, edges=[0, 4, 8], remaining=[400, 800])
     assert bytes_in(coarse, 2, 6) == 200 + 400                   # a cut bucket counts pro rata
-    reports = {"a": {"footprint": fp, "free_bytes": 500}, "b": {"footprint": fp, "free_bytes": 500}}
+    reports = {"a": p.PreflightReport(footprint=fp, free_bytes=500), "b": p.PreflightReport(footprint=fp, free_bytes=500)}
     outputs = {"a": "/o", "b": "/o"}
     groups = needs(reports, outputs, {"a": [0, 1], "b": [2, 3]}, 4)       # 2 rows a shard
     assert [(g.hosts, g.need, g.fp8_need, g.fits) for g in groups] == \
@@ -45,7 +46,7 @@ def test_each_host_needs_the_rows_of_its_shards_and_a_shared_folder_sums_them():
     assert refusals == [] and any("stops when the disk is full" in w for w in warnings)
     # One folder on a shared file system (the same folder_id): one free space for both.
     for r in reports.values():
-        r["folder_id"] = "f1"
+        r.folder_id = "f1"
     [shared] = needs(reports, outputs, {"a": [0, 1], "b": [2, 3]}, 4)
     assert (shared.hosts, shared.need, shared.free, shared.fits) == (["a", "b"], 1200, 500, False)
     # Close to full: a warning, not a refusal.
@@ -54,8 +55,8 @@ def test_each_host_needs_the_rows_of_its_shards_and_a_shared_folder_sums_them():
 
 
 def test_the_disk_full_forecast_uses_the_bytes_per_token_written():
-    hosts = {"a": HostView("a", "1.1.1.1", reachable=True, replayed=True,
-                           disk={"path": "/o", "free": 0, "total": 10**12})}
+    hosts = {"a": Host("a", "1.1.1.1", reachable=True, replayed=True,
+                           disk=Disk(path="/o", free=0, total=10**12))}
     # 100 samples of 100 tokens written at 2,000 bytes per token (fp8, 4 x 496 + ids), 900 to go.
     evs = [launch(0), p.Loaded(t=1, launch=1)] + [
         p.Progress(t=t, launch=1, done=10 * t, tokens=1000 * t, bytes=2_000_000 * t, total=1000) for t in range(1, 11)]
@@ -63,7 +64,7 @@ def test_the_disk_full_forecast_uses_the_bytes_per_token_written():
     views = [view(0, "a", evs, 10)]
     left = 900 * 100 * 2000                                    # bytes the rest will write
     for free, expect in ((left, None), (left - 1, (left - 1) / (1000 * 2000))):
-        hosts["a"].disk["free"] = free
+        hosts["a"].disk = Disk(path="/o", free=free, total=10**12)
         totals = build_snapshot("r", views, hosts, now=10, expected=exp).totals
         assert totals.disk_full_eta_s == (round(expect) if expect else None), free
     assert fold(evs).bytes / fold(evs).tokens == 2000
@@ -116,7 +117,7 @@ max_restarts = 0
     r = fleet("up", "--headless", "--allow-partial", "-c", config("b", "bf16", out))
     assert r.returncode == 1 and "--allow-partial: it stops when the disk is full" in r.stderr, r.stderr
     events = [json.loads(l) for l in open(tmp_path / "fleet" / "b" / "shards" / "0" / "events.jsonl")]
-    assert any(e["event"] == "failed" and e["reason"].startswith("disk full") for e in events)
+    assert any(e["event"] == "failed" and e["reason"].startswith("disk full") for e in events), (r.stdout, r.stderr[-3000:], events[-5:])
     assert 0 < manifest_bytes(out) < size_k << 10 and verify(out)["problems"] == []
     subprocess.run(["rm", "-rf", out], check=True)
     # fp8 fits, and the projection is what the worker then wrote.

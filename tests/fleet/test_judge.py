@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from fleet.config import ExpectedSpec
 from fleet.judge import Action, LaunchFailure, Policy, backoff_delay, judge, rates
 from fleet.record import ShardRecord, fold
-from fleet.snapshot import HostView, ShardView, build_snapshot, status_exit_code
+from fleet.snapshot import ShardView, build_snapshot, status_exit_code
+from fleet.store import Host
 from fleet.state import SETTLED, State
 from worker import protocol as p
 from worker.agent import thin_progress
@@ -178,8 +179,8 @@ def view(k, host, events, now, alive=True, policy=POLICY):
 
 
 def test_snapshot_totals_expected_alert_unknown_hosts_and_exit_codes():
-    hosts = {"a": HostView("a", "1.1.1.1", reachable=True, replayed=True),
-             "b": HostView("b", "2.2.2.2", reachable=True, replayed=True)}
+    hosts = {"a": Host("a", "1.1.1.1", reachable=True, replayed=True),
+             "b": Host("b", "2.2.2.2", reachable=True, replayed=True)}
     running = [launch(0), p.Loaded(t=1, launch=1)] + [
         p.Progress(t=t, launch=1, done=t, tokens=t * 100, bytes=t * 10, total=100) for t in range(2, 12, 2)]
     views = [view(i, h, running, 10) for i, h in enumerate(("a", "a", "b"))]

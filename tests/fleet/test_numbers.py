@@ -9,9 +9,10 @@ import pytest
 
 from fleet.config import ExpectedSpec
 from fleet.judge import STALL_SHOWN_S, Policy, judge, rates, throughput_history
-from fleet.notify import notices
+from fleet.notify import alert_notice, notices
 from fleet.record import fold
-from fleet.snapshot import HostView, ShardView, build_snapshot
+from fleet.snapshot import ShardView, build_snapshot
+from fleet.store import Host, changes
 from fleet.state import State
 from worker import protocol as p
 
@@ -38,7 +39,7 @@ def view(k, host, events, now, alive=True, policy=POLICY):
 
 
 def hosts(**prices):
-    return {name: HostView(name, "10.0.0.1", reachable=True, replayed=True, usd_per_hour=prices.get(name))
+    return {name: Host(name, "10.0.0.1", reachable=True, replayed=True, usd_per_hour=prices.get(name))
             for name in ("a", "b")}
 
 
@@ -167,29 +168,48 @@ def test_throughput_history_is_rebuilt_from_the_records_without_inventing_work()
     assert throughput_history([(fold([launch(0)]), 0.0)], 40, 10, 2) == [(30, 0.0, 0.0), (40, 0.0, 0.0)]
 
 
+def told(shown: dict, snap) -> list:
+    """What a decide pass publishes for this picture (`fleet.store.changes`, as the store calls it
+    with the shown states), and the notices that makes."""
+    return notices(changes(shown, [(s.id, s.state, s.failures) for s in snap.shards], snap.time), snap)
+
+
 def test_notices_tell_changes_seen_while_watching_once_each():
     h = hosts()
     ok = [view(k, "a", running(), 10) for k in range(2)]
-    first, seen = notices(None, build_snapshot("r", ok, h, 10, NOEXP))
-    assert first == []                              # what happened before watching is not told
+    shown: dict = {}
+    assert told(shown, build_snapshot("r", ok, h, 10, NOEXP)) == []    # history before watching: silent
     # Shard 0 fails and goes straight to BACKOFF: told once as FAILED, with why.
     failed = running() + [p.Exited(t=11, launch=1, code=-9)]
     snap = build_snapshot("r", [view(0, "a", failed, 11, alive=False), ok[1]], h, 11, NOEXP)
-    told, seen = notices(seen, snap)
-    assert [(n.event, n.shard.id, n.previous) for n in told] == [("FAILED", 0, "RUNNING")]
-    assert "killed by signal 9" in told[0].message and told[0].schema_ == "fleet.notify/1"
-    assert notices(seen, snap)[0] == []             # nothing new, nothing told
+    now = told(shown, snap)
+    assert [(n.event, n.shard.id, n.previous) for n in now] == [("FAILED", 0, "RUNNING")]
+    assert "killed by signal 9" in now[0].message and now[0].schema_ == "fleet.notify/1"
+    assert told(shown, snap) == []                  # nothing new, nothing told
     # Then it gives up: FATAL, once.
     fatal = failed + [launch(13, 2, "auto"), p.Failed(t=14, launch=2, reason="boom", fatal=True),
                       p.Exited(t=14, launch=2, code=1)]
-    told, seen = notices(seen, build_snapshot("r", [view(0, "a", fatal, 14, alive=False), ok[1]], h, 14, NOEXP))
-    assert [n.event for n in told] == ["FATAL"]
+    now = told(shown, build_snapshot("r", [view(0, "a", fatal, 14, alive=False), ok[1]], h, 14, NOEXP))
+    assert [n.event for n in now] == ["FATAL"]
     # Every shard DONE: each DONE, then the run's end.
     done = [view(k, "a", running(total=10) + [p.Done(t=15, launch=1, done=10, total=10),
                                               p.Exited(t=15, launch=1, code=0)], 15, alive=False) for k in range(2)]
-    told, seen = notices(seen, build_snapshot("r", done, h, 16, NOEXP))
-    assert [n.event for n in told] == ["DONE", "DONE", "finished"]
-    assert "2/2 shards DONE" in told[-1].message and "fleet verify" in told[-1].message
+    now = told(shown, build_snapshot("r", done, h, 16, NOEXP))
+    assert [n.event for n in now] == ["DONE", "DONE", "finished"]
+    assert "2/2 shards DONE" in now[-1].message and "fleet verify" in now[-1].message
+
+
+def test_a_failure_whose_restart_came_before_anyone_looked_is_still_told():
+    """BACKOFF -> (relaunched, failed again) -> BACKOFF between two passes: the same state, one
+    more failure: told as FAILED."""
+    h = hosts()
+    once = running() + [p.Exited(t=11, launch=1, code=1)]
+    shown: dict = {}
+    told(shown, build_snapshot("r", [view(0, "a", once, 12, alive=False)], h, 12, NOEXP))
+    twice = once + [launch(13, 2, "auto"), p.Exited(t=14, launch=2, code=1)]
+    snap = build_snapshot("r", [view(0, "a", twice, 14.5, alive=False)], h, 14.5, NOEXP)
+    assert snap.shards[0].state == State.BACKOFF
+    assert [(n.event, n.previous) for n in told(shown, snap)] == [("FAILED", "BACKOFF")]
 
 
 def test_an_alert_is_told_only_once_it_has_held():
@@ -199,8 +219,8 @@ def test_an_alert_is_told_only_once_it_has_held():
     seen = None
     told_at = []
     for snap in snaps:
-        told, seen = notices(seen, snap, alert_after=60)
-        told_at += [(snap.time, n.event, n.previous) for n in told]
+        notice, seen = alert_notice(seen, snap, alert_after=60)
+        told_at += [(snap.time, notice.event, notice.previous)] if notice else []
     assert snaps[0].totals.alert_level == "critical"
     assert told_at == [(70, "alert", "ok")]        # 60 s after it was first seen low
 

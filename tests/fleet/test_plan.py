@@ -248,9 +248,11 @@ def test_another_run_into_the_same_output_is_refused_by_preflight(tmp_path, sshd
 def test_extra_args_are_part_of_the_plan(tmp_path):
     """A flag in extra_args changes what is written as much as the same key in [run] does."""
     from fleet.config import load_config
+    import dataclasses
+
     from fleet.plan import make_plan, plan_differences
 
-    def plan_with(extra: str) -> dict:
+    def plan_with(extra: str):
         path = tmp_path / "fleet.toml"
         path.write_text(f"""
 [run]
@@ -272,8 +274,7 @@ root = "r"
     assert plan_differences(old, plan_with('["--max-length", "4096"]')) == []
     assert plan_differences(old, plan_with('["--max-length", "64"]')) == \
         ['extra_args: ["--max-length", "4096"] -> ["--max-length", "64"]']
-    before = {k: v for k, v in old.items()}
-    before["spec"] = {k: v for k, v in old["spec"].items() if k != "extra_args"}   # a plan made before
+    before = dataclasses.replace(old, spec={k: v for k, v in old.spec.items() if k != "extra_args"})  # made before
     assert plan_differences(before, plan_with("[]")) == []
 
 

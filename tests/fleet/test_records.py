@@ -20,6 +20,7 @@ from fleet.config import load_config
 from fleet.judge import rates
 from fleet.record import fold
 from fleet.state import State
+from fleet import setup
 from fleet.supervisor import Supervisor
 from worker import protocol
 
@@ -81,9 +82,9 @@ async def deployed(config_path: str, logs: list | None = None) -> Supervisor:
     """A supervisor for fleet.toml at `config_path`, its worker deployed and its plan settled."""
     config = load_config(config_path)
     sup = Supervisor(config, on_log=(logs.append if logs is not None else None))
-    results, failures = await sup.deploy()
+    results, failures = await setup.deploy_all(sup)
     assert not failures and not results[0].errors, (failures, results[0].errors)
-    await sup.settle_plan(results)
+    await setup.settle_plan(sup, results)
     return sup
 
 
@@ -260,7 +261,7 @@ async def test_a_traceback_fails_with_its_exception_line_and_the_log_marks_each_
         log = (tmp_path / "fleet" / "job" / "shards" / "0" / "log").read_text()
         marks = [line for line in log.splitlines() if line.startswith("── fleet:")]
         assert len(marks) == 2 and "launch 1 (started by the user)" in marks[0]
-        assert "launch 1 ended: exit code 1" in marks[1]
+        assert "launch 1 exited with code 1" in marks[1]
     finally:
         await sup.close()
 

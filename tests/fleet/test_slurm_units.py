@@ -15,7 +15,8 @@ from fleet.judge import SLURM_WORD_WAIT_S, Action, Policy, judge
 from fleet.plan import make_plan, plan_differences
 from fleet.record import fold
 from fleet.slurm import sbatch_options, submission
-from fleet.snapshot import HostView, ShardView, build_snapshot, slurm_nodes, slurm_task
+from fleet.snapshot import ShardView, build_snapshot, slurm_task
+from fleet.store import Host, slurm_nodes
 from fleet.state import SETTLED, State
 from tests.fleet.test_config import error_of, write
 from tests.fleet.test_judge import World, assert_within_restart_budget
@@ -106,17 +107,18 @@ def test_the_plan_of_a_slurm_run_is_its_shard_count():
     base = {"version": 1, "run": "r", "num_shards": 2, "launcher": "slurm",
             "shards": [{"id": k, "host": "slurm", "gpu": 0} for k in range(2)], "spec": {}, "identity": {}}
     grown = {**base, "num_shards": 4, "shards": [{"id": k, "host": "slurm", "gpu": 0} for k in range(4)]}
+    ssh = {**base, "launcher": None, "shards": [{"id": 0, "host": "box", "gpu": 0}]}
+    base, grown, ssh = (p.Plan.from_dict(d) for d in (base, grown, ssh))
     assert plan_differences(base, grown) == ["shards: 2 -> 4"]
     assert plan_differences(base, base) == []
-    ssh = {**base, "launcher": None, "shards": [{"id": 0, "host": "box", "gpu": 0}]}
     assert plan_differences(ssh, base) == ["launcher: ssh hosts -> slurm"]
 
 
 def test_make_plan_for_slurm(tmp_path):
     c = load_config(write(tmp_path, RUN + SLURM))
     plan = make_plan(c, {"slurm": []}, {})
-    assert plan["num_shards"] == 128 and plan["launcher"] == "slurm" and plan["shards"][127] == \
-        {"id": 127, "host": "slurm", "gpu": 0, "gpus": [0]}
+    assert plan.num_shards == 128 and plan.launcher == "slurm" and plan.shards[127] == \
+        p.PlanShard(id=127, host="slurm", gpu=0, gpus=[0])
 
 
 def test_a_shard_of_several_gpus_is_a_task_asking_for_them(tmp_path):
@@ -131,7 +133,7 @@ def test_a_shard_of_several_gpus_is_a_task_asking_for_them(tmp_path):
     assert "--gres=gpu:2" in sub["sbatch"]
     argv = sub["tasks"]["5"]["argv"]
     assert argv[argv.index("--gpus-per-shard") + 1] == "2" and "CUDA_VISIBLE_DEVICES" not in sub["tasks"]["5"]["env"]
-    assert make_plan(c, {"slurm": []}, {})["shards"][5] == {"id": 5, "host": "slurm", "gpu": 0, "gpus": [0, 1]}
+    assert make_plan(c, {"slurm": []}, {}).shards[5] == p.PlanShard(id=5, host="slurm", gpu=0, gpus=[0, 1])
     path = write(tmp_path, two + SLURM)
     assert error_of(tmp_path, two + SLURM) == (
         f"{path}:13: slurm.gpus_per_task = 1, but [run] gpus_per_shard = 2: each array task runs one shard "
@@ -356,7 +358,7 @@ def test_judge_invariants_hold_over_random_slurm_histories(steps, max_restarts):
 # --- the snapshot ---------------------------------------------------------------------------------
 
 def test_the_snapshot_shows_a_slurm_shard_on_its_node_and_groups_gpus_by_node():
-    login = HostView("slurm", "alice@login", reachable=True, replayed=True, role="login")
+    login = Host("slurm", "alice@login", reachable=True, replayed=True, role="login")
     running = fold(submitted(job="40_0") + started(job="40_0"))
     queued = fold(submitted(job="41_1"))
     readings = [("node07", p.TaskGpus(shard=0, launch=1, node="node07", t=100.0, source="nvml",
@@ -367,7 +369,7 @@ def test_the_snapshot_shows_a_slurm_shard_on_its_node_and_groups_gpus_by_node():
     nodes = slurm_nodes(login, readings)
     assert sorted(nodes) == ["node07", "node09"]
     n7 = nodes["node07"]
-    assert [g["index"] for g in n7.gpus] == [0, 2] and n7.gpu_t == 99.0 and n7.telemetry == "nvml"
+    assert [g.index for g in n7.gpus] == [0, 2] and n7.gpu_t == 99.0 and n7.telemetry == "nvml"
     assert nodes["node09"].gpus == [] and nodes["node09"].telemetry is None and n7.role == "node"
     views = [ShardView(0, "slurm", 2, running, judge(running, True, 8, POLICY), True, 99, 3, node="node07",
                        slurm=slurm_task(running, live("RUNNING", None, node="node07", job="40_0"))),

@@ -216,7 +216,7 @@ def test_host_key_unknown_changed_accept_new_and_closed_port(tmp_path, sshd, den
     r = fleet("status", "--json", "-c", config)
     assert r.returncode == 3 and "connection refused" in json.loads(r.stdout)["hosts"][0]["error"]
     r = fleet("status", "-c", config)                 # no host to read the plan from: says so
-    assert r.returncode == 3 and "host box: UNKNOWN" in r.stdout and "shards: unknown" in r.stdout, r.stdout
+    assert r.returncode == 3 and "host box: unreachable (" in r.stdout and "shards: unknown" in r.stdout, r.stdout
     # A closed port is a closed port, whatever the known_hosts file says or whether it exists.
     closed = free_port()
     for known, extra in ((tmp_path / "absent_known_hosts", ""), (tmp_path / "absent2", "accept_new = true"),

@@ -18,6 +18,7 @@ import pytest
 
 from fleet.config import load_config
 from fleet.state import State
+from fleet import setup
 from fleet.supervisor import Supervisor
 from fleet.tui.app import QUIT_MESSAGE, FleetApp
 from fleet.tui.panes.gpus import GpuPane
@@ -131,9 +132,9 @@ def supervised_app(sup: Supervisor) -> FleetApp:
 async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp_path, dense_model, long_data):
     config = load_config(local_toml(tmp_path, dense_model, long_data))
     sup = Supervisor(config)
-    results, failures = await sup.deploy()
+    results, failures = await setup.deploy_all(sup)
     assert not failures and not results[0].errors
-    await sup.settle_plan(results)
+    await setup.settle_plan(sup, results)
 
     app = Watched(open_source=opener(sup), interval=0.2)
     try:
@@ -199,7 +200,7 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
         # Re-attach: the first frames say "replaying", never PENDING 0/0; the chart's past is
         # rebuilt from the records; `:restart 1` brings the stopped shard back; the end is told.
         attach = Supervisor(config)
-        attach.use_plan(sup.plan)                                    # as `fleet up` does after deploy
+        attach.store.use_plan(sup.plan)                                    # as `fleet up` does after deploy
         again = Watched(open_source=opener(attach), interval=0.2)
         async with again.run_test(size=(120, 40)) as pilot:
             await until(pilot, lambda: again.snap is not None and again.snap.totals.replayed, what="replayed")

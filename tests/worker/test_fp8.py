@@ -347,14 +347,14 @@ def test_export_keeps_fp8_where_the_reader_dequantises_and_writes_bf16_where_it_
     r = worker(model, str(data), src, "--dtype", "fp8", "--layers", "2,4,5")    # no hs[L]: DFlash reads them
     assert r.returncode == 0, r.stderr
     same = export(src, "speculators", str(tmp_path / "same"))
-    assert same["dtype"] == "fp8" and same["written"] == 6 and not same["problems"]
+    assert same.dtype == "fp8" and same.written == 6 and not same.problems
     for i in range(6):
         a, b = (load_file(os.path.join(d, f"hs_{i}.safetensors")) for d in (src, str(tmp_path / "same")))
         assert torch.equal(a["hidden_states"].view(torch.uint8), b["hidden_states"].view(torch.uint8))
         assert torch.equal(a[fp8.SCALES_KEY], b[fp8.SCALES_KEY])
     assert verify(str(tmp_path / "same"))["problems"] == []
     sf = export(src, "specforge-dflash", str(tmp_path / "sf"))
-    assert sf["dtype"] == "bf16" and sf["written"] == 6
+    assert sf.dtype == "bf16" and sf.written == 6
     meta = json.load(open(tmp_path / "sf" / "meta.json"))
     assert meta["dtype"] == "bfloat16" and "hidden_states_scales" not in meta and meta["identity"]["dtype"] == "bf16"
     for i in range(6):

@@ -154,12 +154,12 @@ def test_preflight_counts_layers_with_the_same_resolver(tmp_path, layers, fmt, c
     argv = ["--builtin", "--device", "cpu", "--model", str(model), "--data", str(data),
             "--output", str(tmp_path / "out"), "--format", fmt] + (["--layers", layers] if layers else [])
     report = preflight.run(preflight.parse_args(argv))
-    fp = report["footprint"]
-    assert (fp["tokens"], fp["layers"], fp["exact"]) == (500, count, True)
+    fp = report.footprint
+    assert (fp.tokens, fp.layers, fp.exact) == (500, count, True)
     ids_mask = 9 if fmt == "speculators" else 16                 # int64 ids + uint8 / int64 mask
-    assert fp["bytes_per_token"] == count * 100 * 2 + ids_mask
-    assert report["estimated_bytes"] == fp["total_bytes"] == 500 * fp["bytes_per_token"] + 50 * fp["bytes_per_file"]
-    assert not [c for c in report["checks"] if c["level"] == "error"]
+    assert fp.bytes_per_token == count * 100 * 2 + ids_mask
+    assert report.estimated_bytes == fp.total_bytes == 500 * fp.bytes_per_token + 50 * fp.bytes_per_file
+    assert not report.errors
 
 
 def test_preflight_refuses_what_the_worker_would(tmp_path):

@@ -115,7 +115,8 @@ class GpuTable(LineTable):
     def host_cells(self, h: HostStatus, open_: bool, no_color: bool) -> tuple:
         arrow = "▾" if open_ else "▸"
         if h.reachable is False:
-            return (f"{arrow} {h.name}", (("? UNKNOWN: unreachable", "bold" if no_color else "magenta"),),
+            return (f"{arrow} {h.name}", ((f"? UNKNOWN: {'unusable' if h.unusable else 'unreachable'}",
+                                            "bold" if no_color else "magenta"),),
                     h.error or "", "", "", "", cost_cell(h), _num(h.last_seen_age_s, "s ago"))
         if h.reachable is None:
             return (f"{arrow} {h.name}", (("connecting…", "italic"),), "", "", "", "", cost_cell(h), "")

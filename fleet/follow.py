@@ -1,0 +1,204 @@
+"""Following one host: its agent stream kept open (reconnecting with capped exponential backoff),
+every line folded into the store, and the one-shot read that `status`, `restart` and `logs` use.
+
+A new stream replays the host's records from the start into fresh records, so the picture after a
+reconnect or a supervisor restart is the host's own record, never a guess. A host is unreachable
+after a silence longer than the supervisor's limit for it (`silence`): longer while it is busy with
+our actions or while this process is starved of CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from worker import protocol
+
+from . import deploy
+from .config import Config, HostSpec
+from .launcher import Launcher
+from .state import State
+from .store import Host, Store
+from .transport import HostError, HostUnusable, Stream, Transport
+
+AGENT_START_S = 30.0          # a new agent stream: its Python start and replay, on a loaded host
+AGENT_SILENCE_S = 5.0         # no line from an agent for this long: the host is unreachable...
+SILENCE_PER_ACTION_S = 2.0    # ...plus this per shard starting or acted on there (a launch storm)
+STARTING_UP = frozenset({State.STARTING, State.LOADING, State.STOPPING})
+
+
+@dataclass
+class HostLink:
+    spec: HostSpec
+    transport: Transport
+    store: Store
+    launcher: Launcher
+    starved: Callable[[], float]                      # how late the supervisor's own loop runs
+    on_log: Callable[[str], None]
+    on_change: Callable[[], None]
+    stream: Stream | None = None
+    task: asyncio.Task | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    diagnostics: deque = field(default_factory=lambda: deque(maxlen=5))
+    delay: float = 1.0                                # before the next reconnect
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def host(self) -> Host:
+        return self.store.hosts[self.spec.name]
+
+    def agent_argv(self, once: bool = False) -> list[str]:
+        config = self.store.config
+        shards = "auto" if once else ",".join(str(p.shard) for p in self.store.on(self.name)) or "auto"
+        args = ["--run-dir", config.run_dir(self.spec), "--shards", shards,
+                "--output", config.host_path(self.spec, config.run.output),
+                "--interval", str(config.spec.supervise.telemetry_interval), *self.launcher.agent_args()]
+        return deploy.python_argv(config, self.spec, "agent", *args, *(["--once"] if once else []))
+
+    def silence(self) -> float:
+        """How long the agent may be silent before its host counts as unreachable: longer while the
+        host is busy with actions of ours (eight launches at once load a small host for seconds),
+        and while the supervisor itself is starved of CPU (its own loop running late): silence it
+        could not have heard is not the host's."""
+        shown = self.store.shown
+        busy = sum(1 for s in self.store.shards.values()
+                   if s.placement.host == self.name and (s.busy_since is not None or s.acting or
+                                                         shown.get(s.id, (None,))[0] in STARTING_UP))
+        return min(60.0, AGENT_SILENCE_S + SILENCE_PER_ACTION_S * busy + 8 * self.starved())
+
+    def take(self, line: str, discover: bool = False) -> protocol.Message | None:
+        """One line of the agent: a message folded into the store, or a diagnostic kept."""
+        msg = protocol.parse_message(line)
+        if msg is None:                         # not a message: a diagnostic (a traceback line)
+            if line.strip():
+                self.diagnostics.append(line.strip()[-300:])
+            return None
+        self.store.apply(self.name, msg, discover)
+        if isinstance(msg, protocol.Replayed):
+            self.on_change()
+        return msg
+
+    def down(self, e: HostError) -> None:
+        was = self.host.reachable
+        self.host.down(e)
+        if was is not False:
+            self.on_log(f"{self.name}: {'unusable' if self.host.unusable else 'unreachable'}: {self.host.error}")
+        self.on_change()
+
+    async def follow(self) -> None:
+        """Keep the agent stream open until cancelled."""
+        while True:
+            try:
+                await self.transport.connect()
+                self.diagnostics.clear()
+                self.stream = await self.transport.stream(self.agent_argv())
+                await self._read(self.stream.lines().__aiter__())
+            except HostError as e:
+                self.down(e)
+                await self.drop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:                      # a bug must not silently stop a host's loop
+                self.host.down(HostError(f"{self.name}: {type(e).__name__}: {e}"))
+                self.on_log(f"{self.name}: supervisor error: {self.host.error}")
+                self.on_change()
+                await self.drop()
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.delay)
+            except asyncio.TimeoutError:
+                pass
+            self.delay = min(self.delay * 2, self.store.config.spec.supervise.reconnect_max)
+
+    async def _read(self, lines) -> None:
+        while True:
+            silence = self.silence()
+            if not self.host.replayed:          # the agent is starting and replaying
+                silence = max(silence, AGENT_START_S)
+            try:
+                line = await asyncio.wait_for(lines.__anext__(), silence)
+            except StopAsyncIteration:
+                why = self.diagnostics[-1] if self.diagnostics else "no output"
+                raise HostError(f"{self.name}: agent exited: {why}") from None
+            except asyncio.TimeoutError:
+                raise HostError(f"{self.name}: no telemetry for {silence:.0f}s") from None
+            if isinstance(self.take(line), protocol.Beat):
+                self.delay = 1.0                 # healthy for a while: reconnect fast next time
+            if self.host.reachable is not True and self.host.replayed:
+                self.host.up()
+                self.on_log(f"{self.name}: connected")
+                self.on_change()
+
+    async def drop(self, connection: bool = True) -> None:
+        if self.stream is not None:
+            try:
+                await asyncio.wait_for(self.stream.close(), 3)
+            except Exception:
+                pass
+            self.stream = None
+        if connection:
+            try:
+                await asyncio.wait_for(self.transport.close(), 3)
+            except Exception:
+                pass
+
+    async def lines(self, argv: list[str], follow: bool):
+        """The lines a command prints (a shard's log): all at once, or (`follow`) as they come
+        until the stream ends, without tail's own chatter ("has appeared; following")."""
+        if not follow:
+            for line in (await self.transport.run(argv)).stdout.splitlines():
+                yield line
+            return
+        stream = await self.transport.stream(argv)
+        try:
+            async for line in stream.lines():
+                if not line.startswith("tail: "):
+                    yield line.rstrip("\n")
+        finally:
+            await stream.close()
+
+    async def read_once(self, config: Config) -> list[str]:
+        """The agent's whole replay, once (`--once`); [] when the host cannot be read."""
+        try:
+            await self.transport.connect()
+            r = await self.transport.run(self.agent_argv(once=True), timeout=120)
+            lines = r.stdout.splitlines()
+            if r.rc != 0 and not any('"type":"error"' in l for l in lines):
+                raise HostUnusable(deploy._python_missing(config, self.spec, r.stderr) or
+                                   f"{self.name}: the agent failed there ({config.python(self.spec)}, "
+                                   f"exit {r.rc}): {deploy.last_line(r.stderr)}")
+            return lines
+        except HostError as e:
+            self.host.down(e)
+            return []
+
+
+async def read_all(store: Store, links: dict[str, HostLink], config: Config) -> None:
+    """Connect to every host and replay its record once into the store. Shards come from the
+    run's plan (any reachable host's; so shards of unreachable hosts are listed too), or from the
+    records found when the run has no plan."""
+    store.forget()
+    outputs = await asyncio.gather(*(link.read_once(config) for link in links.values()))
+    plans = []
+    for link, lines in zip(links.values(), outputs):
+        hello = protocol.parse_message(lines[0]) if lines else None
+        if isinstance(hello, protocol.Hello) and hello.plan:
+            try:
+                plans.append(deploy.parse_reply(protocol.Plan, hello.plan, f"{link.name}: the agent's plan"))
+            except HostError as e:
+                link.host.down(e)
+    if plans:
+        store.use_plan(max(plans, key=lambda p: p.created))
+    for link, lines in zip(links.values(), outputs):
+        try:
+            if lines:                       # before the messages: one may say what went wrong
+                link.host.up()
+            for line in lines:
+                link.take(line, discover=not plans)
+        except HostError as e:
+            link.host.down(e)

@@ -1,0 +1,368 @@
+"""The supervisor's state, in one store: one `Host` and one `Shard` per entity, changed only through
+their methods, and the fold of what the hosts' agents say into them (`Store.apply`). Everything
+else reads: `snapshot()` is a pure projection of the store for a moment, and `transitions()` is the
+one place that says which shards changed state (the decide loop calls it once a pass and publishes
+what it returns to the headless output, `[notify]` and the live view).
+
+No I/O here: the host loops (`fleet.follow`) feed `apply` with the lines they read; the supervisor
+asks `verdict` and `transitions` and records its own actions on the shards (`begin`, `settle`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from worker import protocol
+
+from .config import Config
+from .jobs import Placement
+from .judge import LaunchFailure, Policy, Verdict, judge
+from .plan import check_hosts, placements
+from .record import ShardRecord
+from .snapshot import Disk, FleetSnapshot, Gpu, ShardView, all_replayed, build_snapshot, slurm_task
+from .state import State
+from .transport import HostError, HostUnusable
+
+
+@dataclass
+class Host:
+    """What the supervisor knows of a host from its agent (with [slurm]: the login node, or a
+    compute node its tasks report from)."""
+    name: str
+    address: str
+    reachable: bool | None = None          # None: not tried yet
+    error: str | None = None
+    telemetry: str | None = None
+    gpus: list[Gpu] = field(default_factory=list)
+    gpu_t: float | None = None             # host clock of the last GPU reading
+    disk: Disk | None = None
+    clock_offset: float = 0.0              # host clock - supervisor clock
+    last_seen: float | None = None         # supervisor clock
+    replayed: bool = False
+    role: str | None = None                # with [slurm]: "login" or "node"
+    usd_per_hour: float | None = None      # [[hosts]] usd_per_hour
+    unusable: bool = False                 # reached, but its python or agent fails there
+
+    def host_now(self, now: float) -> float:
+        return now + self.clock_offset
+
+    def heard(self, t: float | None, now: float) -> None:
+        """A line came from the agent (`t`: its host-clock stamp, if any)."""
+        self.last_seen = now
+        if t is not None:
+            self.clock_offset = float(t) - now
+
+    def up(self) -> None:
+        self.reachable, self.error, self.unusable = True, None, False
+
+    def down(self, e: HostError) -> None:
+        """The host cannot be read: unreachable, or reached but unusable (its python, its agent)."""
+        self.reachable, self.error = False, str(e).removeprefix(f"{self.name}: ")
+        self.unusable = isinstance(e, HostUnusable)
+        self.replayed = False
+
+    def read_gpus(self, msg: protocol.GpuReading) -> None:
+        self.telemetry, self.gpus, self.gpu_t = msg.source, [Gpu(**g) for g in msg.gpus or []], msg.t
+
+    def read_disk(self, msg: protocol.DiskReading) -> None:
+        self.disk = Disk(path=msg.path, free=msg.free, total=msg.total, error=msg.error)
+
+
+@dataclass
+class Shard:
+    """One shard as the supervisor holds it: its place, its folded record, its liveness, and what
+    only the supervisor knows (actions in flight, launches that never reached the host)."""
+    placement: Placement
+    record: ShardRecord
+    alive: bool | None = None
+    pid: int | None = None
+    launch_failures: list[LaunchFailure] = field(default_factory=list)
+    acting: bool | None = None           # a stop or restart is being carried out on the host
+    idle_s: float | None = None          # the host's monotonic seconds since its last progress...
+    idle_at: float = 0.0                 # ...as of this moment of ours (time.monotonic())
+    busy_since: float | None = None      # an action is in flight (supervisor clock)
+    busy_mark: tuple = ()                # the record's busy_mark when it began
+    slurm: protocol.SlurmTask | None = None      # what Slurm says now of its newest launch's task
+    gpus: protocol.TaskGpus | None = None        # the GPUs that task reported
+
+    @property
+    def id(self) -> int:
+        return self.placement.shard
+
+    def fold(self, ev: protocol.Record, live: bool) -> None:
+        """One event of its record (`live`: followed as it happened, not replayed)."""
+        self.record.apply(ev)
+        if isinstance(ev, protocol.Launch):
+            self.launch_failures.clear()
+            self.alive = None            # liveness read before this launch says nothing of it
+        if isinstance(ev, protocol.PROGRESS_EVENTS) and live:
+            self.idle_s, self.idle_at = 0.0, time.monotonic()
+
+    def liveness(self, msg: protocol.Liveness) -> None:
+        self.alive, self.pid, self.acting = msg.alive, msg.pid, msg.acting
+        self.idle_s, self.idle_at = msg.idle_s, time.monotonic()
+
+    def idle(self) -> float | None:
+        """Seconds since the shard's last progress on monotonic clocks (the host's, then ours):
+        a step of either wall clock changes nothing. None: not reported (the record's stamps rule)."""
+        if self.idle_s is None or not self.alive:
+            return None
+        return self.idle_s + max(time.monotonic() - self.idle_at, 0.0)
+
+    def begin(self, now: float, mark: tuple) -> None:
+        """An action of ours is in flight; `mark`: the record's busy_mark as it begins."""
+        self.busy_since, self.busy_mark = now, mark
+
+    def settle(self, now: float, mark: tuple, timeout: float) -> None:
+        """The action is over once the record shows what it did (its busy_mark moved), or, the
+        outcome never showing up, after `timeout`: the verdict decides again."""
+        if self.busy_since is not None and (mark != self.busy_mark or now - self.busy_since > timeout):
+            self.busy_since = None
+
+    def done_acting(self) -> None:
+        self.busy_since = None
+
+    def launch_failed(self, failure: LaunchFailure) -> None:
+        self.busy_since = None
+        self.launch_failures.append(failure)
+
+    def replayed_anew(self, needs_done_sentinel: bool) -> Shard:
+        """A fresh record for a new stream's replay, keeping what only the supervisor knows."""
+        return Shard(self.placement, ShardRecord(needs_done_sentinel=needs_done_sentinel),
+                     launch_failures=self.launch_failures, busy_since=self.busy_since,
+                     busy_mark=self.busy_mark)
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A shard's shown state changed, or it failed again (`failed`), between two decide passes.
+    `before` None: the first state known of it (a host's replay), history rather than news."""
+    shard: int
+    before: State | None
+    after: State
+    failed: bool
+    t: float
+
+
+def changes(shown: dict[int, tuple[State, int]], current: list[tuple[int, State, int]],
+            t: float) -> list[Transition]:
+    """The transitions from what was last published (`shown`, updated) to `current` (shard,
+    state, failures ever): a new state, or the same state with more failures (a failure whose
+    restart came before anyone looked)."""
+    out = []
+    for k, state, failures in current:
+        before = shown.get(k)
+        failed = before is not None and failures > before[1]
+        if before is None or state != before[0] or failed:
+            out.append(Transition(k, before[0] if before else None, state, failed, t))
+            shown[k] = (state, failures)
+    return out
+
+
+class Store:
+    """Every host and shard of the run, and the run's plan."""
+
+    def __init__(self, config: Config, policy: Policy):
+        self.config = config
+        self.policy = policy
+        self.slurm = config.slurm
+        self.hosts: dict[str, Host] = {
+            h.name: Host(h.name, h.address if self.slurm is None else self.slurm.login,
+                         role=None if self.slurm is None else "login", usd_per_hour=h.usd_per_hour)
+            for h in config.hosts}
+        self.shards: dict[int, Shard] = {}
+        self.placements: list[Placement] = []
+        self.plan: protocol.Plan | None = None
+        self.shown: dict[int, tuple[State, int]] = {}    # shard -> (state, failures) last published
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.placements)
+
+    def on(self, host: str) -> list[Placement]:
+        return [p for p in self.placements if p.host == host]
+
+    # --- the plan ----------------------------------------------------------------------------------
+    def use_plan(self, plan: protocol.Plan) -> None:
+        """Take the shard layout from the run's plan and create the shard records."""
+        check_hosts(plan, self.config)
+        self.plan = plan
+        self.placements = placements(plan)
+        self.shards = {p.shard: self._new(p) for p in self.placements}
+
+    def forget(self) -> None:
+        """No plan, no shards (a one-shot read starts here and finds them)."""
+        self.shards, self.placements, self.plan = {}, [], None
+
+    def _new(self, p: Placement) -> Shard:
+        return Shard(p, ShardRecord(needs_done_sentinel=self.policy.needs_done_sentinel))
+
+    def discover(self, host: str, k: int, ev: protocol.Record) -> Shard | None:
+        """A shard found on a host with no plan (status, restart, logs): its first record, the
+        launch, names its GPU."""
+        if not isinstance(ev, protocol.Launch):
+            return None
+        place = Placement(k, host, ev.gpu if ev.gpu is not None else -1)
+        self.placements.append(place)
+        shard = self.shards[k] = self._new(place)
+        return shard
+
+    def another_machine(self, host: str, host_id: str | None) -> str | None:
+        """The plan's machine for this host name is not the one that answered (names swapped in
+        fleet.toml): nothing is done there, by any command."""
+        planned = self.plan.host_ids.get(host) if self.plan else None
+        if planned and host_id and planned != host_id:
+            return (f"{host} is another machine: the plan's {host} is {planned}, this one is {host_id} "
+                    f"(names swapped or an address changed in fleet.toml?); nothing done there")
+        return None
+
+    # --- the fold of an agent's lines -----------------------------------------------------------------
+    def replay_starts(self, host: str) -> None:
+        """A new stream replays everything: this host's shards start from a clean record."""
+        for p in self.on(host):
+            old = self.shards.get(p.shard)
+            self.shards[p.shard] = old.replayed_anew(self.policy.needs_done_sentinel) if old else self._new(p)
+        self.hosts[host].replayed = False
+
+    def apply(self, host_name: str, msg: protocol.Message, discover: bool = False, now: float | None = None) -> None:
+        """One message of a host's agent. Raises HostError where it says the host cannot be used."""
+        host = self.hosts[host_name]
+        host.heard(getattr(msg, "t", None), time.time() if now is None else now)
+        if isinstance(msg, protocol.Hello):
+            if msg.protocol != protocol.PROTOCOL_VERSION:
+                raise HostError(f"{host_name}: host runs worker protocol {msg.protocol}, this fleet "
+                                f"speaks {protocol.PROTOCOL_VERSION}: redeploy (fleet up)")
+            if (why := self.another_machine(host_name, msg.host_id)) is not None:
+                raise HostUnusable(f"{host_name}: {why}")
+            if not discover:
+                self.replay_starts(host_name)
+        elif isinstance(msg, protocol.EventMessage):
+            ev = protocol.parse_event(msg.event)
+            shard = self.shards.get(msg.shard)
+            if shard is None and ev is not None and discover:
+                shard = self.discover(host_name, msg.shard, ev)
+            if shard is not None and ev is not None:
+                shard.fold(ev, live=host.replayed)
+        elif isinstance(msg, protocol.Liveness):
+            if (shard := self.shards.get(msg.shard)) is not None:
+                shard.liveness(msg)
+        elif isinstance(msg, protocol.SlurmTask):
+            if (shard := self.shards.get(msg.shard)) is not None:
+                shard.slurm = msg
+        elif isinstance(msg, protocol.TaskGpus):
+            if (shard := self.shards.get(msg.shard)) is not None:
+                shard.gpus = msg
+        elif isinstance(msg, protocol.SlurmPoll):
+            host.error = f"Slurm: {msg.error}" if msg.error else None
+        elif isinstance(msg, protocol.GpuReading):
+            host.read_gpus(msg)
+        elif isinstance(msg, protocol.DiskReading):
+            host.read_disk(msg)
+        elif isinstance(msg, protocol.Replayed):
+            host.replayed = True
+        elif isinstance(msg, protocol.AgentError):
+            raise HostError(f"{host_name}: agent failed: {msg.message}")
+
+    def resolve(self, ref: str) -> int:
+        """'3' or 'host:gpu' -> shard id (KeyError with a message otherwise)."""
+        if ref.isascii() and ref.isdigit() and int(ref) in self.shards:     # '¹'.isdigit() too
+            return int(ref)
+        if ":" in ref:
+            host, _, gpu = ref.rpartition(":")
+            for s in self.shards.values():
+                if s.placement.host == host and str(s.placement.gpu) == gpu:
+                    return s.id
+        known = ", ".join(f"{s.id} ({s.placement.host}:{s.placement.gpu})" for s in self.shards.values()) or "none"
+        raise KeyError(f"no shard {ref!r}; shards: {known}")
+
+    def where(self, shard_id: int) -> str:
+        s = self.shards.get(shard_id)
+        return f"{s.placement.host}:{s.placement.gpu}" if s is not None else "?"
+
+    # --- reading -------------------------------------------------------------------------------------
+    @property
+    def replayed(self) -> bool:
+        """Every host's agent has replayed its record, or the host is known unreachable."""
+        return all_replayed(self.hosts.values())
+
+    @property
+    def acting(self) -> bool:
+        """An action (a launch, a submission, a restart) is in flight: its record is not in yet."""
+        return any(s.busy_since is not None for s in self.shards.values())
+
+    def verdict(self, shard: Shard, now: float | None = None) -> Verdict:
+        host = self.hosts[shard.placement.host]
+        now = time.time() if now is None else now
+        return judge(shard.record, shard.alive, host.host_now(now), self.policy,
+                     tuple(shard.launch_failures), shard.slurm, shard.acting, shard.idle())
+
+    def shown_state(self, shard: Shard, verdict: Verdict) -> State:
+        """The state a person sees: UNKNOWN while its host cannot be read."""
+        return State.UNKNOWN if self.hosts[shard.placement.host].reachable is False else verdict.state
+
+    def transitions(self, verdicts: dict[int, Verdict], now: float) -> list[Transition]:
+        """The shards whose shown state changed, or that failed again, since the last call (each
+        change is returned once). A shard of a host still replaying has no state to show yet."""
+        current = []
+        for k, v in verdicts.items():
+            s = self.shards[k]
+            host = self.hosts[s.placement.host]
+            if host.replayed or host.reachable is False:
+                current.append((k, self.shown_state(s, v), s.record.failures))
+        return changes(self.shown, current, now)
+
+    def snapshot(self, now: float | None = None) -> FleetSnapshot:
+        """The picture of the run at `now` (supervisor clock): a projection, nothing changes."""
+        now = time.time() if now is None else now
+        views = [self._view(s, now) for s in sorted(self.shards.values(), key=lambda s: s.id)]
+        hosts = dict(self.hosts)
+        if self.slurm is not None:
+            hosts.update(self._nodes())
+        return build_snapshot(self.config.run.name, views, hosts, now, self.config.spec.expected)
+
+    def _view(self, s: Shard, now: float) -> ShardView:
+        p, a = s.placement, s.record.attempt
+        view = ShardView(s.id, p.host, p.gpu, s.record, self.verdict(s, now), s.alive, s.pid,
+                         self.policy.max_restarts, gpus=p.all_gpus, idle_s=s.idle())
+        if self.slurm is None:
+            return view
+        view.slurm = slurm_task(s.record, s.slurm)
+        node = (a.node or (view.slurm.node if view.slurm else None)) if a is not None else None
+        if node:       # a Slurm shard shows its node (and the first GPU Slurm gave it) once it started
+            view.node, view.gpu = node, (a.gpus[0] if a.gpus else view.gpu)
+            view.gpus = tuple(a.gpus) if a.gpus else view.gpus
+        return view
+
+    def _nodes(self) -> dict[str, Host]:
+        """With [slurm], one host per compute node the shards run or ran on, carrying the GPUs
+        their live tasks report."""
+        tasks = []
+        for s in self.shards.values():
+            a = s.record.attempt
+            live = slurm_task(s.record, s.slurm) if a is not None else None
+            node = (a.node or (live.node if live else None)) if a is not None else None
+            if node:
+                reporting = s.alive and not a.ended and s.gpus is not None and s.gpus.launch == a.n
+                tasks.append((node, s.gpus if reporting else None))
+        return slurm_nodes(self.hosts[self.config.hosts[0].name], tasks)
+
+
+def slurm_nodes(login: Host, tasks: list[tuple[str, protocol.TaskGpus | None]]) -> dict[str, Host]:
+    """With [slurm], one host per compute node the shards run or ran on: GPUs are the live tasks'
+    own readings there (`protocol.TaskGpus`), merged by index; reachable as the login node is."""
+    nodes: dict[str, Host] = {}
+    for node, reading in tasks:
+        h = nodes.get(node)
+        if h is None:
+            h = nodes[node] = Host(node, node, reachable=login.reachable, clock_offset=login.clock_offset,
+                                   last_seen=login.last_seen, replayed=login.replayed, role="node")
+        if reading is None:
+            continue
+        if h.telemetry in (None, "none"):
+            h.telemetry = reading.source
+        known = {g.index for g in h.gpus}
+        h.gpus = sorted(h.gpus + [Gpu(**g) for g in reading.gpus if g.get("index") not in known],
+                        key=lambda g: g.index)
+        h.gpu_t = reading.t if h.gpu_t is None else min(h.gpu_t, reading.t)
+    return nodes

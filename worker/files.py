@@ -1,0 +1,69 @@
+"""Files both sides write and read the same way: one atomic writer, and the output's manifests.
+
+Standard library only (it travels to every host and `fleet` imports it).
+
+- `replace_atomically` / `write_atomic`: a file is whole or absent — written to a temp name
+  (TEMP_PREFIX: no reader's listing picks it up), fsync'd, renamed into place. Every replaced file
+  of the worker goes through it (sample files, meta.json, the plan, Slurm's submissions, pid files).
+- `manifest_records`: every record of an output folder's manifests (`manifest/<shard>.jsonl`, one
+  line per finished sample, written or skipped), in file order — what the extractor resumes from,
+  preflight's footprint counts and verify checks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator
+
+from .protocol import MANIFEST_DIR, TEMP_PREFIX, iter_jsonl
+
+
+def replace_atomically(path: str, write: Callable[[str], None], tmp: str | None = None,
+                       sync: bool = True) -> None:
+    """Write a file whole or not at all: `write(tmp)` fills a temp file, which is fsync'd (unless
+    `sync` is False: a file that must outlive the process, not the host) and renamed to `path`; on
+    any failure the temp file is removed and the error raised."""
+    tmp = tmp or os.path.join(os.path.dirname(path) or ".",
+                              f"{TEMP_PREFIX}{os.path.basename(path)}-{os.getpid()}")
+    try:
+        write(tmp)
+        if sync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_atomic(path: str, data: str | bytes, mode: int = 0o644, sync: bool = True) -> None:
+    """Replace `path` with `data` (text or bytes), created with permissions `mode`."""
+    raw = data.encode() if isinstance(data, str) else data
+
+    def write(tmp: str) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+    replace_atomically(path, write, sync=sync)
+
+
+def manifest_path(out_dir: str, shard: int | str) -> str:
+    return os.path.join(out_dir, MANIFEST_DIR, f"{shard}.jsonl")
+
+
+def manifest_records(out_dir: str) -> Iterator[dict]:
+    """Every manifest record with an integer `index`, manifest by manifest (sorted by name), each
+    in file order; a torn or foreign line is passed over. A repeat of an index is yielded again
+    (verify reports it)."""
+    folder = os.path.join(out_dir, MANIFEST_DIR)
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith(".jsonl"):
+            for rec in iter_jsonl(os.path.join(folder, name)):
+                if isinstance(rec.get("index"), int):
+                    yield rec

@@ -1,0 +1,58 @@
+"""A shard's record as the host-side tools need it: the newest launch (its number, whether it
+ended, its Slurm task) and the stops recorded for each launch. One fold of `events.jsonl` for the
+runner, `hostctl act`, the agent and Slurm's submitter and watcher (the supervisor folds the same
+events into its richer `fleet.record.ShardRecord`). Stdlib only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import protocol
+
+
+@dataclass
+class LaunchState:
+    n: int = 0                         # the newest launch (0: never launched)
+    t: float = 0.0
+    ended: bool = True
+    slurm: bool = False
+    job: str | None = None
+    slurm_ended: bool = False
+    last_stop: protocol.StopRequested | None = None          # the newest stop of any launch
+    stops: dict[int, protocol.StopRequested] = field(default_factory=dict)   # launch -> its newest stop
+    final: set[int] = field(default_factory=set)             # launches a user's or the run's stop ends
+
+    def apply(self, ev: protocol.Record) -> None:
+        if isinstance(ev, protocol.StopRequested):      # a stop names its launch (0: before the first)
+            k = ev.launch or 0
+            self.last_stop, self.stops[k] = ev, ev
+            if ev.final:
+                self.final.add(k)
+        elif isinstance(ev, protocol.Launch):
+            self.n, self.t, self.ended = ev.launch, ev.t, False
+            self.slurm, self.job, self.slurm_ended = ev.launcher == "slurm", None, False
+        elif ev.launch is not None and ev.launch != self.n:
+            return
+        elif isinstance(ev, protocol.Submitted) or (isinstance(ev, protocol.Started) and ev.job):
+            self.job = self.job or ev.job
+        elif isinstance(ev, protocol.SlurmEnded):
+            self.slurm_ended = True
+        elif isinstance(ev, protocol.Exited):
+            self.ended = True
+
+    @property
+    def user_stopped(self) -> bool:
+        """A user's (or the run's) stop stands for the newest launch (or before the first one):
+        only the user starts it again."""
+        return self.n in self.final
+
+    def stop_of(self, launch: int) -> protocol.StopRequested | None:
+        return self.stops.get(launch)
+
+    @classmethod
+    def read(cls, events_path: str) -> LaunchState:
+        state = cls()
+        for ev in protocol.read_events(events_path):
+            state.apply(ev)
+        return state

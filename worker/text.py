@@ -1,0 +1,36 @@
+"""What both sides say the same way: a command's last line, how a process ended, a byte count.
+
+Standard library only (it travels to every host and `fleet` imports it). `fleet/units.py` formats
+every other figure a person reads; bytes are told by `bytes_text` here so a host's preflight and
+the supervisor never write one size two ways.
+"""
+
+from __future__ import annotations
+
+UNKNOWN = "?"
+
+
+def last_line(text: str, limit: int = 300) -> str:
+    """The last non-blank line of a command's output (what a one-line error quotes)."""
+    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+    return lines[-1][:limit] if lines else "(no output)"
+
+
+def exit_words(code: int | None) -> str:
+    """How a process ended, from its exit status (negative: the signal that killed it)."""
+    if code is None:
+        return "ended without an exit status"
+    if code < 0:
+        return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def bytes_text(n: float | None, digits: int = 1) -> str:
+    """1234567 -> '1.2 MB' (decimal units, as disks are sold: B, kB, MB, GB, TB, PB)."""
+    if n is None:
+        return UNKNOWN
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= 1000
+    return UNKNOWN
