@@ -2,7 +2,9 @@
 
 Three figures, in one headless Textual app (the same FleetApp `fleet up` opens):
   cpu    : CPU seconds used by the process (snapshot maths + drawing) per second of wall time,
-           while the synthetic fleet ticks every 0.25 s and the screen redraws at its default 1.5 s;
+           while the synthetic fleet ticks every 0.25 s (each shard replaying a recorded run of the
+           real worker, a progress event every 2 s, started again when it ends) and the screen
+           redraws at its default 1.5 s;
   latency: keypress to screen, two ways, over the same 40 keys (sort by the next column,
            faulty-only toggle, cursor down, filter typed): `key_to_frame_ms`, from the key entering
            the app's input queue to the first frame composed after the redraw it caused (what the
@@ -89,7 +91,7 @@ def lines_built(app) -> int:
 
 
 async def measure(seconds: float, hour_ticks: int) -> dict:
-    fleet = SyntheticFleet(hosts=64, gpus=8, seed=0, unreachable=(5,), failed=(17, 300))
+    fleet = SyntheticFleet(hosts=64, gpus=8, seed=0, unreachable=(5,), failed=(17, 300), loop=True)
     app = TimedApp(fleet)                                       # the default 1.5 s redraw
     out: dict = {"shards": len(fleet.shards)}
     async with app.run_test(size=(200, 60)) as pilot:
@@ -167,7 +169,7 @@ def show(hosts: int, gpus: int) -> None:
     n = hosts * gpus
     fleet = SyntheticFleet(hosts=hosts, gpus=gpus, unreachable=(min(5, hosts - 1),),
                            failed=tuple(k for k in (1, 17, 300) if k < n), backoff=(4,) if n > 4 else (),
-                           stalled=(6,) if n > 6 else (), stopped=(2,) if n > 2 else ())
+                           stalled=(6,) if n > 6 else (), stopped=(2,) if n > 2 else (), loop=True)
 
     class Live(FleetApp):
         def on_refresh(self, message) -> None:

@@ -20,6 +20,77 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# --- the fast lane: `pytest -m "not slow"` (README: Development) ----------------------------------
+# What is slow is said here, in one place, with why; CI (scripts/test.sh) runs everything. The fast
+# lane keeps the pure parts, the live view on the synthetic fleet, and a short worker run.
+SLOW_MARKERS = {"ssh": "a real sshd", "slurm": "a real one-node Slurm cluster"}
+SLOW_FIXTURES = {
+    "runs": "the worker run in every format on the tiny model (minutes, shared by a session)",
+    "fp8_run": "a worker run in fp8 and speculators' train loop on it",
+}
+SLOW_MODULES = {
+    "tests/fleet/test_actions.py": "every stop and restart with real runners over many cycles",
+    "tests/faults/test_clock.py": "a wall clock stepped under real shards, watched for twice the stall timeout",
+    "tests/faults/test_fleet_faults.py": "crashes, hangs and lost hosts under the real supervisor",
+    "tests/faults/test_netns.py": "hosts behind network namespaces",
+    "tests/faults/test_worker_faults.py": "the worker killed, starved and filled up mid-run",
+    "tests/trainers/test_specforge.py": "SpecForge's train loop on the worker's output",
+    "tests/trainers/test_speculators.py": "speculators' train loop on the worker's output",
+    "tests/faults/test_hostile_inputs.py": "hostile disks, logs, pythons and paths through fleet's commands",
+    "tests/trainers/test_limits.py": "worker runs judged against SpecForge's and speculators' own limits",
+    "tests/worker/test_bench_fp8.py": "the fp8 benchmark on the CPU",
+    "tests/worker/test_fp8.py": "worker runs in fp8: resumed, repaired, exported, refused",
+    "tests/worker/test_truthful.py": "a worker run (or two) for each refusal and repair",
+    "tests/worker/test_multi_gpu.py": "several worker processes sharing the CPU as GPUs",
+    "tests/worker/test_speed_paths.py": "the compiled and eager paths compared over whole runs",
+}
+SLOW_TESTS = {
+    "tests/fleet/test_footprint.py::test_fleet_up_projects_the_output_refuses_what_cannot_fit_and_allow_partial_lets_it_through":
+        "fleet up with real workers, three times",
+    "tests/fleet/test_tui.py::test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish":
+        "the live view on a real supervisor and workers, to the finish",
+    "tests/fleet/test_tui.py::test_tmux_smoke_real_terminal_at_80x24": "fleet up in a real terminal, to a restart",
+    # A worker run each (test_extract.py keeps one, test_files_manifest_meta_and_no_padding, in the fast lane).
+    "tests/worker/test_extract.py::test_batched_equals_one_at_a_time": "a worker run per batch size and model",
+    "tests/worker/test_extract.py::test_sharded_runs_cover_the_dataset_and_resume_across_shard_counts":
+        "worker runs over two shard counts",
+    "tests/worker/test_extract.py::test_sigkill_mid_run_then_resume_ends_complete": "a worker killed and resumed",
+    "tests/worker/test_extract.py::test_malformed_rows_are_skipped_and_reported": "a worker run",
+    "tests/worker/test_extract.py::test_too_long_samples": "a worker run per mode",
+    "tests/worker/test_extract.py::test_raw_chats_assistant_content_mask": "a worker run per chat form",
+    "tests/worker/test_extract.py::test_parquet_and_save_to_disk_inputs": "a worker run per input kind",
+    "tests/worker/test_extract.py::test_user_errors_are_one_line_with_exit_2": "a worker start per wrong input",
+    "tests/worker/test_extract.py::test_hybrid_warns_about_missing_fast_kernels": "a worker run on the hybrid model",
+    "tests/worker/test_data.py::test_worker_masks_chats_and_skips_unsupervised_samples": "a worker run",
+    "tests/worker/test_data.py::test_worker_writes_every_tool_and_thinking_chat": "worker runs per template",
+    "tests/worker/test_layers.py::test_preflight_refuses_what_the_worker_would": "preflight and the worker per case",
+    "tests/worker/test_sizing.py::test_worker_sends_total_tokens_equal_to_what_it_writes": "a worker run",
+}
+
+
+def _slow_reason(item) -> str | None:
+    path = os.path.relpath(str(item.path), REPO)
+    for marker, why in SLOW_MARKERS.items():
+        if item.get_closest_marker(marker):
+            return why
+    for fixture, why in SLOW_FIXTURES.items():
+        if fixture in item.fixturenames:
+            return why
+    return SLOW_MODULES.get(path) or SLOW_TESTS.get(f"{path}::{item.originalname}")
+
+
+def pytest_collection_modifyitems(config, items):
+    modules = {}
+    for item in items:
+        modules[os.path.relpath(str(item.path), REPO)] = getattr(item, "module", None)
+        if _slow_reason(item):
+            item.add_marker(pytest.mark.slow)
+    stale = [t for t in SLOW_TESTS if (m := modules.get(t.split("::")[0])) is not None
+             and not hasattr(m, t.split("::")[1])]
+    if stale:              # a renamed test would leave the list silently: say so
+        raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests that do not exist: {stale}")
+
+
 @pytest.fixture(scope="session")
 def sshd(tmp_path_factory):
     """A real OpenSSH sshd on 127.0.0.1 (tests/sshd_server.py), for the whole session."""

@@ -45,8 +45,10 @@ async def test_a_wall_clock_step_either_way_neither_stalls_a_shard_nor_hides_a_s
             await asyncio.sleep(0.2)
         assert seen == {State.RUNNING}, seen
         assert len([e for e in file_events(tmp_path, 0) if isinstance(e, protocol.Launch)]) == 1
+        ahead = max(e.t for e in file_events(tmp_path, 0))
         open(clock, "w").write("-3600")                             # one hour back, and then frozen
-        await asyncio.sleep(1)
+        await until(lambda: any(isinstance(e, protocol.Progress) and e.t < ahead - 3600
+                                for e in file_events(tmp_path, 0)), what="progress stamped after the step back")
         os.kill(shard(sup, 0).pid, signal.SIGSTOP)
         await until(lambda: shard(sup, 0).state in (State.STALLED, State.STOPPING), timeout=20,
                     what="the frozen shard seen stalled")

@@ -20,7 +20,7 @@ from fleet.state import SETTLED, State
 from fleet.supervisor import Supervisor
 from worker import hostctl, protocol
 
-from .test_records import file_events, job_toml, shard, started, until
+from .test_records import due_later, file_events, job_toml, shard, started, until
 
 
 def shard_dir(tmp_path, k: int) -> str:
@@ -72,7 +72,8 @@ async def test_a_hung_shard_is_restarted_every_time_then_fatal_with_nothing_left
         assert [(e.launch, e.why, e.then) for e in stops] == [(1, "restart", "launch"), (2, "restart", "launch"),
                                                              (3, "fatal", None)]
         assert shard(sup, 0).failures == 3
-        await asyncio.sleep(1.5)                              # FATAL: nothing more is tried
+        verdict, action = due_later(sup, 0)                   # FATAL: nothing more is tried
+        assert (verdict.state, action) == (State.FATAL, None)
         assert len(launches(tmp_path, 0)) == 3 and shard(sup, 0).state == State.FATAL
     finally:
         await sup.close()
@@ -92,7 +93,9 @@ async def test_fleet_down_during_a_backoff_leaves_nothing_running_and_nothing_re
         assert results["local"] == {"0": "not running", "1": "killed"}
         await until(lambda: [shard(sup, k).state for k in (0, 1)] == [State.STOPPED, State.STOPPED],
                     what="both STOPPED")
-        await asyncio.sleep(5)                                # past shard 0's backoff
+        for k in (0, 1):                                      # long past shard 0's backoff
+            verdict, action = due_later(sup, k)
+            assert (verdict.state, action) == (State.STOPPED, None)
         assert [len(launches(tmp_path, k)) for k in (0, 1)] == [1, 1]
         assert [shard(sup, k).state for k in (0, 1)] == [State.STOPPED, State.STOPPED]
         for k in (0, 1):
@@ -116,7 +119,9 @@ async def test_fleet_restart_beside_an_attached_supervisor_launches_exactly_once
         assert cli.returncode == 0, err.decode()
         assert "shard 0: started (launch 2)" in out.decode()
         await until(lambda: shard(sup, 0).done == 2, what="the new launch running")
-        await asyncio.sleep(2)
+        await until(lambda: not sup.acting, what="the attached supervisor idle")
+        verdict, action = due_later(sup, 0, ahead=30)         # within stall_timeout: nothing to do
+        assert (verdict.state, action) == (State.RUNNING, None)
         ls = launches(tmp_path, 0)
         assert [(e.launch, e.by) for e in ls] == [(1, "manual"), (2, "manual")]
         s = shard(sup, 0)
@@ -240,7 +245,8 @@ async def test_a_record_truncated_under_a_live_shard_never_launches_it_twice(tmp
     try:
         await until(lambda: shard(sup, 0).state == State.UNKNOWN, what="UNKNOWN: record lost")
         assert "record has no launch" in shard(sup, 0).reason
-        await asyncio.sleep(2)
+        verdict, action = due_later(sup, 0)
+        assert (verdict.state, action) == (State.UNKNOWN, None)
         assert live_launches(tmp_path, 0) == {1} and not launches(tmp_path, 0)   # nothing launched
         assert not any("launch" in m and "running" in m for m in logs), logs
     finally:

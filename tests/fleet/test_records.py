@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from fleet.actions import policy_action
 from fleet.config import load_config
 from fleet.judge import rates
 from fleet.record import fold
@@ -98,6 +99,15 @@ def shard(sup: Supervisor, k: int):
     return sup.snapshot().shards[k]
 
 
+def due_later(sup: Supervisor, k: int, ahead: float = 3600.0):
+    """Shard k's verdict as the supervisor's decide pass will judge it `ahead` seconds from now, and
+    the action it would carry out then (None: nothing): past every backoff and timeout, without
+    sleeping in the hope that nothing happens meanwhile."""
+    slot = sup.shards[k]
+    verdict = sup.verdict(slot, time.time() + ahead)
+    return verdict, policy_action(slot.record, verdict, sup.sup.stop_grace, k)
+
+
 async def test_job_sentinels_progress_restart_and_replay_through_the_real_agent(tmp_path):
     go0, go1 = tmp_path / "go0", tmp_path / "go1"
     script = {
@@ -174,7 +184,8 @@ async def test_a_stop_that_escalates_to_sigkill_stays_stopped(tmp_path):
         r = (await sup.request([0], "stop", wait=30))[0]
         assert (r.status, r.detail) == ("done", "killed")
         await until(lambda: shard(sup, 0).state == State.STOPPED, what="STOPPED")
-        await asyncio.sleep(2.0)                                      # 10x the backoff
+        verdict, action = due_later(sup, 0)                           # long past the backoff
+        assert (verdict.state, action) == (State.STOPPED, None)
         s = shard(sup, 0)
         assert (s.state, s.reason, s.restarts, s.faulty) == (State.STOPPED, "stopped", 0, False)
         evs = file_events(tmp_path, 0)
@@ -223,7 +234,9 @@ async def test_a_launch_that_fails_backs_off_counts_and_goes_fatal(tmp_path):
         s = shard(sup, 0)
         assert s.reason == "gave up after 2 restart(s); last: launch failed: worker.hostctl failed " \
                            "(exit 1): hostctl: no space for the runner"
-        await asyncio.sleep(1.5)                                       # FATAL: nothing more is tried
+        verdict, action = due_later(sup, 0)                            # FATAL: nothing more is tried
+        assert (verdict.state, action) == (State.FATAL, None)
+        await until(lambda: not sup.acting, what="no action under way")
         tries = [m for m in logs if "launch failed" in m]
         assert len(tries) == 3                                         # the manual one + 2 automatic
     finally:

@@ -16,9 +16,11 @@ import time
 import jsonschema
 import pytest
 
+from fleet.state import State
 from tests.conftest import wait_for
 from tests.fleet.conftest import fleet, fleet_popen
-from tests.fleet.test_records import deployed
+from tests.fleet.test_records import deployed, due_later
+from tests.fleet.test_records import until as until_true
 from tests.fleet.test_ssh_e2e import Output
 from tests.sshd_server import start_sshd
 from worker import protocol
@@ -291,7 +293,8 @@ async def test_the_tuis_keys_k_cancels_a_task_for_good_r_resubmits_its_index_and
     from tests.fleet.test_tui import cell, supervised_app, until
 
     script = {"0": [[["progress", 1, 3], ["hang"]], [["progress", 2, 3], ["hang"]]], "1": [[["progress", 1, 3], ["hang"]]]}
-    app = supervised_app(await deployed(slurm_toml(tmp_path, script=script)))
+    sup = await deployed(slurm_toml(tmp_path, script=script))
+    app = supervised_app(sup)
     async with app.run_test(size=(170, 48)) as pilot:
         shards = app.main.query_one(ShardTable)
         await until(pilot, lambda: app.snap and [s.done for s in app.snap.shards] == [1, 1], what="both running")
@@ -305,7 +308,8 @@ async def test_the_tuis_keys_k_cancels_a_task_for_good_r_resubmits_its_index_and
         shards.move_to_key("1")
         await pilot.press("k", "y")                                          # k: cancel that task
         await until(pilot, lambda: cell(shards, "1", "state").endswith("STOPPED"), what="shard 1 STOPPED")
-        await asyncio.sleep(3)                                               # 6x the backoff
+        verdict, action = due_later(sup, 1)                                  # long past the backoff
+        assert (verdict.state, action) == (State.STOPPED, None)
         assert cell(shards, "1", "state").endswith("STOPPED") and app.snap.shards[1].restarts == 0
         shards.move_to_key("0")
         await pilot.press("r", "y")                                          # r: resubmit its index
@@ -334,7 +338,8 @@ async def test_a_slow_slurm_controller_never_silences_the_login_node(tmp_path, s
     from tests.slurm_cluster import _which
     slow = tmp_path / "slow-bin"
     slow.mkdir()
-    (slow / "squeue").write_text(f"#!/bin/sh\nsleep 7\nexec {_which('squeue')} \"$@\"\n")
+    answered = tmp_path / "squeue-answered"                 # a line per slow answer
+    (slow / "squeue").write_text(f"#!/bin/sh\nsleep 7\necho >> {answered}\nexec {_which('squeue')} \"$@\"\n")
     (slow / "squeue").chmod(0o755)
     monkeypatch.setenv("PATH", f"{slow}:{os.environ['PATH']}")
     script = {k: [[["progress", 1, 2], ["sleep", 1], ["progress", 2, 2], ["print", "ALL DONE"], ["exit", 0]]]
@@ -352,7 +357,9 @@ async def test_a_slow_slurm_controller_never_silences_the_login_node(tmp_path, s
             await asyncio.sleep(0.2)
         assert [s.state.value for s in sup.snapshot().shards] == ["DONE", "DONE"]
         # Slurm's word on the finished tasks is asked for too (slowly): they were COMPLETED.
-        await asyncio.sleep(8)
+        count = lambda: len(answered.read_text().splitlines()) if answered.exists() else 0
+        before = count()
+        await until_true(lambda: count() > before, timeout=60, what="a slow squeue answered after the finish")
         assert sup.links["slurm"].host.reachable is True
     finally:
         await sup.close()

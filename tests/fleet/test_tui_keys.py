@@ -1,5 +1,5 @@
 """Every key and mouse action of the live view, with Textual's pilot on the synthetic fleet (real
-records, the real judge and snapshot; made-up events): what each one changes on screen."""
+records, the real judge and snapshot; events recorded from real runs): what each one changes on screen."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ async def test_r_restarts_the_selected_shard_after_asking(ui):
     assert "Restart shard(s) 3?" in question(app)
     await pilot.press("y")
     await pilot.pause(0.3)
-    assert app.snap.shards[3].state == State.LOADING and f.shards[3][2].launches == 2   # until its first sample
-    f.tick(1.0)
+    assert app.snap.shards[3].state == State.STARTING and f.shards[3][2].launches == 2   # until it loads
+    f.tick(60.0)                                                 # the recorded launch loads, runs a batch
     app.post_message(Refresh())
     await pilot.pause(0.3)
     assert app.snap.shards[3].state == State.RUNNING
@@ -307,7 +307,7 @@ async def test_a_failure_while_watching_is_toasted_with_the_bell():
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause(0.3)
         assert bells == []                                       # failures before watching: silent
-        f._end(6, None, code=-9)                                 # killed: a restart is due (BACKOFF)
+        f.kill(6)                                                # killed: a restart is due (BACKOFF)
         app.post_message(Refresh())
         await pilot.pause(0.3)
         assert bells == [1]

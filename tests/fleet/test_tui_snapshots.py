@@ -37,7 +37,7 @@ def test_snapshot_no_color_marks_states_by_glyph_and_weight(snap_compare, monkey
 
 
 def test_snapshot_a_finished_run_says_so(snap_compare):
-    fleet = SyntheticFleet(hosts=2, gpus=4, seed=3, per_shard=1000)
+    fleet = SyntheticFleet(hosts=2, gpus=4, seed=3)
     while not fleet.snapshot().totals.finished:                  # each shard ends when its work does
         fleet.tick(5.0)
     for _ in range(12):
