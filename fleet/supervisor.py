@@ -57,13 +57,12 @@ class Supervisor:
         self.notifier = Notifier(config.spec.notify, config.base_dir, lambda m: self.on_log(m)) \
             if config.spec.notify else None
 
-    async def __aenter__(self) -> Supervisor:
+    async def __aenter__(self) -> Supervisor:       # what the store holds is read through it
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    # --- what the store holds, read by every caller ----------------------------------------------
     @property
     def shards(self) -> dict[int, Shard]:
         return self.store.shards
