@@ -135,7 +135,6 @@ class Supervisor:
                 due.setdefault(s.placement.host, []).append(user_action(s.record, "restart", self.sup.stop_grace, s.id))
         await asyncio.gather(*(self.carry_out(self.links[h], acts) for h, acts in due.items()))
 
-    # --- carrying out verdicts -------------------------------------------------------------------
     async def _decide_loop(self) -> None:
         while True:
             try:
