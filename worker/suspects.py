@@ -67,6 +67,8 @@ class Suspects:
         inflight = [i for batch in self._recent for i in batch]
         folder, name = os.path.split(self.path)
         tmp = os.path.join(folder, f"{TEMP_PREFIX}{name}-{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump({"suspects": sorted(self.rows), "inflight": inflight, "alone": self._alone}, f)
-        os.replace(tmp, self.path)
+        from .writer import disk_full_says        # a full disk here is a disk-full failure too
+        with disk_full_says(self.path):
+            with open(tmp, "w") as f:
+                json.dump({"suspects": sorted(self.rows), "inflight": inflight, "alone": self._alone}, f)
+            os.replace(tmp, self.path)
