@@ -14,6 +14,7 @@ Until the attempt has 3 minutes of progress behind it the ETA says it is rough (
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ SETTLED_S = 180.0            # a fit over this much progress is shown as it is, 
 LATE_FACTOR = 3.0            # progress later than this many usual intervals is shown amber
 LATE_MIN_S = 10.0            # ...and never for less than this
 RESTART_SETTLE_S = 60.0      # after a restart (caches cold, the host busy) batches are left out this long
+REFIT_S = 30.0               # the fit is redone at most this often once the attempt has 40 points
 GROUP_S = 10.0               # progress intervals are fitted in groups of at least this many seconds
 PRIOR_WEIGHT = 5.0           # how much the FLOP model counts against the batches (per unit of their spread)
 
@@ -198,6 +200,31 @@ def fit_cost(record: ShardRecord, host_now: float) -> Cost | None:
     come first, so early batches cannot tell a token's cost from its attention's: the fit leans
     on the worker's FLOP model (cost per token 1 + attention_weight x L), scaled to the time the
     batches took, until their lengths differ enough. None before a batch is measured."""
+    a = record.attempt
+    if a is None or not a.history:
+        return None
+    # Refit once per REFIT_S of progress after the first points (a fit over 600 points is ~3 ms:
+    # 512 shards refitted at every progress event would cost a core), kept on the attempt.
+    key = (len(a.history), 0) if len(a.history) < 40 else (-1, int(a.history[-1][0] // REFIT_S))
+    cached = a.__dict__.get("_cost_fit")
+    if cached is not None and cached[0] == key:
+        cost = cached[1]
+        return cost if cost is None else dataclasses.replace(cost, since_s=max(host_now - last_move(a), 0.0))
+    cost = _fit_cost(record, host_now)
+    a.__dict__["_cost_fit"] = (key, cost)
+    return cost
+
+
+def last_move(a) -> float:
+    """When the attempt's tokens last moved (host clock)."""
+    h = a.history
+    for i in range(len(h) - 1, 0, -1):
+        if h[i][2] != h[i - 1][2]:
+            return h[i][0]
+    return h[0][0]
+
+
+def _fit_cost(record: ShardRecord, host_now: float) -> Cost | None:
     intervals = batches(record)
     if not intervals:
         return None

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from fleet.figures import batches, fit_cost, nnls_toward, pace, pace_eta, progress_age
 from fleet.judge import rates
-from fleet.record import fold
+from fleet.record import ShardRecord, fold
 from fleet.snapshot import shard_eta
 from fleet.state import State
 from worker import protocol
@@ -182,3 +182,23 @@ def test_progress_age_is_late_against_the_shards_own_pace():
     late = progress_age(record, mid.t + max(3 * usual, 10) + 1)
     assert late.late and late.age_s > 3 * usual
     assert progress_age(fold(events), events[-1].t + 100) is None          # ended: no age
+
+
+def test_the_live_record_refits_now_and_then_and_holds_the_same_bound():
+    """The supervisor applies events to one record as they come; the fit is kept on the attempt
+    and redone once per REFIT_S of progress (a 600-point fit is ~3 ms: 512 shards at every event
+    would cost a core), with the time since the last progress always current."""
+    events = recorded(LONG)
+    start, end = extraction(events)
+    record = ShardRecord()
+    checked = 0
+    for e in events:
+        record.apply(e)
+        if isinstance(e, protocol.Progress) and start + (end - start) / 10 <= e.t < end:
+            p = pace(record, e.t + 1.0)
+            left = end - e.t - 1.0
+            allowed = max(0.2 * left, max(iv[1] for iv in batches(record)))
+            assert abs(pace_eta(record, p) - left) <= allowed, (e.t - start, left, pace_eta(record, p))
+            assert p.cost.since_s >= 1.0
+            checked += 1
+    assert checked > 50
