@@ -58,6 +58,7 @@ class Attempt:
     slurm_end: protocol.SlurmEnded | None = None   # Slurm's final state of its task
     base_done: int = 0                    # samples finished (or skipped) before this launch
     worked: bool = False                  # this launch has finished a sample (warm-up is over)
+    batches_from: float | None = None     # when its first batch began (the worker's `batches_from`)
 
     @property
     def ended(self) -> bool:
@@ -141,6 +142,10 @@ class ShardRecord:
     total: int = 0
     tokens: int = 0
     total_tokens: int | None = None       # the shard's tokens to extract, once the worker read them
+    sq_tokens: int = 0                    # the sum of each finished row's tokens squared (its attention)
+    total_rows: int | None = None         # the cost of the whole shard's work, once the worker read
+    total_sq_tokens: int | None = None    # its rows: rows and the sum of tokens squared (fleet/figures.py)
+    attention_weight: float | None = None # the worker's FLOP model: a row costs ~ L + weight x L^2
     bytes: int = 0
     writer_wait_s: float = 0.0
     gpu_mem_bytes: int | None = None
@@ -193,13 +198,15 @@ class ShardRecord:
                 self.gpu_mem_bytes = ev.gpu_mem_bytes
         elif isinstance(ev, protocol.Progress):               # Done is a Progress too
             self._count(ev)
+            if getattr(ev, "batches_from", None) is not None:
+                a.batches_from = ev.batches_from
             a.worked = a.worked or self.done + self.skipped > a.base_done
             if isinstance(ev, protocol.Done):
                 a.done_event = True
             else:
                 a.phase = Phase.RUNNING
             a.last_progress_t = ev.t
-            a.history.append((ev.t, self.done + self.skipped, self.tokens, self.bytes))
+            a.history.append((ev.t, self.done + self.skipped, self.tokens, self.bytes, self.sq_tokens))
         elif isinstance(ev, protocol.WarningEvent):
             self.warning = ev.message
         elif isinstance(ev, protocol.Failed):
@@ -247,7 +254,8 @@ class ShardRecord:
 
     def _count(self, ev) -> None:
         self.done, self.skipped = ev.done, ev.skipped
-        for key in ("total", "tokens", "total_tokens", "bytes", "writer_wait_s", "gpu_mem_bytes"):
+        for key in ("total", "tokens", "total_tokens", "bytes", "writer_wait_s", "gpu_mem_bytes", "sq_tokens",
+                    "total_rows", "total_sq_tokens", "attention_weight"):
             value = getattr(ev, key, None)
             if value is not None:
                 setattr(self, key, value)

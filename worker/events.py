@@ -23,6 +23,7 @@ class EventLog:
         launch = os.environ.get(protocol.LAUNCH_ENV, "")
         self.launch = int(launch) if launch.isdigit() else None
         self.total_tokens: int | None = None      # set once known (worker/sizing.py)
+        self.work: dict = {}                      # total_rows, total_sq_tokens, attention_weight (sizing)
         self._lock = threading.Lock()
 
     def emit(self, event: protocol.Record) -> protocol.Record:
@@ -32,6 +33,10 @@ class EventLog:
             event.launch = self.launch
         if isinstance(event, protocol.Progress) and event.total_tokens is None:
             event.total_tokens = self.total_tokens
+        if isinstance(event, protocol.Progress):
+            for key, value in self.work.items():
+                if getattr(event, key, None) is None:
+                    setattr(event, key, value)
         with self._lock:
             if self.path:
                 protocol.append_jsonl(self.path, event, sync=isinstance(event, _SYNCED))

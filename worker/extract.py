@@ -360,10 +360,26 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
     extractor = Extractor(model, plan, device, writer, options.pad_multiple,
                           options.micro_batches or len(devices), suspects)
     stop_ticker = threading.Event()
+    started = threading.Event()         # the first batch began: reading the rows is over
+
+    def progress() -> None:
+        log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices)))
 
     def tick() -> None:
-        while not stop_ticker.wait(progress_interval):
-            log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices)))
+        """A progress event every `progress_interval`, and one more as soon as the first batch is
+        written: with `batches_from` (when it began) it times the first batch exactly, and the
+        ETA's first figure rests on it."""
+        last, first = time.monotonic(), stats.done + stats.skipped
+        timing = True
+        while not stop_ticker.wait(min(0.05, progress_interval) if timing else
+                                   max(progress_interval - (time.monotonic() - last), 0.0)):
+            if timing and started.is_set() and stats.done + stats.skipped > first:
+                timing = False
+                progress()
+                last = time.monotonic()
+            elif time.monotonic() - last >= progress_interval:
+                progress()
+                last = time.monotonic()
 
     ticker = threading.Thread(target=tick, name="progress", daemon=True)
     ticker.start()
@@ -380,6 +396,9 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
                 continue
             for batch in make_batches(item, options.max_tokens_per_batch, options.pad_multiple,
                                       options.bucket_rows):
+                if not started.is_set():
+                    log.work = {**log.work, "batches_from": protocol.now()}   # on every later progress
+                    started.set()
                 extractor.run_batch(batch)
         extractor.run_later()
         writer.close()
@@ -494,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         stats.done = sum(1 for r in in_range if "skipped" not in r)
         stats.skipped = len(in_range) - stats.done
         stats.tokens = sum(r.get("tokens", 0) for r in in_range)
+        stats.sq_tokens = sum(r.get("tokens", 0) ** 2 for r in in_range)
         stats.bytes = sum(r.get("bytes", 0) for r in in_range)
 
         @functools.cache
@@ -513,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         suspects = Suspects(suspects_path(args.out, args.shard_index), set(finished), start, stop)
         done = set(finished) | ({suspects.culprit} if suspects.culprit is not None else set())
         items = iter_shard(dataset, start, stop, done, vocab_size, tokenizer, options, suspects.rows)
-        sizing.start(log, dataset, start, stop, vocab_size, args.model, options)  # total_tokens
+        sizing.start(log, dataset, start, stop, vocab_size, args.model, options, config)  # total_tokens, work
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                stats, args.progress_interval, stop - start, suspects)
         if problem := too_many_skipped(args.out, start, stop, args.max_skip_fraction):

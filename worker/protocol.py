@@ -197,7 +197,15 @@ class Progress(Record):
     """Cumulative counters of the shard (finished samples include those of earlier launches).
     `total_tokens`: the tokens of every row of the shard that will be extracted (whole shard, done
     or not), sent once the worker has read the rows' lengths; ETAs and throughput compare in
-    tokens from then on, since samples are length-sorted and samples/s swings."""
+    tokens from then on, since samples are length-sorted and samples/s swings.
+    The cost of the work, for an ETA that holds while rows get shorter (fleet/figures.py): a row of
+    L tokens costs about L + attention_weight x L^2 (its attention), so the worker also sends
+    `total_rows` and `total_sq_tokens` (the rows and the sum of L^2 over the whole shard, with
+    `total_tokens`), `sq_tokens` (the sum of L^2 over the finished rows) and `attention_weight`
+    (a FLOP model of the model's shape: a prior, which the supervisor corrects by fitting), and
+    `batches_from`, when the launch's first batch began, so the first batch is timed from its
+    start and not from the last progress tick before it. All optional: a record without them
+    folds as before."""
     KIND: ClassVar[str] = "progress"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
@@ -206,6 +214,11 @@ class Progress(Record):
     total: Optional[int] = None
     tokens: Optional[int] = None
     total_tokens: Optional[int] = None
+    sq_tokens: Optional[int] = None
+    total_rows: Optional[int] = None
+    total_sq_tokens: Optional[int] = None
+    attention_weight: Optional[float] = None
+    batches_from: Optional[float] = None   # when this launch's first batch began (loading and reading done)
     bytes: Optional[int] = None
     writer_wait_s: Optional[float] = None
     host_buffer_bytes: Optional[int] = None

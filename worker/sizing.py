@@ -5,7 +5,10 @@ over a shard while tokens/s stays flat: an ETA or a comparison with the expected
 only in tokens, and that needs the shard's total tokens. This reads the shard's rows once more
 through the same rules as the extraction (`iter_shard`: malformed, too long and unsupervised rows
 left out, `--max-length` truncation applied), one row at a time, in a daemon thread, and hands the
-sum to the event log, which puts it on every later progress event (`total_tokens`).
+sum to the event log, which puts it on every later progress event (`total_tokens`), with the
+rows and the sum of each row's tokens squared (`total_rows`, `total_sq_tokens`) and the FLOP
+model's weight of attention (`attention_weight`): what fleet's ETA weighs the work left by, since
+a long row costs more per token than a short one (its attention grows with its length).
 
 Raw chats are tokenized by a tokenizer of the thread's own (a fast tokenizer is not safe to share
 between threads); any error just leaves the total unknown — the extraction reports its own.
@@ -21,20 +24,52 @@ from .data import BadRow
 from .events import EventLog
 
 
-def shard_tokens(dataset, start: int, stop: int, vocab_size: int, tokenizer, options) -> int:
-    """Tokens of every row of [start, stop) that the extraction will write (done or not)."""
+def shard_work(dataset, start: int, stop: int, vocab_size: int, tokenizer, options) -> tuple[int, int, int]:
+    """(rows, tokens, sum of tokens squared) of every row of [start, stop) that the extraction will
+    write (done or not)."""
     from .extract import iter_shard                     # extract imports this module
     one_by_one = dataclasses.replace(options, sort_window=1)
-    total = 0
+    rows = tokens = sq = 0
     for item in iter_shard(dataset, start, stop, set(), vocab_size, tokenizer, one_by_one):
         if not isinstance(item, BadRow):
-            total += sum(s.length for s in item)
-    return total
+            for s in item:
+                rows, tokens, sq = rows + 1, tokens + s.length, sq + s.length * s.length
+    return rows, tokens, sq
+
+
+def shard_tokens(dataset, start: int, stop: int, vocab_size: int, tokenizer, options) -> int:
+    """Tokens of every row of [start, stop) that the extraction will write (done or not)."""
+    return shard_work(dataset, start, stop, vocab_size, tokenizer, options)[1]
+
+
+def attention_weight(config) -> float | None:
+    """What one position of attention costs against the rest of a token's work, in FLOPs: a row
+    of L tokens costs L x (2 x the decoder's weights a token meets) + L^2 x (4 x heads x head_dim
+    per full-attention layer: QK^T and AV, computed whole). A prior only: the supervisor fits the
+    real costs once the rows it has seen differ enough in length. None where the config lacks
+    the shape."""
+    try:
+        hidden, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        inter = getattr(config, "intermediate_size", None) or 4 * hidden
+        if getattr(config, "num_experts_per_tok", None) and getattr(config, "moe_intermediate_size", None):
+            inter = config.num_experts_per_tok * config.moe_intermediate_size + \
+                (getattr(config, "shared_expert_intermediate_size", None) or 0)
+        types = getattr(config, "layer_types", None)
+        full = sum(1 for t in types if t == "full_attention") if types else layers
+        linear = 2 * layers * (hidden * head_dim * (heads + 2 * kv) + heads * head_dim * hidden + 3 * hidden * inter)
+        return round(4 * heads * head_dim * full / linear, 9) if linear > 0 else None
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None
 
 
 def start(log: EventLog, dataset, start: int, stop: int, vocab_size: int, model: str,
-          options) -> threading.Thread:
+          options, config=None) -> threading.Thread:
     """Size the shard in a daemon thread; the log stamps the result on later progress events."""
+    weight = attention_weight(config) if config is not None else None
+    if weight is not None:
+        log.work = {**log.work, "attention_weight": weight}   # replaced whole: emit() reads it unlocked
 
     @functools.cache
     def tokenizer():
@@ -43,9 +78,11 @@ def start(log: EventLog, dataset, start: int, stop: int, vocab_size: int, model:
 
     def run() -> None:
         try:
-            log.total_tokens = shard_tokens(dataset, start, stop, vocab_size, tokenizer, options)
+            rows, tokens, sq = shard_work(dataset, start, stop, vocab_size, tokenizer, options)
         except Exception:
-            pass                                        # unknown: throughput stays in samples
+            return                                      # unknown: throughput stays in samples
+        log.work = {**log.work, "total_rows": rows, "total_sq_tokens": sq}
+        log.total_tokens = tokens
 
     thread = threading.Thread(target=run, name="sizing", daemon=True)
     thread.start()

@@ -65,5 +65,7 @@ class Suspects:
     def _save(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         inflight = [i for batch in self._recent for i in batch]
-        write_atomic(self.path, json.dumps({"suspects": sorted(self.rows), "inflight": inflight,
-                                            "alone": self._alone}), sync=False)
+        from .writer import disk_full_says        # a full disk here is a disk-full failure too
+        with disk_full_says(self.path):
+            write_atomic(self.path, json.dumps({"suspects": sorted(self.rows), "inflight": inflight,
+                                                "alone": self._alone}), sync=False)

@@ -243,6 +243,7 @@ class Stats:
     """Counters the writer updates and the progress ticker reads."""
     done: int = 0
     tokens: int = 0
+    sq_tokens: int = 0                   # sum of each written row's tokens squared (attention's work)
     bytes: int = 0
     skipped: int = 0
     writer_wait_s: float = 0.0
@@ -251,7 +252,7 @@ class Stats:
 
     def snapshot(self) -> dict:
         with self.lock:
-            return {"done": self.done, "tokens": self.tokens, "bytes": self.bytes,
+            return {"done": self.done, "tokens": self.tokens, "sq_tokens": self.sq_tokens, "bytes": self.bytes,
                     "skipped": self.skipped, "writer_wait_s": round(self.writer_wait_s, 3),
                     "host_buffer_bytes": self.host_buffer_bytes}
 
@@ -426,6 +427,7 @@ class BackgroundWriter:
             with self.stats.lock:
                 self.stats.done += len(records)
                 self.stats.tokens += sum(r["tokens"] for r in records)
+                self.stats.sq_tokens += sum(r["tokens"] ** 2 for r in records)
                 self.stats.bytes += sum(r["bytes"] for r in records)
             if first_error is not None:
                 raise first_error

@@ -115,7 +115,10 @@ class MainScreen(Screen):
                 history = getattr(self.app.source, "history", None)
                 if history is not None:
                     width = max(chart.size.width, 60)
-                    chart.fill(history(BUCKET_S, width), "tokens" if snap.totals.tokens else "samples")
+                    # The past at the resolution the chart will draw it: a run shorter than the
+                    # chart's width in 10 s columns is rebuilt in finer steps (and no longer).
+                    step = min(BUCKET_S, max((snap.totals.elapsed_s or 0.0) / width, 0.25))
+                    chart.fill(history(step, width), "tokens" if snap.totals.tokens else "samples")
         self.query_one(ThroughputChart).add(snap)
         self.query_one(GpuTable).observe(snap)
         self.redraw()
@@ -138,7 +141,7 @@ class MainScreen(Screen):
             table = self.query_one(ShardTable)
             table.show(snap, self.view, self.no_color)
             selected = self.selected_status()
-            self.query_one(ShardDetail).show(selected, self.no_color)
+            self.query_one(ShardDetail).show(selected, self.no_color, self._marked(selected))
             self.query_one(GpuPane).show(snap, gpus_of(selected),
                                          self.no_color)
             self.query_one("#middle").set_class(not any(h.gpus for h in snap.hosts), "-no-telemetry")
@@ -148,6 +151,7 @@ class MainScreen(Screen):
             sort = f"sort {header}{'▼' if self.view.reverse else '▲'}{hidden}"
             show_text(self.query_one("#shards-title", Static),
                 f"shards ({table.row_count}/{len(snap.shards)})  " + " · ".join([sort] + self.view.describe()))
+        self.fit_middle()
         log = self.query_one("#log", LogView)
         log.follow(self.app.source, table.selected_shard)
         messages = getattr(self.app.source, "messages", None)
@@ -160,6 +164,42 @@ class MainScreen(Screen):
             self._keys_shown = keys
             self.refresh_bindings()
 
+    def fit_middle(self) -> None:
+        """Give the shards (and the GPU pane) the rows they need and the log the rest: a run of 2
+        shards at 120x40 left 15 blank rows under its table. Up to what the top bar, the chart and
+        the log's minimum leave; below 30 rows (chart and log hidden) the middle takes it all."""
+        middle = self.query_one("#middle")
+        if self.has_class("-short"):
+            height = None
+        else:
+            table, gpus = self.query_one(ShardTable), self.query_one(GpuPane)
+            right = 1 + table.row_count + 1 + 2              # title, header + rows, detail
+            gpu_keys = len(self.query_one(GpuTable).keys)
+            if middle.has_class("-no-telemetry"):
+                want = right + 1                              # the GPU pane is one line
+            elif self.has_class("-narrow"):                   # above the shards: app.tcss's caps
+                want = right + min(1 + min(gpu_keys + 1, 12), int(self.size.height * 0.35))
+            else:
+                want = max(right, 1 + gpu_keys + 1)
+            chart = self.query_one(ThroughputChart).outer_size.height
+            log_min = 10 if self.has_class("-taller") else 6
+            room = self.size.height - 3 - chart - 1 - log_min - 1     # top bar, chart, log title, log, footer
+            height = max(min(want, room), 4)
+        current = middle.styles.height
+        if height is None and current is not None and current.unit.name == "FRACTION" and current.value == 1:
+            return
+        if height is None:
+            middle.styles.height = "1fr"
+        elif current is None or current.unit.name != "CELLS" or current.value != height:
+            middle.styles.height = height
+
+    def on_resize(self) -> None:
+        if self.snap is not None:
+            self.call_after_refresh(self.fit_middle)
+
+    def _marked(self, s) -> bool:
+        return s is not None and s.id in self.view.marked
+
     def selected_status(self):
         k = self.query_one(ShardTable).selected_shard
         if self.snap is None or k is None:
@@ -170,7 +210,7 @@ class MainScreen(Screen):
     def _cursor_moved(self) -> None:
         if self.snap is not None:
             selected = self.selected_status()
-            self.query_one(ShardDetail).show(selected, self.no_color)
+            self.query_one(ShardDetail).show(selected, self.no_color, self._marked(selected))
             self.query_one(GpuPane).show(self.snap, gpus_of(selected),
                                          self.no_color)
             self.query_one("#log", LogView).follow(self.app.source, self.query_one(ShardTable).selected_shard)
@@ -257,11 +297,12 @@ class MainScreen(Screen):
         self._confirm_then("Stop the WHOLE run (every shard on every host)?", self.app.source.stop_all)
 
     def action_mark(self) -> None:
-        table = self.query_one(ShardTable)
-        k = table.selected_shard
+        """Mark or unmark the selected shard: the one the detail line shows, whichever pane has
+        the focus. The cursor stays on it, so the detail line shows what was marked (it says
+        "● marked"); r and k then act on every marked shard."""
+        k = self.query_one(ShardTable).selected_shard
         if k is not None:
             self.view.marked.symmetric_difference_update({k})
-            table.action_cursor(1)
             self.redraw()
 
     def action_log(self, shard: int | None = None) -> None:

@@ -17,11 +17,16 @@ GLYPH = {
     "DONE": "✓", "STALLED": "⚠", "FAILED": "✗", "BACKOFF": "↻", "FATAL": "✖", "STOPPED": "■",
     "STOPPING": "◼", "UNKNOWN": "?",
 }
+# Every badge at least 4.5:1 (WCAG AA) against the table's background, as Textual draws the
+# colours (ANSI names through its ANSI theme): the greys, reds and magentas of the ANSI theme were
+# 1.4-4.5:1, hence the explicit ones. On the selection bar a row drops its cells' colours for the
+# bar's own (fleet/tui/panes/lines.py): green on blue was 2.2:1. tests/fleet/test_contrast.py
+# measures every state on both.
 _COLOUR = {
-    "PENDING": "bright_black", "DEPLOYING": "cyan", "STARTING": "cyan", "LOADING": "cyan",
-    "RUNNING": "green", "DONE": "bold green", "STALLED": "bold yellow", "FAILED": "bold red",
-    "BACKOFF": "yellow", "FATAL": "bold white on dark_red", "STOPPED": "italic",
-    "STOPPING": "bold magenta", "UNKNOWN": "magenta",
+    "PENDING": "#9e9e9e", "DEPLOYING": "cyan", "STARTING": "cyan", "LOADING": "cyan",
+    "RUNNING": "green", "DONE": "bold green", "STALLED": "bold yellow", "FAILED": "bold #ff5f87",
+    "BACKOFF": "yellow", "FATAL": "bold #ffffff on #a00000", "STOPPED": "italic",
+    "STOPPING": "bold #e070e0", "UNKNOWN": "#e070e0",
 }
 _MONO = {                                  # what survives NO_COLOR: weight, italics, reverse video
     "PENDING": "", "DEPLOYING": "", "STARTING": "", "LOADING": "", "RUNNING": "", "DONE": "",

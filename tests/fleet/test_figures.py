@@ -1,21 +1,37 @@
 """The ETA and the progress age (fleet/figures.py) against runs recorded from the real worker.
 
-`tests/data/runs/demo-*.jsonl` are the events.jsonl of the two shards of the README's demo
-(`fleet up --headless` on the top-level fleet.toml, 1,200 length-sorted rows each, on the 2-core CI
-machine while other work shared it): the real producer's record, replayed here prefix by prefix.
-From the first tenth of each attempt on, the ETA must hold steady and come nearer the time that was
-really left than the 30-second rate the ETA used before, on the same record."""
+`tests/data/runs/` holds the events.jsonl of real runs, replayed here prefix by prefix:
+- `demo-{0,1}.jsonl`: the two shards of the README's demo (`fleet up --headless` on the top-level
+  fleet.toml, 1,200 length-sorted rows each) from before the worker reported its work's cost: they
+  still fold, and their ETA is the pace of completed batches, as before.
+- `demo-cost-{a,b}-{0,1}.jsonl`: the same demo, twice, with the worker that reports the cost of its
+  work (rows, tokens, tokens squared, done and total; `batches_from`); `long-sorted.jsonl`: one
+  shard of the demo's model over 180 pre-tokenized rows of 12 to 3,709 tokens, longest first
+  (`long-sorted.toml`, `worker.demo.make_token_dataset(path, 180, 500, mean_tokens=700, seed=1,
+  max_tokens=4000)`), the per-token cost falling about 2.5x from the first rows to the last. All
+  recorded on the 2-core development machine while other sessions' tests ran on it (load average
+  6-9), every run recorded is here.
+
+The run, for "from the first tenth on", is the shard's extraction from when its first batch began
+(`batches_from`) to when its last row was written: before that the shard is LOADING (model, rows,
+first batch) and has no ETA by design; after it the worker finishes (the speculators format's
+prepared index, the skip check: 9 s of the demo's 140 on the busy machine) before its `done`,
+which the ETA does not count (it reads 0 then). The last seconds: 20% of what is left falls under one batch there, and progress
+only moves a batch at a time, so the bound is 20% or one batch (the longest interval between two
+moves of the counters seen so far), whichever is larger."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleet.figures import pace, pace_eta, progress_age
+from fleet.figures import batches, fit_cost, nnls_toward, pace, pace_eta, progress_age
 from fleet.judge import rates
-from fleet.record import fold
+from fleet.record import ShardRecord, fold
 from fleet.snapshot import shard_eta
 from fleet.state import State
 from worker import protocol
@@ -56,6 +72,87 @@ def test_the_eta_of_recorded_runs_holds_steadier_and_nearer_than_the_30s_window(
         assert sum(errors) < sum(window_errors), (name, sum(errors), sum(window_errors))
 
 
+LONG = "long-sorted.jsonl"
+DEMOS = ("demo-cost-a-0.jsonl", "demo-cost-a-1.jsonl", "demo-cost-b-0.jsonl", "demo-cost-b-1.jsonl")
+
+
+def extraction(events: list[protocol.Record]) -> tuple[float, float]:
+    """(first batch began, last row written) of the record's last attempt."""
+    done = next(e for e in reversed(events) if isinstance(e, protocol.Done))
+    began = next(e.batches_from for e in events if isinstance(e, protocol.Progress) and e.batches_from)
+    written = next(e.t for e in events if isinstance(e, protocol.Progress) and e.tokens == done.tokens)
+    return began, written
+
+
+def replayed(name: str, start_fraction: float):
+    """(fraction of the run, seconds left, ETA, the pace's ETA it replaced, allowed error) at every
+    1% of the run from `start_fraction` on and at every progress event in it."""
+    events = recorded(name)
+    start, end = extraction(events)
+    first = start + (end - start) * start_fraction
+    grid = {start + (end - start) * i / 100 for i in range(round(start_fraction * 100), 100)}
+    grid |= {e.t for e in events if isinstance(e, protocol.Progress) and first <= e.t < end}
+    for t in sorted(grid):
+        record = fold([e for e in events if e.t <= t])
+        p = pace(record, t)
+        assert p is not None and p.cost is not None, (name, t - start)
+        left = end - t
+        allowed = max(0.2 * left, max(iv[1] for iv in batches(record)))   # 20%, or one batch
+        yield ((t - start) / (end - start), left, pace_eta(record, p),
+               pace_eta(record, dataclasses.replace(p, cost=None)), allowed)
+
+
+def test_the_eta_is_within_20_percent_from_the_first_tenth_of_the_long_sorted_run():
+    """The length-sorted long run (rows of 3,709 down to 12 tokens; the per-token cost falls 2.5x):
+    within 20% (or one batch) of the time really left at every moment from 10% of the run on.
+    The pace it replaced was 60-100% long all along (docs/benchmarks.md)."""
+    misses = [(round(f, 2), round(left, 1), round(eta, 1)) for f, left, eta, _, ok in replayed(LONG, 0.1)
+              if abs(eta - left) > ok]
+    assert not misses, ("(fraction, left, ETA)", misses)
+
+
+@pytest.mark.parametrize("name", DEMOS)
+def test_the_demo_eta_is_nearer_than_the_pace_and_within_20_percent_from_45_percent(name):
+    """The demo on the busy development machine: its first rows (590-300 tokens) ran 1.6-2.2x
+    slower per token than the rest, far steeper than the FLOP model (1.3x) — memory contention
+    from the other work on the 2 cores hits the attention of long rows hardest (on the quiet
+    machine, load 1.5, the per-token cost was flat). Until the fit has seen shorter rows the ETA
+    runs long: within 20% from 45% of the run on, not 10% (the pace it replaced: from 75-94%);
+    from 10% on, nearer the truth than the pace, in total."""
+    rows = list(replayed(name, 0.1))
+    misses = [(round(f, 2), round(left, 1), round(eta, 1)) for f, left, eta, _, ok in rows
+              if f >= 0.45 and abs(eta - left) > ok]
+    assert not misses, ("(fraction, left, ETA)", misses)
+    ours = sum(abs(eta - left) / left for _, left, eta, _, _ in rows)
+    theirs = sum(abs(old - left) / left for _, left, _, old, _ in rows)
+    assert ours < 0.7 * theirs, (ours, theirs)
+
+
+def test_records_without_the_cost_fold_and_keep_the_pace_eta():
+    """An older worker's record (no cost fields): no fitted cost, the ETA of its pace as before."""
+    events = recorded("demo-0.jsonl")
+    progress = [e for e in events if isinstance(e, protocol.Progress)]
+    t = progress[len(progress) // 2].t
+    record = fold([e for e in events if e.t <= t])
+    assert record.total_rows is None and record.attention_weight is None and record.sq_tokens == 0
+    p = pace(record, t)
+    assert p.cost is None and fit_cost(record, t) is None
+    assert pace_eta(record, p) == p.per_unit * (record.total_tokens - record.tokens)
+
+
+def test_nnls_recovers_a_cost_and_leans_on_the_prior_where_the_rows_cannot_tell():
+    truth = (0.001, 0.0005, 2e-6)
+    spread = [(10, 1000, 1e5), (20, 1000, 5e4), (40, 1000, 2.5e4), (80, 1000, 1.25e4)]
+    ys = [sum(a * b for a, b in zip(x, truth)) for x in spread]
+    assert all(abs(a - b) <= 1e-9 for a, b in zip(nnls_toward(spread, ys, (0, 0.001, 0), 0.0), truth))
+    alike = [(10, 1000, 1e5)] * 4                           # one length only: the prior's shape holds
+    ys = [sum(a * b for a, b in zip(x, truth)) for x in alike]
+    prior = (0.0, 0.0007, 2e-6 * 0.7 / 0.5)
+    theta = nnls_toward(alike, ys, prior, 0.05)
+    assert min(theta) >= 0
+    assert abs(sum(a * b for a, b in zip(alike[0], theta)) - ys[0]) <= 0.02 * ys[0]   # fits the time
+
+
 def test_a_steady_pace_gives_the_eta_that_made_it():
     @given(st.floats(1e-5, 1e-2), st.lists(st.integers(1, 4096), min_size=2, max_size=40),
            st.integers(0, 100_000))
@@ -85,3 +182,23 @@ def test_progress_age_is_late_against_the_shards_own_pace():
     late = progress_age(record, mid.t + max(3 * usual, 10) + 1)
     assert late.late and late.age_s > 3 * usual
     assert progress_age(fold(events), events[-1].t + 100) is None          # ended: no age
+
+
+def test_the_live_record_refits_now_and_then_and_holds_the_same_bound():
+    """The supervisor applies events to one record as they come; the fit is kept on the attempt
+    and redone once per REFIT_S of progress (a 600-point fit is ~3 ms: 512 shards at every event
+    would cost a core), with the time since the last progress always current."""
+    events = recorded(LONG)
+    start, end = extraction(events)
+    record = ShardRecord()
+    checked = 0
+    for e in events:
+        record.apply(e)
+        if isinstance(e, protocol.Progress) and start + (end - start) / 10 <= e.t < end:
+            p = pace(record, e.t + 1.0)
+            left = end - e.t - 1.0
+            allowed = max(0.2 * left, max(iv[1] for iv in batches(record)))
+            assert abs(pace_eta(record, p) - left) <= allowed, (e.t - start, left, pace_eta(record, p))
+            assert p.cost.since_s >= 1.0
+            checked += 1
+    assert checked > 50

@@ -293,13 +293,14 @@ def test_a_shard_waiting_to_restart_counts_at_the_mean_rate_and_one_given_up_not
 
 
 def test_the_chart_fills_its_width_with_a_short_run_and_bridges_only_short_gaps():
-    """A 40 s run gets 1 s columns (not a sliver of 10 s ones at the right edge); an hour gets
-    the widest; a reading missing between two others is drawn at the earlier one, the time
+    """A 40 s run gets columns that span it (not a sliver of 10 s ones at the right edge); an hour gets
+    columns spanning it; a reading missing between two others is drawn at the earlier one, the time
     before the first reading and after the last stays empty."""
     from fleet.tui.panes.throughput import bucket_for, columns
     short = [(t, 100.0) for t in (0.0, 1.5, 3.0, 4.5, 40.0)]
-    assert bucket_for(short, 40.0, 100) == 1.0
-    assert bucket_for([(0.0, 1.0)], 3600.0, 100) == 60.0
+    assert 40.0 <= bucket_for(short, 40.0, 100) * 100 <= 40.0 * 4 / 3   # the axis fits the run (issue 25)
+    assert 3600.0 <= bucket_for([(0.0, 1.0)], 3600.0, 100) * 100 <= 3600.0 * 4 / 3
+    assert bucket_for([(0.0, 1.0)], 86400.0, 100) == 60.0                     # the widest: a day shows its last 100 min
     cols = columns(short, 40.0, 100, 1.0)
     assert cols[:60] == [None] * 60                          # before the run
     assert cols[60:65] == [100.0] * 5                        # 1.5 s apart: column 62 bridged

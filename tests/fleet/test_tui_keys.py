@@ -52,8 +52,8 @@ async def ui():
 
 async def test_space_marks_k_stops_marked_as_stopped_and_R_skips_them(ui):
     f, app, pilot, table = ui
-    await pilot.press("space", "space")                          # mark 0 and 1, cursor moves down
-    assert app.main.view.marked == {0, 1} and table.selected_shard == 2
+    await pilot.press("space", "down", "space")                  # mark 0 and 1: the cursor stays
+    assert app.main.view.marked == {0, 1} and table.selected_shard == 1
     assert cell(table, "0", "id").startswith("●")
     await pilot.press("k")
     assert "Stop shard(s) 0, 1?" in question(app)
@@ -65,6 +65,31 @@ async def test_space_marks_k_stops_marked_as_stopped_and_R_skips_them(ui):
     assert "Restart 2 FAILED/BACKOFF/FATAL shard(s): 3, 5?" in question(app)
     await pilot.press("n")
     assert app.snap.shards[3].state == State.FATAL
+
+
+async def test_space_marks_the_shard_the_detail_line_shows_after_tab_and_ctrl_p(ui):
+    """Issue 25: after tab and the command palette, space marked shard 0 while the detail line
+    showed shard 1. Whatever pane has the focus, space marks the selected shard, the cursor stays
+    and the detail line says so; r then asks about exactly that shard."""
+    f, app, pilot, table = ui
+    detail = app.main.query_one("#detail")
+    await pilot.press("down")
+    assert table.selected_shard == 1 and str(detail.render()).startswith("shard 1 ")
+    await pilot.press("tab")
+    assert not table.has_focus
+    await pilot.press("ctrl+p")
+    await pilot.pause(0.2)
+    await pilot.press("escape")
+    await pilot.pause(0.2)
+    await pilot.press("space")
+    await pilot.pause(0.1)
+    assert app.main.view.marked == {1} and table.selected_shard == 1
+    assert str(detail.render()).startswith("● marked shard 1 ")
+    await pilot.press("tab", "space")                            # another pane: the same shard
+    assert app.main.view.marked == set() and str(detail.render()).startswith("shard 1 ")
+    await pilot.press("space", "r")
+    assert "Restart shard(s) 1?" in question(app)
+    await pilot.press("n")
 
 
 async def test_r_restarts_the_selected_shard_after_asking(ui):
@@ -318,6 +343,36 @@ async def test_a_failure_while_watching_is_toasted_with_the_bell():
         assert bells == [1]                                      # told once
 
 
+async def test_a_stall_is_toasted_with_the_bell_as_it_appears_labelled_stalled():
+    """Issue 25: the STALLED toast came 13 s after STALLED showed, labelled "RUNNING -> STARTING".
+    The frame that first shows a shard STALLED brings the toast and the bell, and says STALLED."""
+    f = fleet()
+    bells = []
+
+    class App(FleetApp):
+        def bell(self):
+            bells.append(1)
+    app = App(f, interval=3600)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause(0.3)
+        f.stalled.add(7)                                          # alive, no more progress
+        for _ in range(f.policy.stall_timeout - 5):
+            f.tick(1.0)
+        app.post_message(Refresh())
+        await pilot.pause(0.3)
+        assert app.snap.shards[7].state == State.RUNNING and bells == []
+        for _ in range(10):
+            f.tick(1.0)
+        app.post_message(Refresh())
+        await pilot.pause(0.3)
+        table = app.main.query_one(ShardTable)
+        assert app.snap.shards[7].state == State.STALLED and cell(table, "7", "state").startswith("⚠ STALLED")
+        assert bells == [1]                                       # in the same frame
+        messages = [n.message for n in app._notifications]
+        assert any("shard 7" in m and "RUNNING -> STALLED" in m for m in messages), messages
+        assert not any("STARTING" in m for m in messages), messages
+
+
 def test_columns_fit_the_width_by_priority_and_the_reason_takes_the_rest():
     keys = lambda w: [c.key for c, _ in fit_columns(COLUMNS, w)]
     assert keys(60) == ["id", "state", "progress", "tps", "reason"]
@@ -372,3 +427,74 @@ async def test_r_and_k_on_a_done_shard_are_refused_by_the_same_rule_as_fleet_res
         await pilot.press("space", "r")                                 # marks 1, restart both
         assert "Restart shard(s) 0?" in question(app)
         await pilot.press("n")
+
+
+async def test_reattach_first_frame_says_reading_not_pending():
+    """Issue 25: re-attach's first frame said "PENDING 2" before the hosts' records were read.
+    Until they are, the top bar says it is reading them and counts no state, rate or ETA."""
+    f = fleet()
+    for host in f.hosts.values():
+        host.replayed = False
+    app = FleetApp(f, interval=3600)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause(0.3)
+        top = str(app.main.query_one("#top").render())
+        assert "reading hosts…" in top and "PENDING" not in top and "RUNNING" not in top, top
+        assert "samples/s" not in top and "ETA ?" not in top and "ETA ~" not in top, top
+        table = app.main.query_one(ShardTable)
+        assert all(cell(table, k, "state") == "… replaying" for k in table.keys)
+        for host in f.hosts.values():
+            host.replayed = True
+        app.post_message(Refresh())
+        await pilot.pause(0.3)
+        top = str(app.main.query_one("#top").render())
+        assert "reading hosts" not in top and "RUNNING" in top, top
+
+
+@pytest.mark.parametrize("size", [(120, 40), (160, 50), (200, 60)])
+async def test_no_blank_rows_under_a_short_shard_table(size):
+    """Issue 25: 15 blank rows at 120x40 under a 2-shard table. The shards take the rows they need
+    and the log the rest; a long table takes what the chart and the log's minimum leave."""
+    for hosts, gpus in ((1, 2), (8, 8)):
+        f = SyntheticFleet(hosts=hosts, gpus=gpus, seed=1)
+        f.tick(1.0)
+        app = FleetApp(f, interval=3600)
+        async with app.run_test(size=size) as pilot:
+            await pilot.pause(0.3)
+            await pilot.pause(0.3)
+            main = app.main
+            table, log = main.query_one(ShardTable), main.query_one("#log", LogView)
+            assert main.virtual_size.height == size[1]                        # nothing off screen
+            if hosts == 1:
+                assert table.region.height == table.row_count + 1, (size, table.region)
+                assert log.region.height > (10 if size[1] >= 50 else 6)        # the rows went to the log
+            else:
+                assert table.region.height < table.row_count + 1                # scrolls
+                assert log.region.height == (10 if size[1] >= 50 else 6)       # the log at its minimum
+            assert main.query_one("#detail").region.bottom <= main.query_one("#throughput").region.y
+
+
+@pytest.mark.parametrize("seconds", [39, 630])
+async def test_the_chart_axis_fits_the_run(seconds):
+    """Issue 25: a 39-second run showed a 30-minute axis (the past was rebuilt as a fixed number
+    of 10 s intervals). Re-attached to a run `seconds` old, the axis spans the run, at most a
+    third longer."""
+    from fleet.tui.panes.throughput import MARGIN, ThroughputChart, bucket_for
+    f = SyntheticFleet(hosts=1, gpus=2, seed=1)
+    for _, _, r in f.shards:                    # launched `seconds` before the view opens
+        r.first_launch_t = r.attempt.t = f.now - 1
+    for _ in range(seconds - 1):
+        f.tick(1.0)
+    app = FleetApp(f, interval=3600)
+    async with app.run_test(size=(180, 50)) as pilot:
+        await pilot.pause(0.3)
+        chart = app.main.query_one(ThroughputChart)
+        elapsed = app.snap.totals.elapsed_s
+        assert abs(elapsed - seconds) <= 2
+        plot = chart.size.width - MARGIN - 1
+        axis = bucket_for(chart.points, chart.now, plot, chart.start) * plot
+        assert elapsed <= axis <= elapsed * 4 / 3 + 1, (elapsed, axis)
+        labels = chart._draw(chart.size.width, chart.size.height)[-1].text.split()
+        oldest = labels[0]
+        ago = int(oldest[1:-1]) * (60 if oldest.endswith("m") else 1)
+        assert ago <= axis, (labels, axis)

@@ -43,3 +43,40 @@ def test_worker_sends_total_tokens_equal_to_what_it_writes(tmp_path, dense_model
     sized = {e["total_tokens"] for e in read_events(state) if e.get("total_tokens") is not None}
     assert sized == {manifest_tokens(out)}
     assert all(e["event"] in ("progress", "done") for e in read_events(state) if "total_tokens" in e)
+
+
+def test_worker_sends_the_cost_of_its_work_equal_to_what_it_writes(tmp_path, dense_model):
+    """Issue 25's ETA prices the work left: the totals the worker sends (rows, tokens squared) are
+    what it writes, the done counters reach them, the FLOP model's weight is sent, and the first
+    batch's start (`batches_from`) comes before any row is counted."""
+    from worker.demo import make_token_dataset
+    data = make_token_dataset(str(tmp_path / "d.jsonl"), 300, vocab_size=500, mean_tokens=40, seed=6)
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    r = run_worker("--model", dense_model, "--data", data, "--out", out, "--state", state,
+                   "--max-tokens-per-batch", "256", "--dtype", "fp32", "--device", "cpu",
+                   "--progress-interval", "0.1")
+    assert r.returncode == 0, r.stderr
+    written = [json.loads(l) for p in os.listdir(os.path.join(out, "manifest"))
+               for l in open(os.path.join(out, "manifest", p)) if l.strip() and "skipped" not in l]
+    events = [e for e in read_events(state) if e["event"] in ("progress", "done")]
+    sized = {(e["total_rows"], e["total_sq_tokens"]) for e in events if e.get("total_rows") is not None}
+    assert sized == {(len(written), sum(w["tokens"] ** 2 for w in written))}
+    assert events[-1]["sq_tokens"] == events[-1]["total_sq_tokens"]
+    assert {e["attention_weight"] for e in events if "attention_weight" in e} and \
+        all(0 < e["attention_weight"] < 1 for e in events if "attention_weight" in e)
+    begun = {e["batches_from"] for e in events if "batches_from" in e}
+    assert len(begun) == 1
+    first_batch = begun.pop()
+    assert all(e["t"] >= first_batch for e in events if e.get("tokens"))
+
+
+def test_attention_weight_is_the_flop_model_of_the_config():
+    from types import SimpleNamespace
+    from worker.sizing import attention_weight
+    demo = SimpleNamespace(hidden_size=256, num_hidden_layers=24, num_attention_heads=4, head_dim=64,
+                           num_key_value_heads=2, intermediate_size=512)
+    linear = 2 * 24 * (256 * 64 * (4 + 4) + 4 * 64 * 256 + 3 * 256 * 512)
+    assert attention_weight(demo) == pytest.approx(4 * 4 * 64 * 24 / linear, rel=1e-6)
+    hybrid = SimpleNamespace(**vars(demo), layer_types=["linear_attention"] * 18 + ["full_attention"] * 6)
+    assert attention_weight(hybrid) == pytest.approx(attention_weight(demo) / 4, rel=1e-6)
+    assert attention_weight(SimpleNamespace()) is None

@@ -200,11 +200,14 @@ class ShardTable(LineTable):
         return int(key) if key is not None else None
 
 
-def detail(s: ShardStatus | None, no_color: bool = False) -> Text:
-    """The selected shard in full: where, state, counts, rates, ETA, restarts, and its reason."""
+def detail(s: ShardStatus | None, no_color: bool = False, marked: bool = False) -> Text:
+    """The selected shard in full: where, state, counts, rates, ETA, restarts, and its reason;
+    "● marked" when `space` marked it (r and k then act on the marked shards)."""
     if s is None:
         return Text("no shard selected", style="italic")
     t = Text()
+    if marked:
+        t.append("● marked ", "bold")
     t.append(f"shard {s.id} ", "bold")
     t.append(f"{where(s)}  ")
     t.append(f"{GLYPH.get(s.state.value, '')} {s.state.value}", state_style(s.state.value, no_color))
@@ -231,5 +234,5 @@ def detail(s: ShardStatus | None, no_color: bool = False) -> Text:
 
 
 class ShardDetail(Static):
-    def show(self, s: ShardStatus | None, no_color: bool = False) -> None:
-        show_text(self, detail(s, no_color))
+    def show(self, s: ShardStatus | None, no_color: bool = False, marked: bool = False) -> None:
+        show_text(self, detail(s, no_color, marked))

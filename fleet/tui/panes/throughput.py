@@ -37,13 +37,18 @@ def nice_top(x: float) -> float:
     return 10 * exp
 
 
-BUCKETS_S = (1, 2, 5, 10, 20, 30, 60)   # seconds a column can stand for
+# Seconds a column can stand for: steps at most 4/3 apart, so the axis is at most a third longer
+# than the run (a 39 s run showed a 30-minute axis: the rebuilt past was a fixed number of 10 s
+# intervals, and the coarse steps 1, 2, 5, 10… could double the axis).
+BUCKETS_S = (0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60)
 CARRY_S = 10.0                           # a gap this short between readings is drawn at the last one
 
 
-def bucket_for(points, now: float, width: int) -> float:
-    """The finest column width that shows everything kept: a 40 s run fills the chart too."""
-    span = now - points[0][0] if points else 0.0
+def bucket_for(points, now: float, width: int, start: float | None = None) -> float:
+    """The finest column width that shows the whole run (from `start`, its first launch, where
+    known; else the first point kept) in `width` columns: a 40 s run fills the chart too."""
+    first = points[0][0] if points else now
+    span = now - (max(first, start) if start is not None else first)
     return next((float(b) for b in BUCKETS_S if b * width >= span), float(BUCKETS_S[-1]))
 
 
@@ -74,6 +79,7 @@ class ThroughputChart(Widget):
         self.unit = "tokens"
         self.expected: float | None = None
         self.now = 0.0
+        self.start: float | None = None      # the run's start (now - elapsed), for the axis
         self.title = "throughput: waiting for the first reading"
         self.rebuilt = False
         self._lines: list[Strip] | None = None
@@ -90,6 +96,7 @@ class ThroughputChart(Widget):
         value = t.tokens_per_s if self.unit == "tokens" else t.samples_per_s
         # A settled run's chart stops at its end instead of sliding out of view.
         self.now = self.points[-1][0] if t.settled and self.points else snap.time
+        self.start = self.now - t.elapsed_s if t.elapsed_s else None
         if t.replayed and not t.settled:
             self.points.append((snap.time, value or 0.0))
         while self.points and self.points[0][0] < snap.time - HISTORY_S:
@@ -129,7 +136,7 @@ class ThroughputChart(Widget):
         plot = width - MARGIN - 1
         if rows < 1 or plot < 10:
             return (lines + [Strip.blank(width, base)] * height)[:height]
-        bucket = bucket_for(self.points, self.now, plot)
+        bucket = bucket_for(self.points, self.now, plot, self.start)
         values = columns(self.points, self.now, plot, bucket)
         seen = [v for v in values if v is not None]
         top = nice_top(max(seen + ([self.expected] if self.expected else []) + [1e-9]) * 1.05)
@@ -155,7 +162,7 @@ class ThroughputChart(Widget):
         # The zero baseline, with ticks, and the time labels under it.
         ticks = {}
         span = plot * bucket
-        step = next((s for s in (10, 20, 30, 60, 120, 300, 600, 900, 1800, 3600) if span / s <= 6), 3600)
+        step = next((s for s in (5, 10, 15, 20, 30, 60, 120, 300, 600, 900, 1800, 3600) if span / s <= 6), 3600)
         for k in range(0, int(span // step) + 1):
             x = plot - 1 - int(k * step / bucket)
             if x >= 0:

@@ -47,8 +47,14 @@ def lines(snap: FleetSnapshot, width: int, no_color: bool = False) -> list[Text]
         (0, Text.assemble(("fleet ", "bold"), (snap.run, "bold" if no_color else "bold cyan"))),
         (1, Text(f"hosts {up}/{len(snap.hosts)}"))]
     if not t.replayed:
+        # Re-attaching: until the hosts' records are read, every shard would count as PENDING, with
+        # 0 samples/s and no ETA. Say what is happening instead of figures that are not known yet.
         waiting = sum(1 for h in snap.hosts if not h.replayed and h.reachable is not False)
-        head.append((0, Text(f"replaying {waiting} host record(s)…", "italic")))
+        head.append((0, Text(f"reading hosts… ({waiting} of {len(snap.hosts)} record(s) to replay)", "italic")))
+        return [fit(head, width),
+                fit([(0, Text(f"{len(snap.shards)} shard(s): states, rates and the ETA follow once "
+                              f"their hosts' records are read", "italic"))], width),
+                Text("")]
     head += state_counts(snap, no_color)
 
     money = []
