@@ -172,7 +172,7 @@ class MainScreen(Screen):
         if self.has_class("-short"):
             height = None
         else:
-            table, gpus = self.query_one(ShardTable), self.query_one(GpuPane)
+            table = self.query_one(ShardTable)
             right = 1 + table.row_count + 1 + 2              # title, header + rows, detail
             gpu_keys = len(self.query_one(GpuTable).keys)
             if middle.has_class("-no-telemetry"):
