@@ -480,11 +480,11 @@ async def test_the_chart_axis_fits_the_run(seconds):
     of 10 s intervals). Re-attached to a run `seconds` old, the axis spans the run, at most a
     third longer."""
     from fleet.tui.panes.throughput import MARGIN, ThroughputChart, bucket_for
-    f = SyntheticFleet(hosts=1, gpus=2, seed=1)
-    for _, _, r in f.shards:                    # launched `seconds` before the view opens
-        r.first_launch_t = r.attempt.t = f.now - 1
+    f = SyntheticFleet(hosts=1, gpus=2, seed=1, loop=True)   # recorded runs, replayed again as they end
     for _ in range(seconds - 1):
         f.tick(1.0)
+    for _, _, r in f.shards:                    # the run was launched `seconds` before the view opens
+        r.first_launch_t = f.now - seconds
     app = FleetApp(f, interval=3600)
     async with app.run_test(size=(180, 50)) as pilot:
         await pilot.pause(0.3)
