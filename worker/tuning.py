@@ -37,7 +37,7 @@ import torch
 
 from .batching import make_batches, padded_length
 
-STATS = Counter()            # tuned: keys timed; reused: keys that took a similar key's winner
+STATS = Counter()            # tuned: keys timed (or read from disk); reused: took a similar key's winner
 
 
 # Autotune key names that hold a size (a row count, a token count or bucket), not a shape of
@@ -175,10 +175,11 @@ SECONDS: Counter = Counter()     # kernel name -> seconds spent tuning it in thi
 
 
 def tuning_report(top: int = 3) -> str:
-    """"7 tuned (41 s: kernel_a 20 s, ...), 46 sizes reused" for the load's path."""
+    """"7 tuned or read from the host's cache in 41 s: kernel_a 20 s, ...; 46 sizes reused" for
+    the load's path (a key found in Triton's on-disk cache is not timed again)."""
     slow = ", ".join(f"{k.removesuffix('_kernel')} {v:.0f} s" for k, v in SECONDS.most_common(top))
     took = f" in {sum(SECONDS.values()):.0f} s: {slow}" if SECONDS else ""
-    return f"{STATS['tuned']} tuned{took}; {STATS['reused']} sizes reused"
+    return f"{STATS['tuned']} tuned or read from the host's cache{took}; {STATS['reused']} sizes reused"
 
 
 def install(autotuner: type | None = None) -> bool:
