@@ -311,6 +311,10 @@ def main() -> None:
     p.add_argument("--quick-tuning", action="store_true",
                    help="the warm-up (--warm) times Triton's autotuning candidates briefly "
                         "(worker.model.quick_tuning, as the worker's load does)")
+    p.add_argument("--worker-tuning", action="store_true",
+                   help="before anything else runs fla's kernels: tune them once, at the run's own main batch "
+                        "shape, on one linear-attention block, and warm every batch shape of the run; other "
+                        "sizes take the tuned winner (worker.tuning, what the worker's load does)")
     p.add_argument("--track-tuning", action="store_true",
                    help="log every Triton autotuning (kernel, key, seconds) and when it happened")
     p.add_argument("--skip-disk-probe", action="store_true")
@@ -362,12 +366,22 @@ def main() -> None:
         result["fla_conv"] = check_fla_conv(base)
     if args.fla_norms:
         result["fla_norms"] = check_fla_norms(base, vocab)
-    result["ref_rel_err"] = reference_error(lm, base, warm, plan)
-
     tuning: list = []
     if args.track_tuning:
         track_tuning(tuning)
         result["tuning"] = tuning
+    if args.worker_tuning:                                # what the worker's load does (worker.tuning)
+        from worker.tuning import STATS, batch_shapes, install, run_block
+        install()
+        t1 = time.perf_counter()
+        shapes = batch_shapes([s.length for s in samples], args.budget, int(args.pads.split(",")[0]),
+                              args.bucket_rows)
+        block = next(m for m in base.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+        run_block(block, shapes, torch.device(DEVICE))
+        result["worker_tuning"] = {"seconds": round(time.perf_counter() - t1, 1), "shapes": len(shapes),
+                                   "main_shape": list(shapes[0]) if shapes else None, **STATS}
+    result["ref_rel_err"] = reference_error(lm, base, warm, plan)
+
     if args.compile == "regions":
         from worker.model import compile_regions
         t1 = time.perf_counter()

@@ -185,7 +185,21 @@ def minutes(events: list[dict], first_s: float = 60.0) -> dict:
             "steady_tokens_per_s": round(steady) if steady else None, "per_minute": per_minute,
             "whole_tokens_per_s_with_load": round(total / (end - started["t"])), "tokens": total,
             "seconds_after_load": round(end - t0, 1),
-            "loading_details": [e.get("detail") for e in events if e["event"] == "loading"][-3:]}
+            "loading_details": [e.get("detail") for e in events if e["event"] == "loading"][-3:],
+            "loading_steps": loading_steps(events)}
+
+
+def loading_steps(events: list[dict]) -> list[list]:
+    """Each LOADING step of a launch: seconds since its first loading event, and the detail (a
+    run of one kind of step, e.g. "batch shape i of n", is kept at its first and last)."""
+    loading = [e for e in events if e["event"] in ("loading", "loaded")]
+    if not loading:
+        return []
+    t0 = loading[0]["t"]
+    steps = [[round(e["t"] - t0, 1), e.get("detail") or e["event"]] for e in loading]
+    kind = lambda d: str(d).split(":")[0]
+    return [s for i, s in enumerate(steps) if i in (0, len(steps) - 1)
+            or kind(s[1]) != kind(steps[i - 1][1]) or kind(s[1]) != kind(steps[i + 1][1])]
 
 
 def hybrid27(args, result: dict, peak: float, ngpu: int) -> None:

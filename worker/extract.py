@@ -37,7 +37,7 @@ from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, L
 from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
                        upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers, yaml_max_length
-from .model import (Capture, ModelError, compile_layers, find_decoder, is_hybrid, load_model,
+from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, find_decoder, is_hybrid, load_model,
                     missing_fast_kernels, model_devices, move, text_config, uncompile_layers,
                     use_fla_conv)
 from .suspects import Suspects, suspects_path
@@ -114,9 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sort-window", type=int, default=20000,
                    help="samples read and length-sorted at a time (bounds host memory)")
     p.add_argument("--pad-multiple", type=int, default=None,
-                   help="pad each batch's width to a multiple of this (default 8 on a GPU, 64 for a hybrid "
-                        "model there, 1 on the CPU); coarser widths mean fewer distinct shapes for "
-                        "shape-tuned kernels")
+                   help="pad each batch's width to a multiple of this (default 8 on a GPU, 16 for a hybrid "
+                        "model there, 1 on the CPU)")
     p.add_argument("--progress-interval", type=float, default=2.0, help="seconds between progress events")
     p.add_argument("--plan", default=None,
                    help="the run's plan.json (fleet passes it): refuse work whose identity differs")
@@ -482,14 +481,13 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda" and len(devices) > torch.cuda.device_count():
             raise ModelError(f"--gpus-per-shard {len(devices)}: only {torch.cuda.device_count()} GPU(s) "
                              f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')})")
+        tuner = start_tuner(args, dataset, start, stop, set(finished), device, dtype, shape, log)
         model = load_model(args.model, devices, dtype, args.random_weights)
         shard_gpus = model_devices(model, device)
         vocab_size = model.get_input_embeddings().num_embeddings
         config = text_config(model)
-        # Hybrid models on a GPU: coarser widths and row buckets keep fla's kernel shapes few.
-        few_shapes = is_hybrid(model) and device.type == "cuda"
-        pad = args.pad_multiple or (1 if device.type != "cuda" else 64 if few_shapes else 8)
-        path = choose_path(model, device, args, log, max(8, pad))
+        pad = args.pad_multiple or (1 if device.type != "cuda" else HYBRID_PAD if is_hybrid(model) else 8)
+        path = choose_path(model, device, args, log, max(8, pad), tuner)
         log.emit(protocol.Loaded(seconds=round(time.perf_counter() - t0, 2), **gpu_memory(shard_gpus),
                                  layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm,
                                  path=path))
@@ -525,11 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ModelError(f"{args.model}: raw chat rows need the model's tokenizer, which "
                                  f"did not load: {str(e).splitlines()[0]}") from None
 
-        options = Options(args.max_tokens_per_batch, args.max_length, args.too_long,
-                          args.writer_queue, args.writer_threads, args.sort_window,
-                          pad_multiple=pad, loss_mask=args.loss_mask, format=args.format,
-                          max_positions=shape.max_positions, bucket_rows=few_shapes, dtype=args.dtype,
-                          micro_batches=args.micro_batches, window=yaml_max_length(args.layers))
+        options = make_options(args, shape, pad)
         suspects = Suspects(suspects_path(args.out, args.shard_index), set(finished), start, stop)
         done = set(finished) | ({suspects.culprit} if suspects.culprit is not None else set())
         items = iter_shard(dataset, start, stop, done, vocab_size, tokenizer, options, suspects.rows)
@@ -580,8 +574,66 @@ def use_cache_dir(cache_dir: str | None) -> None:
         os.environ[var] = value
 
 
+# Hybrid models on a GPU: batch widths a multiple of 16 (fla's kernels tune per model shape, not
+# per width; the row buckets and widths of 64 that kept their tuning few cost 7% of padding).
+HYBRID_PAD = 16
+
+
+def make_options(args: argparse.Namespace, shape, pad: int) -> Options:
+    return Options(args.max_tokens_per_batch, args.max_length, args.too_long,
+                   args.writer_queue, args.writer_threads, args.sort_window,
+                   pad_multiple=pad, loss_mask=args.loss_mask, format=args.format,
+                   max_positions=shape.max_positions, dtype=args.dtype,
+                   micro_batches=args.micro_batches, window=yaml_max_length(args.layers))
+
+
+def start_tuner(args: argparse.Namespace, dataset, start: int, stop: int, finished: set[int],
+                device: torch.device, dtype: torch.dtype, shape, log: EventLog):
+    """A hybrid (Gated DeltaNet) model on a GPU with fla: fla's kernels tuned for this shard's
+    own batch shapes (its first read window's rows) in a thread beside the weights' build
+    (worker.tuning), each step a LOADING event. None where there is nothing to tune."""
+    import importlib.util
+    if device.type != "cuda" or args.compile == "off" or importlib.util.find_spec("fla") is None:
+        return None
+    try:
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(args.model)
+    except Exception:
+        return None
+    text = getattr(config, "text_config", None) or config
+    if getattr(text, "model_type", "") not in HYBRID_MODEL_TYPES:
+        return None
+    from .tuning import Tuner, install
+    install()
+    options = make_options(args, shape, args.pad_multiple or HYBRID_PAD)
+
+    @functools.cache
+    def tokenizer():
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(args.model)
+
+    def lengths() -> list[int]:
+        vocab = getattr(text, "vocab_size", None) or 1 << 62
+        for item in iter_shard(dataset, start, stop, finished, vocab, tokenizer, options):
+            if isinstance(item, list):
+                return [s.length for s in item]          # the first read window: the first batches
+        return []
+
+    shown = [0.0]
+
+    def report(i: int, n: int) -> None:
+        now = time.perf_counter()
+        if i == 0 or i == n - 1 or now - shown[0] > 1.0:
+            shown[0] = now
+            what = "the shard's main batch shape (the kernels tune here)" if i == 0 else "batch shape"
+            log.emit(protocol.Loading(model=args.model, detail=f"tuning fla's kernels for this shard: "
+                                                               f"{what} {i + 1} of {n}"))
+    return Tuner(config, device, dtype, lengths, args.max_tokens_per_batch, options.pad_multiple,
+                 False, report).start()
+
+
 def choose_path(model: torch.nn.Module, device: torch.device, args: argparse.Namespace,
-                log: EventLog, pad: int) -> str:
+                log: EventLog, pad: int, tuner=None) -> str:
     """Compile the decoder layers where it pays and can run, warming them up at load (so the
     compile shows as LOADING "compiling", never as a stall); fall back to eager, saying why."""
     if args.compile == "off":
@@ -589,7 +641,7 @@ def choose_path(model: torch.nn.Module, device: torch.device, args: argparse.Nam
     if args.compile == "auto" and device.type != "cuda":
         return "eager (no GPU: compiling would cost more than it saves)"
     if is_hybrid(model):
-        return warm_hybrid(model, device, args, log, pad)
+        return warm_hybrid(model, device, args, log, pad, tuner)
     if not hasattr(torch, "compile"):
         return f"eager (torch {torch.__version__} has no torch.compile)"
     log.emit(protocol.Loading(model=args.model, detail="compiling the decoder layers"))
@@ -617,32 +669,55 @@ def try_compiled(model: torch.nn.Module, device: torch.device, log: EventLog,
 
 
 def warm_hybrid(model: torch.nn.Module, device: torch.device, args: argparse.Namespace,
-                log: EventLog, pad: int) -> str:
-    """A hybrid (Gated DeltaNet) model: the parts of each layer that hold no fla kernel are
-    compiled (`compile_regions`; fla's kernels stay eager), then fla's kernels, which tune per
-    batch row count, run one small batch of every row bucket the shard can use, each a LOADING
-    step with its count, so the first minutes of the shard run at full speed. The compiled code
-    and the tuning land in the host's cache (--cache-dir) for every later process of the host."""
-    from .model import compile_regions, quick_tuning
+                log: EventLog, pad: int, tuner=None) -> str:
+    """A hybrid (Gated DeltaNet) model: fla's kernels are being tuned for the shard's own batch
+    shapes in the `tuner`'s thread (worker.tuning: once per kernel, at the shard's main shape,
+    reused across sizes), started before the weights were built. Meanwhile the parts of each
+    layer that hold no fla kernel are compiled (`compile_regions`), their first forwards run with
+    the linear-attention blocks set aside; then, the tuning done, one more small forward of
+    each kind compiles what is left (the gated norms inside those blocks, fla's specialisations).
+    The compiled code and the tuning land in the host's cache (--cache-dir) for every later
+    process of the host."""
+    from .model import compile_regions
+    from .tuning import install, linear_attention_aside, tuning_report
     missing = missing_fast_kernels(model)
     conv = ", fla's causal conv" if device.type == "cuda" and use_fla_conv(model) else ""
+    install()                                     # brief timing, one tuning per kernel, every size
+    shapes = [(2, 2 * pad), (1, pad)]             # a batch, and one row
+    compile_s, why, regions = 0.0, None, 0
+    if hasattr(torch, "compile"):                 # --compile on, or auto on a GPU
+        busy = tuner is not None and tuner.is_alive()
+        log.emit(protocol.Loading(model=args.model, detail="compiling the norms, MLPs and attention (the "
+                 "linear-attention kernels stay eager)" + (", beside fla's tuning" if busy else "")))
+        t0 = time.perf_counter()
+        regions = compile_regions(model)
+        if busy:
+            with linear_attention_aside(model):
+                why = try_compiled(model, device, log, shapes)
+        compile_s = time.perf_counter() - t0
+    tuned = ""
+    if tuner is not None:
+        t0 = time.perf_counter()
+        tuner.join()
+        if tuner.error is not None:
+            e = tuner.error
+            log.emit(protocol.WarningEvent(message=f"tuning fla's kernels at load failed ({type(e).__name__}: "
+                                                   f"{str(e).strip()[:200]}): they tune on first use"))
+        elif tuner.ran:
+            tuned = (f", tuned for the shard's {len(tuner.shapes)} batch shapes in {tuner.seconds:.0f} s from "
+                     f"the load's start (then waited {time.perf_counter() - t0:.0f} s)")
+    if hasattr(torch, "compile") and why is None:
+        t0 = time.perf_counter()
+        why = try_compiled(model, device, log, shapes)
+        compile_s += time.perf_counter() - t0
     compiled = ""
-    with quick_tuning():                          # the compile's first forwards tune fla's kernels too
-        if hasattr(torch, "compile"):             # --compile on, or auto on a GPU
-            log.emit(protocol.Loading(model=args.model, detail="compiling the norms, MLPs and attention "
-                                                               "(the linear-attention kernels stay eager)"))
-            t0 = time.perf_counter()
-            regions = compile_regions(model)
-            if why := try_compiled(model, device, log, [(2, 2 * pad), (1, pad)]):
-                compiled = f", {why.removeprefix('eager (').removesuffix(')')}"
-            else:
-                compiled = f", {regions} norm/MLP/attention modules compiled in {time.perf_counter() - t0:.0f} s"
-        if device.type != "cuda" or missing:
-            return "eager (hybrid model" + (": fast kernels missing" if missing else "") + f"{conv}{compiled})"
-        buckets = row_buckets(args.max_tokens_per_batch, pad)
-        seconds = warm_rows(model, device, [(rows, pad) for rows in buckets], lambda i: log.emit(protocol.Loading(
-            model=args.model, detail=f"tuning fla's kernels: batch shape {i + 1} of {len(buckets)}")))
-    return f"fla's kernels{conv}{compiled} ({len(buckets)} batch shapes tuned in {seconds:.0f} s)"
+    if why:
+        compiled = f", {why.removeprefix('eager (').removesuffix(')')}"
+    elif hasattr(torch, "compile"):
+        compiled = f", {regions} norm/MLP/attention modules compiled in {compile_s:.0f} s"
+    if device.type != "cuda" or missing:
+        return "eager (hybrid model" + (": fast kernels missing" if missing else "") + f"{conv}{compiled})"
+    return f"fla's kernels{conv}{tuned} ({tuning_report()}){compiled}"
 
 
 def row_buckets(budget: int, pad: int) -> list[int]:

@@ -356,11 +356,17 @@ def use_fla_conv(model: torch.nn.Module) -> bool:
     convolution runs fla's Triton kernel instead of transformers' reference conv. transformers
     reads it from the layer (`self.causal_conv1d_fn`, up to 4.x) or from its module's
     `causal_conv1d_fn` (5.x); both are set. True when it took."""
+    if not is_hybrid(model):
+        return False
+    return use_fla_conv_on([m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")])
+
+
+def use_fla_conv_on(layers: list[torch.nn.Module]) -> bool:
+    """use_fla_conv for these linear-attention layers (a model's, or a block built alone)."""
     import inspect
-    if not is_hybrid(model) or importlib.util.find_spec("causal_conv1d") is not None:
+    if importlib.util.find_spec("causal_conv1d") is not None:
         return False
     conv = fla_causal_conv1d()
-    layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
     if conv is None or not layers:
         return False
     took = False
