@@ -9,7 +9,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from worker import protocol
-from worker.ranges import expand, shard_of
+from worker.ranges import expand, shard_of, to_runs
 
 from . import deploy
 from .config import Config
@@ -42,61 +42,74 @@ class VerifyResult:
 
 
 def merge_reports(reports: dict[str, protocol.VerifyReport]) -> VerifyResult:
+    """The fleet's result from each host's report: a folder that hosts share counted once, what
+    every host must agree on, every index held by one host only, and the runs no host holds."""
     result = VerifyResult()
-    owner: dict[int, str] = {}
-    folders: dict[str, str] = {}
-    for host, rep in reports.items():
-        folder = rep.folder_id
-        if folder and folder in folders:               # one shared folder (NFS): counted once
-            result.shared[host] = folders[folder]
-            continue
-        if folder:
-            folders[folder] = host
-        n = rep.num_samples
-        if n is not None:
-            if result.num_samples is not None and result.num_samples != n:
-                result.problems.append(f"{host}: meta.json says {n} samples, another host {result.num_samples}")
-            result.num_samples = n
-        fmt = rep.format
-        if fmt is not None:
-            if result.format is not None and result.format != fmt:
-                result.problems.append(f"{host}: files in format {fmt}, another host's in {result.format}")
-            result.format = fmt
-        dtype = rep.dtype
-        if dtype is not None:
-            if result.dtype is not None and result.dtype != dtype:
-                result.problems.append(f"{host}: hidden states in {dtype}, another host's in {result.dtype}")
-            result.dtype = dtype
-        result.problems += [f"{host}: {p}" for p in rep.problems]
-        if rep.command:
-            result.commands[host] = rep.command
-        result.notes += [f"{host}: {n}" for n in rep.notes]
-        if rep.repaired:
-            result.repaired[host] = rep.repaired
-        result.unrecorded_files += rep.unrecorded_files
-        indices = list(expand(rep.written)) + [int(i) for i in rep.skipped]
-        for i in indices:
-            if i in owner:
-                result.problems.append(f"sample {i}: present on {owner[i]} and on {host}")
-            owner[i] = host
-        result.written += sum(b - a for a, b in rep.written)
-        result.skipped.update({int(i): why for i, why in rep.skipped.items()})
+    owner: dict[int, str] = {}                     # index -> the host that holds it
+    for host, rep in _distinct_folders(reports, result.shared):
+        _check_agreement(result, host, rep)
+        _add_report(result, owner, host, rep)
     if result.num_samples is None:
         result.problems.append("no meta.json on any host: nothing has been extracted yet")
         return result
     out_of_range = [i for i in owner if not 0 <= i < result.num_samples]
     if out_of_range:
         result.problems.append(f"sample {out_of_range[0]}: index beyond the dataset's {result.num_samples} rows")
-    missing, start = [], None
-    for i in range(result.num_samples + 1):
-        absent = i < result.num_samples and i not in owner
-        if absent and start is None:
-            start = i
-        elif not absent and start is not None:
-            missing.append([start, i])
-            start = None
-    result.missing = missing
+    result.missing = to_runs(i for i in range(result.num_samples) if i not in owner)
     return result
+
+
+def _distinct_folders(reports: dict[str, protocol.VerifyReport],
+                      shared: dict[str, str]) -> list[tuple[str, protocol.VerifyReport]]:
+    """Each output folder's report once: a host whose folder another host already reported (one
+    folder on NFS, the same folder_id) is recorded in `shared` instead of counted twice."""
+    first: dict[str, str] = {}                     # folder_id -> the first host that reported it
+    distinct = []
+    for host, rep in reports.items():
+        folder = rep.folder_id
+        if folder and folder in first:
+            shared[host] = first[folder]
+            continue
+        if folder:
+            first[folder] = host
+        distinct.append((host, rep))
+    return distinct
+
+
+# What every host's meta.json must agree on: the field, and the problem when two hosts differ.
+_AGREED = (("num_samples", "{host}: meta.json says {new} samples, another host {old}"),
+           ("format", "{host}: files in format {new}, another host's in {old}"),
+           ("dtype", "{host}: hidden states in {new}, another host's in {old}"))
+
+
+def _check_agreement(result: VerifyResult, host: str, rep: protocol.VerifyReport) -> None:
+    """The sample count, format and dtype a host reports, taken into the result; one that differs
+    from another host's is a problem."""
+    for name, message in _AGREED:
+        new, old = getattr(rep, name), getattr(result, name)
+        if new is None:
+            continue
+        if old is not None and old != new:
+            result.problems.append(message.format(host=host, new=new, old=old))
+        setattr(result, name, new)
+
+
+def _add_report(result: VerifyResult, owner: dict[int, str], host: str, rep: protocol.VerifyReport) -> None:
+    """One host's problems, notes, command, repair and counts added to the result, and its indices
+    (written or skipped) to `owner`: an index another host holds too is a problem."""
+    result.problems += [f"{host}: {p}" for p in rep.problems]
+    if rep.command:
+        result.commands[host] = rep.command
+    result.notes += [f"{host}: {n}" for n in rep.notes]
+    if rep.repaired:
+        result.repaired[host] = rep.repaired
+    result.unrecorded_files += rep.unrecorded_files
+    for i in list(expand(rep.written)) + [int(i) for i in rep.skipped]:
+        if i in owner:
+            result.problems.append(f"sample {i}: present on {owner[i]} and on {host}")
+        owner[i] = host
+    result.written += sum(b - a for a, b in rep.written)
+    result.skipped.update({int(i): why for i, why in rep.skipped.items()})
 
 
 async def verify_fleet(config: Config, transports: dict[str, Transport], deep: bool = True,

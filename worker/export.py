@@ -71,6 +71,9 @@ def convert(src: str, src_layout: Layout, dst: str, dst_layout: Layout, index: i
 
 
 def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> protocol.ExportSummary:
+    """Every sample SRC records and DST does not yet, converted into DST in `fmt`: DST's meta.json
+    first, then the files in chunks (each chunk's manifest lines once its files are written), then
+    what speculators reads beside them. `progress(done, total, seconds)` after each chunk."""
     meta, src_layout = open_source(src)
     dst_layout = target_layout(fmt, src_layout.plan, src_layout.dtype)
     if os.path.abspath(src) == os.path.abspath(dst):
@@ -79,17 +82,50 @@ def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> pro
     done = load_finished(dst)
     todo = sorted(i for i in records if i not in done)
     os.makedirs(dst, exist_ok=True)
-    if os.path.exists(os.path.join(dst, protocol.META_FILE)):
-        old = json.load(open(os.path.join(dst, protocol.META_FILE)))
-        old_layout = layout_of(old)
-        if old.get("format") != fmt or old.get("layer_ids") != list(dst_layout.plan.ids) \
-                or old_layout.dtype != dst_layout.dtype:
-            raise ExportError(f"{dst} already holds format {old.get('format')} with layers "
-                              f"{old.get('layer_ids')} in {old_layout.dtype}: use another --out")
-        source = old.get("exported_from")
-        if source and os.path.abspath(source) != os.path.abspath(src):
-            raise ExportError(f"{dst} holds an export of {source}, not of {src}: use another --out "
-                              f"(or remove {dst} to export there afresh)")
+    _check_destination(src, dst, fmt, dst_layout)
+    _write_meta(src, dst, fmt, meta, dst_layout)
+    with _claim(dst):                                     # one export into dst at a time
+        remove_stale_temps(dst, 0, 1 << 62)               # what a killed export left
+        manifest = Manifest(manifest_path(dst, "export"))
+        summary = protocol.ExportSummary(source=src, out=dst, format=fmt, dtype=dst_layout.dtype,
+                                         to_do=len(todo))
+        _convert_all(todo, lambda i: _export_one(src, src_layout, dst, dst_layout, records[i]),
+                     manifest, summary, threads, progress)
+        if fmt == "speculators":               # what speculators train reads beside the files
+            from .prepared import write_prepared
+            write_prepared(dst)
+    return summary
+
+
+def _claim(dst: str):
+    """The export's lock on DST (claim_output's open lock file), held until the export ends: a
+    second export into DST at once is refused (ExportError)."""
+    try:
+        return claim_output(dst, None, None, "export")
+    except OwnerError as e:
+        raise ExportError(str(e)) from None
+
+
+def _check_destination(src: str, dst: str, fmt: str, dst_layout: Layout) -> None:
+    """A DST that already holds an export resumes only if it is of the same source, format, layers
+    and dtype; anything else is refused (ExportError) rather than mixed in."""
+    if not os.path.exists(os.path.join(dst, protocol.META_FILE)):
+        return
+    old = json.load(open(os.path.join(dst, protocol.META_FILE)))
+    old_layout = layout_of(old)
+    if old.get("format") != fmt or old.get("layer_ids") != list(dst_layout.plan.ids) \
+            or old_layout.dtype != dst_layout.dtype:
+        raise ExportError(f"{dst} already holds format {old.get('format')} with layers "
+                          f"{old.get('layer_ids')} in {old_layout.dtype}: use another --out")
+    source = old.get("exported_from")
+    if source and os.path.abspath(source) != os.path.abspath(src):
+        raise ExportError(f"{dst} holds an export of {source}, not of {src}: use another --out "
+                          f"(or remove {dst} to export there afresh)")
+
+
+def _write_meta(src: str, dst: str, fmt: str, meta: dict, dst_layout: Layout) -> None:
+    """DST's meta.json: SRC's, less fp8 scales, with DST's format, layers, dtype, data folder and
+    trainer setting, and where it was exported from."""
     plan = dst_layout.plan
     meta = {k: v for k, v in meta.items() if k != "hidden_states_scales"}
     identity = meta.get("identity")
@@ -101,26 +137,27 @@ def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> pro
                            layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm,
                            trainer_setting=trainer_setting(fmt, plan, dst_layout.dtype),
                            exported_from=os.path.abspath(src)))
+
+
+def _export_one(src: str, src_layout: Layout, dst: str, dst_layout: Layout, rec: dict) -> dict:
+    """One sample's manifest record in DST: a skip stays a skip; a source file that cannot be read
+    is a problem (the rest goes on); a full disk stops the export."""
+    if "skipped" in rec:
+        return rec
+    i = rec["index"]
     try:
-        lock = claim_output(dst, None, None, "export")    # one export into dst at a time  # noqa: F841
-    except OwnerError as e:
-        raise ExportError(str(e)) from None
-    remove_stale_temps(dst, 0, 1 << 62)                   # what a killed export left
-    manifest = Manifest(manifest_path(dst, "export"))
-    summary = protocol.ExportSummary(source=src, out=dst, format=fmt, dtype=dst_layout.dtype, to_do=len(todo))
+        return convert(src, src_layout, dst, dst_layout, i)
+    except DiskFullError:
+        raise
+    except Exception as e:            # a damaged source file: reported, the rest goes on
+        return {"index": i, "problem": f"sample {i}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+
+
+def _convert_all(todo: list[int], one, manifest: Manifest, summary: protocol.ExportSummary, threads: int,
+                 progress) -> None:
+    """The samples in chunks of CHUNK, converted in parallel; each chunk's records go in the
+    manifest (problems do not: the next export tries them again) and are counted in the summary."""
     t0 = time.monotonic()
-
-    def one(i: int) -> dict:
-        rec = records[i]
-        if "skipped" in rec:
-            return rec
-        try:
-            return convert(src, src_layout, dst, dst_layout, i)
-        except DiskFullError:
-            raise
-        except Exception as e:            # a damaged source file: reported, the rest goes on
-            return {"index": i, "problem": f"sample {i}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-
     with ThreadPoolExecutor(threads) as pool:
         for start in range(0, len(todo), CHUNK):
             results = list(pool.map(one, todo[start:start + CHUNK]))
@@ -134,10 +171,6 @@ def export(src: str, fmt: str, dst: str, threads: int = 4, progress=None) -> pro
                     summary.written += 1
             if progress:
                 progress(min(start + CHUNK, len(todo)), len(todo), time.monotonic() - t0)
-    if fmt == "speculators":                   # what speculators train reads beside the files
-        from .prepared import write_prepared
-        write_prepared(dst)
-    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -166,11 +166,44 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
     record how it ended. `started`: more fields for the `started` event (a Slurm task's node)."""
     p = _paths(shard_dir)
     stopping: list[int] = []
-    child: subprocess.Popen | None = None
+    children: list[subprocess.Popen] = []
+    _forward_stops(stopping, children)
 
+    def append(ev: protocol.Record) -> None:
+        protocol.append_jsonl(p["events"], ev)
+
+    child = _start(argv, p["log"], lock_fd, cwd)
+    if isinstance(child, OSError):
+        append(protocol.Failed(launch=launch_n, reason=f"cannot start {argv[0]}: {child.strerror}",
+                               exit_code=127))
+        append(protocol.Exited(launch=launch_n, code=127))
+        return 127
+    children.append(child)
+    _write_int(p["pid"], child.pid)
+    append(protocol.Started(launch=launch_n, pid=child.pid, **(started or {})))
+    watcher = LogWatcher(SentinelSpec.from_dict(sentinels), p["log"], log_offset, launch_n,
+                         _shard_number(shard_dir)) if sentinels else None
+    code = _wait(child, watcher, append)
+    leftovers = _reap_leftovers(shard_dir, child.pid)
+    append(protocol.Exited(launch=launch_n, code=code, pid=child.pid, stopped=bool(stopping)))
+    if leftovers:
+        _log_marker(p["log"], f"launch {launch_n}: {leftovers} process(es) it left behind were killed")
+    _log_marker(p["log"], f"launch {launch_n} {exit_words(code)}{_stop_words(p['events'], launch_n)}")
+    for path in (p["pid"], p["runner"]):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return 0
+
+
+def _forward_stops(stopping: list[int], children: list[subprocess.Popen]) -> None:
+    """SIGTERM, SIGINT or SIGHUP to the runner is noted in `stopping` (the launch ended by a stop)
+    and passed on as SIGTERM to the process group of the child, once there is one: the runner
+    itself lives on to record the exit."""
     def forward(signum, frame):
         stopping.append(signum)
-        if child is not None:
+        for child in children:
             try:
                 os.killpg(child.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -178,24 +211,24 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, forward)
 
-    def append(ev: protocol.Record) -> None:
-        protocol.append_jsonl(p["events"], ev)
 
-    log = os.open(p["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+def _start(argv: list[str], log_path: str, lock_fd: int, cwd: str | None) -> subprocess.Popen | OSError:
+    """The shard's process in a session (and process group) of its own, its output appended to the
+    log, holding the shard's lock; a command that cannot start is returned as its OSError (the
+    launch fails with it) while a log that cannot be opened raises."""
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                 pass_fds=(lock_fd,), cwd=cwd, start_new_session=True)
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                pass_fds=(lock_fd,), cwd=cwd, start_new_session=True)
     except OSError as e:
-        append(protocol.Failed(launch=launch_n, reason=f"cannot start {argv[0]}: {e.strerror}",
-                               exit_code=127))
-        append(protocol.Exited(launch=launch_n, code=127))
-        return 127
+        return e
     finally:
         os.close(log)
-    _write_int(p["pid"], child.pid)
-    append(protocol.Started(launch=launch_n, pid=child.pid, **(started or {})))
-    watcher = LogWatcher(SentinelSpec.from_dict(sentinels), p["log"], log_offset, launch_n,
-                         _shard_number(shard_dir)) if sentinels else None
+
+
+def _wait(child: subprocess.Popen, watcher: LogWatcher | None, append) -> int:
+    """The child's exit code; with sentinels, its log read every POLL_S meanwhile and once more at
+    the end, each event appended as it is found."""
     code = None
     while code is None:
         try:
@@ -207,19 +240,15 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
         if watcher:
             for ev in watcher.poll(final=code is not None):
                 append(ev)
-    leftovers = _reap_leftovers(shard_dir, child.pid)
-    append(protocol.Exited(launch=launch_n, code=code, pid=child.pid, stopped=bool(stopping)))
-    if leftovers:
-        _log_marker(p["log"], f"launch {launch_n}: {leftovers} process(es) it left behind were killed")
-    intent = LaunchState.read(p["events"]).stop_of(launch_n)
-    _log_marker(p["log"], f"launch {launch_n} {exit_words(code)}" +
-                (f" after a {intent.why} stop" + (f" ({intent.reason})" if intent.reason else "") if intent else ""))
-    for path in (p["pid"], p["runner"]):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    return 0
+    return code
+
+
+def _stop_words(events: str, launch_n: int) -> str:
+    """What the launch's log marker adds where a stop was asked of it: " after a restart stop (why)"."""
+    intent = LaunchState.read(events).stop_of(launch_n)
+    if not intent:
+        return ""
+    return f" after a {intent.why} stop" + (f" ({intent.reason})" if intent.reason else "")
 
 
 GPU_REPORT_S = 2.0             # how often a Slurm task rewrites its GPU reading
@@ -553,6 +582,55 @@ def stop_all(run_dir: str, timeout: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One subcommand: the runner, a Slurm task and the finisher return their exit code; the others
+    print their result as one JSON object (act: one a line)."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    os.umask(os.umask(0o022) | 0o022)          # state files never world- or group-writable
+    command = list(getattr(args, "argv", []))
+    if command and command[0] == "--":
+        command = command[1:]
+    sentinels = json.loads(args.sentinels) if getattr(args, "sentinels", None) else None
+    if args.cmd == "launch":
+        if not command:
+            ap.error("launch needs a command after --")
+        env = dict(kv.split("=", 1) for kv in args.env)
+        result = launch(args.shard_dir, command, env, args.cwd, args.by, args.gpu, sentinels)
+    elif args.cmd == "run":
+        return run(args.shard_dir, args.lock_fd, command, args.cwd, args.launch, args.log_offset,
+                   sentinels)
+    elif args.cmd == "task":
+        return task(args.submission)
+    elif args.cmd == "stop-all":
+        result = stop_all(args.run_dir, args.timeout)
+    elif args.cmd == "reopen":
+        result = reopen(args.shard_dir, args.samples, args.reason)
+    elif args.cmd == "finish":
+        return finish(args.run_dir, protocol.ShardAction.from_dict(json.loads(args.action)), args.lock_fd)
+    else:
+        return _act_lines(args.run_dir, args.wait, sys.stdin)
+    print(result.to_json() if isinstance(result, protocol.Reply) else json.dumps(result), flush=True)
+    return 0
+
+
+def _act_lines(run_dir: str, wait: float, lines) -> int:
+    """`act`: each action (JSON lines of protocol.ShardAction) carried out in turn; with `wait`,
+    each stop or restart waited for, and its result the finisher's last word; one result a line."""
+    actions = [protocol.ShardAction.from_dict(json.loads(line)) for line in lines if line.strip()]
+    results = [act(run_dir, a) for a in actions]
+    if wait > 0:
+        for a, r in zip(actions, results):
+            if r.status in ("stopping", "restarting"):
+                d = protocol.shard_dir(run_dir, a.shard)
+                r.status, r.detail = "done", wait_idle(d, wait)
+                r.launch = LaunchState.read(_paths(d)["events"]).n or None
+    for r in results:
+        print(r.to_json(), flush=True)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Every subcommand and its options (the module's docstring says what each is for)."""
     ap = argparse.ArgumentParser(prog="python -m worker.hostctl")
     sub = ap.add_subparsers(dest="cmd", required=True)
     la = sub.add_parser("launch")
@@ -588,42 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     sa.add_argument("--timeout", type=float, default=10.0)
     ta = sub.add_parser("task", help="inside a Slurm array task (worker.slurm submits it)")
     ta.add_argument("--submission", required=True)
-    args = ap.parse_args(argv)
-    os.umask(os.umask(0o022) | 0o022)          # state files never world- or group-writable
-    command = list(getattr(args, "argv", []))
-    if command and command[0] == "--":
-        command = command[1:]
-    sentinels = json.loads(args.sentinels) if getattr(args, "sentinels", None) else None
-    if args.cmd == "launch":
-        if not command:
-            ap.error("launch needs a command after --")
-        env = dict(kv.split("=", 1) for kv in args.env)
-        result = launch(args.shard_dir, command, env, args.cwd, args.by, args.gpu, sentinels)
-    elif args.cmd == "run":
-        return run(args.shard_dir, args.lock_fd, command, args.cwd, args.launch, args.log_offset,
-                   sentinels)
-    elif args.cmd == "task":
-        return task(args.submission)
-    elif args.cmd == "stop-all":
-        result = stop_all(args.run_dir, args.timeout)
-    elif args.cmd == "reopen":
-        result = reopen(args.shard_dir, args.samples, args.reason)
-    elif args.cmd == "finish":
-        return finish(args.run_dir, protocol.ShardAction.from_dict(json.loads(args.action)), args.lock_fd)
-    else:
-        actions = [protocol.ShardAction.from_dict(json.loads(line)) for line in sys.stdin if line.strip()]
-        results = [act(args.run_dir, a) for a in actions]
-        if args.wait > 0:
-            for a, r in zip(actions, results):
-                if r.status in ("stopping", "restarting"):
-                    last = wait_idle(protocol.shard_dir(args.run_dir, a.shard), args.wait)
-                    r.status, r.detail = "done", last
-                    r.launch = LaunchState.read(_paths(protocol.shard_dir(args.run_dir, a.shard))["events"]).n or None
-        for r in results:
-            print(r.to_json(), flush=True)
-        return 0
-    print(result.to_json() if isinstance(result, protocol.Reply) else json.dumps(result), flush=True)
-    return 0
+    return ap
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from .formats import FormatError, Layout, check_dtype, check_plan
 from .gpu import GpuReader
 from .identity import (IdentityError, model_shape, output_identity, output_mismatch,
                        work_identity)
-from .layers import LayerError, resolve_layers
+from .layers import LayerError, LayerPlan, resolve_layers
 from .plan import read_plan
 from .probe import disk_space
 from .text import bytes_text
@@ -259,123 +259,201 @@ def hybrid_kernels(model: str) -> str | None:
             f"(or fleet[hybrid]) on the host")
 
 
+def _error(message: str) -> protocol.Check:
+    return protocol.Check("error", message)
+
+
+def _warning(message: str) -> protocol.Check:
+    return protocol.Check("warning", message)
+
+
 def run(args: argparse.Namespace) -> protocol.PreflightReport:
+    """Every check, in the order the report lists them: the host's GPUs and packages, the paths and
+    the run's folder, the model and its layers, what the model and data are, the output folder,
+    whether a shard fits its GPUs, and what the output will take."""
     report = protocol.PreflightReport(python=".".join(map(str, sys.version_info[:3])))
-
-    def check(level: str, message: str) -> None:
-        report.checks.append(protocol.Check(level, message))
-
+    checks = report.checks
     if sys.version_info < MIN_PYTHON:
-        check("error", f"python {report.python} is older than {'.'.join(map(str, MIN_PYTHON))}")
+        checks.append(_error(f"python {report.python} is older than {'.'.join(map(str, MIN_PYTHON))}"))
     reader = GpuReader()
     gpus = reader.read()
     report.telemetry = reader.source
-    count = len(gpus)
     if args.builtin:
-        missing = [m for m in ("torch", "transformers", "safetensors", "numpy")
-                   if importlib.util.find_spec(m) is None]
-        if missing:
-            check("error", f"missing Python packages for the worker: {', '.join(missing)} "
-                           f"(pip install 'fleet[worker]' on the host)")
-        else:
-            import torch
-            report.torch = torch.__version__
-            report.cuda_devices = torch.cuda.device_count()
-            count = max(count, report.cuda_devices)
-    report.gpu_count = count
-    if args.gpus == "all":
-        resolved = list(range(count))
-        if not resolved:
-            if args.device == "cpu":
-                resolved = [0]
-                check("warning", "no GPUs: gpus = \"all\" runs one shard on the CPU")
-            else:
-                check("error", "no GPUs found for gpus = \"all\"; list gpus explicitly or set device = \"cpu\"")
-    else:
-        resolved = [int(x) for x in args.gpus.split(",")]
-        if args.device != "cpu":
-            bad = [g for g in resolved if g >= count]
-            if bad:
-                check("error" if args.device == "cuda" else "warning",
-                      f"GPU index {bad[0]} out of range: host has {count} GPU(s)"
-                      + ("" if args.device == "cuda" else "; shards will run on the CPU"))
-    report.gpus = resolved
-    k = args.gpus_per_shard
-    if k > 1 and len(resolved) % k:
-        check("error", f"{len(resolved)} GPU(s) {resolved} for gpus_per_shard = {k}: "
-                       f"{len(resolved) % k} would sit idle; list a multiple of {k}")
-    for label, path in (("model", args.model), ("data", args.data)):
-        if path and not os.path.exists(path):
-            check("error", f"{label} path {path} does not exist")
+        checks += _worker_packages(report)
+    report.gpu_count = max(len(gpus), report.cuda_devices or 0)
+    report.gpus, found = _gpu_indices(args.gpus, args.device, report.gpu_count)
+    checks += found + _grouping_checks(report.gpus, args.gpus_per_shard) + _path_checks(args)
     if args.run_dir:
-        report.plan = read_plan(args.run_dir)
-        try:
-            report.host_id = host_id(os.path.dirname(os.path.abspath(args.run_dir)))
-        except OSError as e:
-            check("error", f"cannot write this host's identity file under {os.path.dirname(args.run_dir)}: "
-                           f"{e.strerror or e}")
-    if args.builtin and args.model and os.path.isdir(args.model) and not args.demo:
-        if model_shape(args.model) is None:
-            check("error", f"{args.model}/config.json is missing or has no hidden_size/num_hidden_layers")
-        elif problem := weight_files_problem(args.model):
-            check("error", problem)
+        checks += _read_run_dir(args.run_dir, report)
+    checks += _model_file_checks(args)
     shape = model_shape(args.model) if args.model else None
-    layers = None
-    if args.builtin and shape:
-        try:          # the worker's own resolver: the same ids, the same refusals, before launch
-            layers = resolve_layers(args.layers or args.format, shape.num_layers, None,
-                                    args.target_last_hidden_states)
-            check_plan(args.format, layers)
-            check_dtype(args.format, args.dtype)
-        except (LayerError, FormatError) as e:
-            check("error", str(e))
-            layers = None
+    layers, found = _layers(args, shape)
+    report.identity, more = _identity(args, layers)
+    checks += found + more + _dataset_checks(args, report.identity)
+    if args.output:
+        checks += _output_checks(args, report.identity)
+    checks += _gpu_checks(args, shape, layers, gpus, report.gpus, report.gpu_count)
+    if args.output:
+        checks += _measure_output(args, shape, layers, report)
+    return report
+
+
+def _worker_packages(report: protocol.PreflightReport) -> list[protocol.Check]:
+    """The built-in worker imports these; with torch present, its version and CUDA's own device
+    count go in the report (CUDA may see GPUs that telemetry does not)."""
+    missing = [m for m in ("torch", "transformers", "safetensors", "numpy")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        return [_error(f"missing Python packages for the worker: {', '.join(missing)} "
+                       f"(pip install 'fleet[worker]' on the host)")]
+    import torch
+    report.torch = torch.__version__
+    report.cuda_devices = torch.cuda.device_count()
+    return []
+
+
+def _gpu_indices(spec: str, device: str, count: int) -> tuple[list[int], list[protocol.Check]]:
+    """The GPU indices the shards will use: "all" of the host's (none: one shard on the CPU where
+    the device allows it), or those listed, each of which must exist unless shards may fall back
+    to the CPU."""
+    if spec == "all":
+        if count:
+            return list(range(count)), []
+        if device == "cpu":
+            return [0], [_warning("no GPUs: gpus = \"all\" runs one shard on the CPU")]
+        return [], [_error("no GPUs found for gpus = \"all\"; list gpus explicitly or set device = \"cpu\"")]
+    resolved = [int(x) for x in spec.split(",")]
+    bad = [g for g in resolved if g >= count] if device != "cpu" else []
+    if not bad:
+        return resolved, []
+    return resolved, [protocol.Check("error" if device == "cuda" else "warning",
+                                     f"GPU index {bad[0]} out of range: host has {count} GPU(s)"
+                                     + ("" if device == "cuda" else "; shards will run on the CPU"))]
+
+
+def _grouping_checks(resolved: list[int], k: int) -> list[protocol.Check]:
+    """Shards of k GPUs each must use every GPU listed: a remainder would sit idle."""
+    if k > 1 and len(resolved) % k:
+        return [_error(f"{len(resolved)} GPU(s) {resolved} for gpus_per_shard = {k}: "
+                       f"{len(resolved) % k} would sit idle; list a multiple of {k}")]
+    return []
+
+
+def _path_checks(args: argparse.Namespace) -> list[protocol.Check]:
+    """The model and data paths given must exist on this host."""
+    return [_error(f"{label} path {path} does not exist")
+            for label, path in (("model", args.model), ("data", args.data))
+            if path and not os.path.exists(path)]
+
+
+def _read_run_dir(run_dir: str, report: protocol.PreflightReport) -> list[protocol.Check]:
+    """The run's plan on this host, and which machine this is (written at the first deploy)."""
+    report.plan = read_plan(run_dir)
+    try:
+        report.host_id = host_id(os.path.dirname(os.path.abspath(run_dir)))
+    except OSError as e:
+        return [_error(f"cannot write this host's identity file under {os.path.dirname(run_dir)}: "
+                       f"{e.strerror or e}")]
+    return []
+
+
+def _model_file_checks(args: argparse.Namespace) -> list[protocol.Check]:
+    """The built-in worker's model folder (not the demo's, made on first use) needs a config with
+    its shape and every weight file whole."""
+    if not (args.builtin and args.model and os.path.isdir(args.model) and not args.demo):
+        return []
+    if model_shape(args.model) is None:
+        return [_error(f"{args.model}/config.json is missing or has no hidden_size/num_hidden_layers")]
+    problem = weight_files_problem(args.model)
+    return [_error(problem)] if problem else []
+
+
+def _layers(args: argparse.Namespace, shape) -> tuple[LayerPlan | None, list[protocol.Check]]:
+    """The layers the built-in worker will capture, through its own resolver: the same ids, the
+    same refusals (layers, format, dtype), before launch."""
+    if not (args.builtin and shape):
+        return None, []
+    try:
+        layers = resolve_layers(args.layers or args.format, shape.num_layers, None,
+                                args.target_last_hidden_states)
+        check_plan(args.format, layers)
+        check_dtype(args.format, args.dtype)
+    except (LayerError, FormatError) as e:
+        return None, [_error(str(e))]
+    return layers, []
+
+
+def _identity(args: argparse.Namespace, layers: LayerPlan | None) -> tuple[dict, list[protocol.Check]]:
+    """What the model, the data and the output are, by which an output holding another run's work
+    is known (empty, with the reason, where they cannot be read)."""
     try:
         output = output_identity(layers, args.format, args.loss_mask, args.dtype) if layers else {}
         model = args.model if args.builtin and args.model and os.path.isdir(args.model) else None
         data = args.data if args.data and os.path.exists(args.data) else None
-        report.identity = identity = work_identity(model, data, output)
+        return work_identity(model, data, output), []
     except IdentityError as e:
-        check("error", str(e))
-        report.identity = identity = {}
-    if args.builtin and args.data and os.path.isfile(args.data) and not args.data.endswith(".parquet"):
-        problem = dataset_problem(args.data, identity.get("data", {}).get("rows"))
-        if problem:
-            check("error", problem)
-    if args.output:
-        for part in os.path.abspath(args.output).split(os.sep):
-            if len(part.encode()) > 255:
-                check("error", f"output {args.output}: a folder name is {len(part.encode())} bytes long; "
-                               f"file systems allow 255")
-        if args.run_dir and (owner := output_owner(args.output)) not in (None, os.path.basename(args.run_dir)):
-            check("error", f"output {args.output} belongs to run {owner!r} ({OWNER_PATH}): give this run "
-                           f"another output, or remove that file if run {owner!r} is finished with")
-        diffs = output_mismatch(args.output, identity) if identity else []
-        if diffs:
-            check("error", f"output {args.output} holds another run's work (its meta.json): "
-                           + "; ".join(diffs) + " — use another output folder")
+        return {}, [_error(str(e))]
+
+
+def _dataset_checks(args: argparse.Namespace, identity: dict) -> list[protocol.Check]:
+    """A JSON-lines dataset the built-in worker could do nothing with is refused (dataset_problem)."""
+    if not (args.builtin and args.data and os.path.isfile(args.data) and not args.data.endswith(".parquet")):
+        return []
+    problem = dataset_problem(args.data, identity.get("data", {}).get("rows"))
+    return [_error(problem)] if problem else []
+
+
+def _output_checks(args: argparse.Namespace, identity: dict) -> list[protocol.Check]:
+    """The output folder: names the file system can hold, not another run's (its owner file), and
+    not holding other work (its meta.json)."""
+    checks = [_error(f"output {args.output}: a folder name is {len(part.encode())} bytes long; "
+                     f"file systems allow 255")
+              for part in os.path.abspath(args.output).split(os.sep) if len(part.encode()) > 255]
+    if args.run_dir and (owner := output_owner(args.output)) not in (None, os.path.basename(args.run_dir)):
+        checks.append(_error(f"output {args.output} belongs to run {owner!r} ({OWNER_PATH}): give this run "
+                             f"another output, or remove that file if run {owner!r} is finished with"))
+    diffs = output_mismatch(args.output, identity) if identity else []
+    if diffs:
+        checks.append(_error(f"output {args.output} holds another run's work (its meta.json): "
+                             + "; ".join(diffs) + " — use another output folder"))
+    return checks
+
+
+def _gpu_checks(args: argparse.Namespace, shape, layers: LayerPlan | None, gpus: list[dict],
+                resolved: list[int], count: int) -> list[protocol.Check]:
+    """On GPUs, the built-in worker's first shard must fit its GPUs (fit_problem), and a hybrid
+    model without its fast kernels is worth a warning (hybrid_kernels)."""
+    checks = []
     if args.builtin and shape and args.device != "cpu":
+        k = args.gpus_per_shard
         if problem := fit_problem(args.model, shape, [g for g in gpus if g.get("index") in resolved[:k]],
                                   k, args.max_tokens_per_batch, len(layers.ids) if layers else 4):
-            check("error", problem)
+            checks.append(_error(problem))
     if args.builtin and args.model and args.device != "cpu" and count and (warning := hybrid_kernels(args.model)):
-        check("warning", warning)
-    if args.output:
-        space = disk_space(args.output)
-        report.free_bytes = space.free
-        report.folder_id = _folder_id(args.output)
-        if not os.access(space.probe, os.W_OK):
-            check("error", f"output {args.output}: {space.probe} is not writable")
-        if args.builtin and shape and layers and args.data and os.path.exists(args.data):
-            try:
-                fp = footprint(args.data, args.output, Layout(args.format, layers, args.dtype), shape.hidden_size,
-                               args.max_length, args.too_long, shape.max_positions)
-            except Exception as e:      # a projection that fails must not stop the run; it says why
-                check("warning", f"output size not projected: {type(e).__name__}: {e}")
-            else:
-                report.footprint = fp
-                report.estimated_bytes = sum(fp.remaining)
-    return report
+        checks.append(_warning(warning))
+    return checks
+
+
+def _measure_output(args: argparse.Namespace, shape, layers: LayerPlan | None,
+                    report: protocol.PreflightReport) -> list[protocol.Check]:
+    """Free space and the folder's id at the output, whether it is writable, and (built-in worker)
+    the output's projected size; a projection that fails must not stop the run: it says why."""
+    space = disk_space(args.output)
+    report.free_bytes = space.free
+    report.folder_id = _folder_id(args.output)
+    checks = []
+    if not os.access(space.probe, os.W_OK):
+        checks.append(_error(f"output {args.output}: {space.probe} is not writable"))
+    if args.builtin and shape and layers and args.data and os.path.exists(args.data):
+        try:
+            fp = footprint(args.data, args.output, Layout(args.format, layers, args.dtype), shape.hidden_size,
+                           args.max_length, args.too_long, shape.max_positions)
+        except Exception as e:
+            checks.append(_warning(f"output size not projected: {type(e).__name__}: {e}"))
+        else:
+            report.footprint = fp
+            report.estimated_bytes = sum(fp.remaining)
+    return checks
 
 
 HOST_ID_FILE = "host-id"

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from . import protocol
 from .files import manifest_records
@@ -66,16 +67,51 @@ def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) 
 def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = False) -> protocol.VerifyReport:
     """The folder's report; with `repair`, manifest entries whose files are missing or broken are
     dropped (and the broken files removed), so the next launch of their shard redoes exactly those."""
-    meta_path = os.path.join(out, protocol.META_FILE)
-    try:
-        meta = json.load(open(meta_path))
-    except (OSError, ValueError):
-        meta = {}
+    meta = _read_meta(out)
     layout = layout_of(meta)
-    problems: list[str] = []
+    found = _read_manifests(out)
+    if deep and found.written:
+        found.broken = _check_files(layout, out, found.written, meta.get("hidden_size"), threads)
+        found.problems += found.broken.values()
+    report = protocol.VerifyReport(num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
+                                   checked=len(found.written), folder_id=meta.get("folder_id"))
+    if repair:
+        report.repaired = _repair(out, layout, found)
+    unrecorded = set(layout.scan(out)) - {r["index"] for r in found.written}
+    report.written = to_runs(r["index"] for r in found.written)
+    report.skipped = {str(i): why for i, why in sorted(found.skipped.items())}
+    report.unrecorded_files, report.problems = len(unrecorded), found.problems
+    from .trainers import trainer_problems, training_command      # issue 22: what trains on it
+    more, report.notes = trainer_problems(out, meta)
+    report.problems += more
+    report.command = training_command(meta, out) if meta else None
+    return report
+
+
+@dataclass
+class _Findings:
+    """What a folder's manifests and files say: its entries (written, skipped), the indices recorded
+    twice, the broken files and every problem, in the order the report lists them."""
+    written: list[dict]
+    skipped: dict[int, str]
+    twice: set[int]
+    problems: list[str]
+    broken: dict[int, str] = field(default_factory=dict)
+
+
+def _read_meta(out: str) -> dict:
+    """The folder's meta.json; none (or unreadable) reads as {}, the oldest layout."""
+    try:
+        return json.load(open(os.path.join(out, protocol.META_FILE)))
+    except (OSError, ValueError):
+        return {}
+
+
+def _read_manifests(out: str) -> _Findings:
+    """Every index's first manifest entry; a second one for the same index is a problem."""
     seen: dict[int, dict] = {}
     twice: set[int] = set()
-    folder = os.path.join(out, protocol.MANIFEST_DIR)
+    problems: list[str] = []
     for rec in manifest_records(out):
         i = rec["index"]
         if i in seen:
@@ -85,31 +121,34 @@ def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = F
         seen[i] = rec
     written = [r for r in seen.values() if "skipped" not in r]
     skipped = {i: r["skipped"] for i, r in seen.items() if "skipped" in r}
+    return _Findings(written, skipped, twice, problems)
+
+
+def _check_files(layout: Layout, out: str, written: list[dict], hidden: int | None,
+                 threads: int) -> dict[int, str]:
+    """Each written entry's file opened and checked (check_file), in parallel: index -> problem of
+    those that fail, in the manifests' order."""
     broken: dict[int, str] = {}
-    if deep and written:
-        with ThreadPoolExecutor(threads) as pool:
-            for rec, problem in zip(written, pool.map(
-                    lambda r: check_file(layout, out, r, meta.get("hidden_size")), written)):
-                if problem:
-                    problems.append(problem)
-                    broken[rec["index"]] = problem
-    report = protocol.VerifyReport(num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
-                                   checked=len(written), folder_id=meta.get("folder_id"))
-    retry = {i for i, why in skipped.items() if retryable(why)} if repair else set()
-    if repair and (broken or twice or retry):
-        report.repaired = repair_folder(out, layout, broken, twice, folder, retry)
-        skipped = {i: why for i, why in skipped.items() if i not in retry}
-        problems = [p for p in problems if not any(p.startswith(f"sample {i}:") for i in set(broken) | twice)]
-        written = [r for r in written if r["index"] not in broken]
-    unrecorded = set(layout.scan(out)) - {r["index"] for r in written}
-    report.written = to_runs(r["index"] for r in written)
-    report.skipped = {str(i): why for i, why in sorted(skipped.items())}
-    report.unrecorded_files, report.problems = len(unrecorded), problems
-    from .trainers import trainer_problems, training_command      # issue 22: what trains on it
-    more, report.notes = trainer_problems(out, meta)
-    report.problems += more
-    report.command = training_command(meta, out) if meta else None
-    return report
+    with ThreadPoolExecutor(threads) as pool:
+        for rec, problem in zip(written, pool.map(lambda r: check_file(layout, out, r, hidden), written)):
+            if problem:
+                broken[rec["index"]] = problem
+    return broken
+
+
+def _repair(out: str, layout: Layout, found: _Findings) -> protocol.Repair | None:
+    """Drop the broken and twice-recorded entries and the retryable skips (repair_folder), and take
+    them out of the findings: what is dropped is no longer a problem but work for the next launch."""
+    retry = {i for i, why in found.skipped.items() if retryable(why)}
+    if not (found.broken or found.twice or retry):
+        return None
+    folder = os.path.join(out, protocol.MANIFEST_DIR)
+    repaired = repair_folder(out, layout, found.broken, found.twice, folder, retry)
+    dropped = set(found.broken) | found.twice
+    found.skipped = {i: why for i, why in found.skipped.items() if i not in retry}
+    found.problems = [p for p in found.problems if not any(p.startswith(f"sample {i}:") for i in dropped)]
+    found.written = [r for r in found.written if r["index"] not in found.broken]
+    return repaired
 
 
 # Skip reasons of failures that may pass (worker.extract: a row that failed alone after the rest,
