@@ -84,7 +84,8 @@ def _same_config(a: Any, b: Any) -> bool:
 # kkt + triangular solve (the tuning a first launch pays is mostly compiling candidates, ~0.5 s
 # each). In one H200's timings (docs/results/h200-round6/b-autotune.json) the kept candidates
 # held each kernel's winner and no dropped one was faster (conv, kkt + solve: every dropped one
-# >= 3.2x slower; l2 norm: many within 2%). Not yet measured end to end.
+# >= 3.2x slower; l2 norm: many within 2%). End to end on one H200 (docs/benchmarks.md, round 6
+# c): a 27B hybrid's first load 65.8 -> 56.6 s; the timings beside the regions' compile are noisy.
 # FLEET_FULL_TUNING=1 tunes every candidate.
 FEWER: dict[str, Callable[[Any], bool]] = {
     "l2norm_fwd_kernel": lambda c: c.num_warps <= 4 and c.kwargs.get("BT", 8) <= 32,
