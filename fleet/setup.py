@@ -23,7 +23,7 @@ async def deploy_all(sup: Supervisor) -> tuple[list[deploy.Preflight], dict[str,
     """Upload and preflight every host in parallel; returns results and the hosts that failed
     (HostUnusable: reachable but unable to run the worker; other HostErrors: unreachable)."""
     for host in sup.store.hosts.values():
-        host.reachable = None
+        host.trying()
     results = await asyncio.gather(
         *(deploy.deploy_host(l.transport, sup.config, l.spec, sup.on_log) for l in sup.links.values()),
         return_exceptions=True)
@@ -31,12 +31,12 @@ async def deploy_all(sup: Supervisor) -> tuple[list[deploy.Preflight], dict[str,
     for link, r in zip(sup.links.values(), results):
         if isinstance(r, HostError):
             failures[link.name] = r
-            link.host.reachable, link.host.error = False, str(r)
+            link.host.down(r)
         elif isinstance(r, BaseException):
             raise r
         else:
             ok.append(r)
-            link.host.reachable = True
+            link.host.up()
     return ok, failures
 
 

@@ -53,6 +53,10 @@ class Host:
         if t is not None:
             self.clock_offset = float(t) - now
 
+    def trying(self) -> None:
+        """Not known yet: being reached again (a deploy)."""
+        self.reachable = None
+
     def up(self) -> None:
         self.reachable, self.error, self.unusable = True, None, False
 
@@ -61,6 +65,15 @@ class Host:
         self.reachable, self.error = False, str(e).removeprefix(f"{self.name}: ")
         self.unusable = isinstance(e, HostUnusable)
         self.replayed = False
+
+    def replay_starts(self) -> None:
+        self.replayed = False
+
+    def replay_done(self) -> None:
+        self.replayed = True
+
+    def slurm_said(self, msg: protocol.SlurmPoll) -> None:
+        self.error = f"Slurm: {msg.error}" if msg.error else None
 
     def read_gpus(self, msg: protocol.GpuReading) -> None:
         self.telemetry, self.gpus, self.gpu_t = msg.source, [Gpu(**g) for g in msg.gpus or []], msg.t
@@ -223,7 +236,7 @@ class Store:
         for p in self.on(host):
             old = self.shards.get(p.shard)
             self.shards[p.shard] = old.replayed_anew(self.policy.needs_done_sentinel) if old else self._new(p)
-        self.hosts[host].replayed = False
+        self.hosts[host].replay_starts()
 
     def apply(self, host_name: str, msg: protocol.Message, discover: bool = False, now: float | None = None) -> None:
         """One message of a host's agent. Raises HostError where it says the host cannot be used."""
@@ -254,13 +267,13 @@ class Store:
             if (shard := self.shards.get(msg.shard)) is not None:
                 shard.gpus = msg
         elif isinstance(msg, protocol.SlurmPoll):
-            host.error = f"Slurm: {msg.error}" if msg.error else None
+            host.slurm_said(msg)
         elif isinstance(msg, protocol.GpuReading):
             host.read_gpus(msg)
         elif isinstance(msg, protocol.DiskReading):
             host.read_disk(msg)
         elif isinstance(msg, protocol.Replayed):
-            host.replayed = True
+            host.replay_done()
         elif isinstance(msg, protocol.AgentError):
             raise HostError(f"{host_name}: agent failed: {msg.message}")
 
