@@ -50,6 +50,18 @@ def positive_duration(value: Any) -> float:
     return d
 
 
+def split_command(v: str) -> list[str]:
+    """A command line as argv (never run by a shell): split like a POSIX shell would."""
+    import shlex
+    try:
+        argv = shlex.split(v)
+    except ValueError as e:
+        raise ValueError(f"cannot split command: {e}") from None
+    if not argv:
+        raise ValueError("empty command")
+    return argv
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -171,14 +183,7 @@ class JobSpec(Strict):
     @field_validator("command")
     @classmethod
     def _command(cls, v: str) -> str:
-        import shlex
-        try:
-            argv = shlex.split(v)
-        except ValueError as e:
-            raise ValueError(f"cannot split command: {e}") from None
-        if not argv:
-            raise ValueError("empty command")
-        for token in argv:
+        for token in split_command(v):
             for _, field, _, _ in string.Formatter().parse(token):
                 if field is not None and field not in PLACEHOLDERS:
                     raise ValueError(f"unknown placeholder {{{field}}}; known: "
@@ -335,14 +340,8 @@ class NotifySpec(Strict):
     @field_validator("command")
     @classmethod
     def _command(cls, v: str) -> str:
-        import shlex
         import shutil
-        try:
-            argv = shlex.split(v)
-        except ValueError as e:
-            raise ValueError(f"cannot split command: {e}") from None
-        if not argv:
-            raise ValueError("empty command")
+        argv = split_command(v)
         program = os.path.expanduser(argv[0])
         relative = "/" in program and not os.path.isabs(program)     # to fleet.toml's folder: run there
         if not relative and shutil.which(program) is None:           # it runs here, by the supervisor

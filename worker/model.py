@@ -469,26 +469,13 @@ def quick_tuning(warmup_ms: int = 5, rep_ms: int = 20):
     no-op without Triton; the attributes set are those of Triton 2.x (num_warmups, num_reps) and
     3.x (do_bench)."""
     try:
-        import triton.testing
         from triton.runtime.autotuner import Autotuner
     except Exception:
         yield
         return
+    from .tuning import brief_bench
     bench = Autotuner._bench
-
-    def quick(kernel_call, quantiles=None, **_):
-        return triton.testing.do_bench(kernel_call, warmup=warmup_ms, rep=rep_ms, quantiles=quantiles)
-
-    def _bench(self, *args, **kwargs):
-        saved = {k: self.__dict__[k] for k in ("do_bench", "num_warmups", "num_reps") if k in self.__dict__}
-        self.__dict__.update(do_bench=quick, num_warmups=warmup_ms, num_reps=rep_ms)
-        try:
-            return bench(self, *args, **kwargs)
-        finally:
-            for k in ("do_bench", "num_warmups", "num_reps"):
-                self.__dict__.pop(k, None)
-            self.__dict__.update(saved)
-    Autotuner._bench = _bench
+    Autotuner._bench = brief_bench(bench, warmup_ms, rep_ms)
     try:
         yield
     finally:
