@@ -103,31 +103,58 @@ def outcome(a: Attempt, needs_done_sentinel: bool) -> tuple[Outcome, str | None]
     """How an ended attempt ended, and why when it was not DONE."""
     end = a.end
     assert end is not None
-    finished = end.code == 0 and a.failure is None and (
-        a.done_event or a.done_sentinel or not needs_done_sentinel)
-    if finished:
+    if _finished(a, end, needs_done_sentinel):
         return Outcome.DONE, None
+    intended = _intended_end(a, end)
+    if intended is not None:
+        return intended
+    return Outcome.FAILED, _slurm_failure(a, end) or _failure_reason(a, end)
+
+
+def _finished(a: Attempt, end: protocol.Exited, needs_done_sentinel: bool) -> bool:
+    """Exit 0 with no failure seen counts as DONE only with the done signal a [job] with a `done`
+    regex must give (the built-in worker's `done` event also counts)."""
+    return end.code == 0 and a.failure is None and (
+        a.done_event or a.done_sentinel or not needs_done_sentinel)
+
+
+def _intended_end(a: Attempt, end: protocol.Exited) -> tuple[Outcome, str] | None:
+    """An end someone asked for is never a failure: a user's (or the run's) stop, a plain stop of
+    a hostctl launch with no intent recorded, or the user's own restart."""
     if (a.stop is not None and a.stop.final) or (end.stopped and a.stop is None and not a.slurm):
         return Outcome.STOPPED, "stopped"
     if a.stop is not None and a.stop.restart and a.stop.by == "manual":
         return Outcome.RESTARTED, "restarted by the user"
+    return None
+
+
+def _slurm_failure(a: Attempt, end: protocol.Exited) -> str | None:
+    """Why a Slurm task failed when Slurm, not the shard, ended it (or may have: then the reason
+    says it waits for Slurm's final state); None to judge it by the task's own record."""
     if a.slurm and a.stop is None and a.slurm_end is not None:
         if a.slurm_end.state in SLURM_ENDS:
-            return Outcome.FAILED, slurm_reason(a.slurm_end)
+            return slurm_reason(a.slurm_end)
         if end.vanished:
-            return Outcome.FAILED, f"the task ended without recording how; {slurm_reason(a.slurm_end)}"
-    elif awaiting_slurm(a):
+            return f"the task ended without recording how; {slurm_reason(a.slurm_end)}"
+        return None
+    if awaiting_slurm(a):
         sig = f" (signal {-end.code})" if end.code is not None and end.code < 0 else ""
-        return Outcome.FAILED, f"ended by Slurm{sig}; waiting for Slurm's final state"
+        return f"ended by Slurm{sig}; waiting for Slurm's final state"
+    return None
+
+
+def _failure_reason(a: Attempt, end: protocol.Exited) -> str:
+    """Why a failed attempt failed, by its own record: what it said, the restart's reason, or how
+    the process ended."""
     if a.failure:
-        return Outcome.FAILED, a.failure
+        return a.failure
     if a.stop is not None:
-        return Outcome.FAILED, a.stop.reason or "stopped for a restart"
+        return a.stop.reason or "stopped for a restart"
     if end.vanished:
-        return Outcome.FAILED, "process vanished without an exit status"
+        return "process vanished without an exit status"
     if end.code == 0:
-        return Outcome.FAILED, "exited 0 without the done sentinel"
-    return Outcome.FAILED, describe_exit(end.code)
+        return "exited 0 without the done sentinel"
+    return describe_exit(end.code)
 
 
 @dataclass
