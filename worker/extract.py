@@ -59,10 +59,23 @@ class NotRetryable(Exception):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _argument_parser()
+    return _checked_args(p, p.parse_args(argv))
+
+
+def _argument_parser() -> argparse.ArgumentParser:
+    """The command line, its flags in the order --help lists them."""
     p = argparse.ArgumentParser(
         prog="python -m worker.extract",
         description="Extract chosen intermediate hidden states of a Hugging Face causal LM over one "
                     "shard of a tokenized (or raw chat) dataset into hs_<index>.safetensors files.")
+    for add in (_shard_arguments, _row_arguments, _device_arguments, _pipeline_arguments):
+        add(p)
+    return p
+
+
+def _shard_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, the data, where the shard's output and record go, and which shard this is."""
     p.add_argument("--model", required=True, help="local Hugging Face model folder")
     p.add_argument("--data", required=True,
                    help="JSONL, Parquet or a save_to_disk folder; rows with input_ids [+ loss_mask] "
@@ -72,6 +85,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="folder for events.jsonl (what fleet reads); default: no event file")
     p.add_argument("--shard-index", type=int, default=0)
     p.add_argument("--num-shards", type=int, default=1)
+
+
+def _row_arguments(p: argparse.ArgumentParser) -> None:
+    """What is written for each row (format, layers, loss mask), and how rows are batched and cut."""
     p.add_argument("--format", choices=FORMATS, default="speculators",
                    help="which trainer's files to write (default speculators: hs_<index>.safetensors)")
     p.add_argument("--layers", default=None,
@@ -91,6 +108,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=None, help="longest sample kept (tokens)")
     p.add_argument("--too-long", choices=("truncate", "skip"), default="skip",
                    help="what to do with a sample over --max-length (default skip, reported)")
+
+
+def _device_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the model runs (one GPU, several, the CPU) and in which dtypes."""
     p.add_argument("--device", default=None, help="cuda:0 | cpu (default: cuda:0 when available)")
     p.add_argument("--gpus-per-shard", type=int, default=1,
                    help="spread the decoder layers over this many GPUs (cuda:0..k-1), for a model "
@@ -108,6 +129,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "fp32 is the old meaning of this flag: use --model-dtype fp32")
     p.add_argument("--model-dtype", choices=("bf16", "fp32"), default=None,
                    help="the model's compute dtype (default bf16; fp32 allowed on the CPU)")
+
+
+def _pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    """The writer and reader's bounds, progress, the run's plan and limits, compiling and caches."""
     p.add_argument("--writer-queue", type=int, default=3,
                    help="batches waiting for the disk before the GPU waits (bounds host memory)")
     p.add_argument("--writer-threads", type=int, default=4, help="files written in parallel")
@@ -129,7 +154,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(fleet passes <root>/cache): a launch pays no compile or tuning the host has paid before")
     p.add_argument("--random-weights", action="store_true",
                    help="initialise from config.json with random weights (benchmarks, dry runs)")
-    args = p.parse_args(argv)
+
+
+def _checked_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Refuse what argparse cannot (non-positive sizes, a shard out of range) through `p.error`,
+    and read the old meaning of --dtype fp32."""
     if min(args.max_tokens_per_batch, args.writer_queue, args.writer_threads, args.pad_multiple or 1,
            args.micro_batches or 1) < 1:
         p.error("--max-tokens-per-batch, --writer-queue, --writer-threads, --pad-multiple and "
