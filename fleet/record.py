@@ -103,31 +103,58 @@ def outcome(a: Attempt, needs_done_sentinel: bool) -> tuple[Outcome, str | None]
     """How an ended attempt ended, and why when it was not DONE."""
     end = a.end
     assert end is not None
-    finished = end.code == 0 and a.failure is None and (
-        a.done_event or a.done_sentinel or not needs_done_sentinel)
-    if finished:
+    if _finished(a, end, needs_done_sentinel):
         return Outcome.DONE, None
+    intended = _intended_end(a, end)
+    if intended is not None:
+        return intended
+    return Outcome.FAILED, _slurm_failure(a, end) or _failure_reason(a, end)
+
+
+def _finished(a: Attempt, end: protocol.Exited, needs_done_sentinel: bool) -> bool:
+    """Exit 0 with no failure seen counts as DONE only with the done signal a [job] with a `done`
+    regex must give (the built-in worker's `done` event also counts)."""
+    return end.code == 0 and a.failure is None and (
+        a.done_event or a.done_sentinel or not needs_done_sentinel)
+
+
+def _intended_end(a: Attempt, end: protocol.Exited) -> tuple[Outcome, str] | None:
+    """An end someone asked for is never a failure: a user's (or the run's) stop, a plain stop of
+    a hostctl launch with no intent recorded, or the user's own restart."""
     if (a.stop is not None and a.stop.final) or (end.stopped and a.stop is None and not a.slurm):
         return Outcome.STOPPED, "stopped"
     if a.stop is not None and a.stop.restart and a.stop.by == "manual":
         return Outcome.RESTARTED, "restarted by the user"
+    return None
+
+
+def _slurm_failure(a: Attempt, end: protocol.Exited) -> str | None:
+    """Why a Slurm task failed when Slurm, not the shard, ended it (or may have: then the reason
+    says it waits for Slurm's final state); None to judge it by the task's own record."""
     if a.slurm and a.stop is None and a.slurm_end is not None:
         if a.slurm_end.state in SLURM_ENDS:
-            return Outcome.FAILED, slurm_reason(a.slurm_end)
+            return slurm_reason(a.slurm_end)
         if end.vanished:
-            return Outcome.FAILED, f"the task ended without recording how; {slurm_reason(a.slurm_end)}"
-    elif awaiting_slurm(a):
+            return f"the task ended without recording how; {slurm_reason(a.slurm_end)}"
+        return None
+    if awaiting_slurm(a):
         sig = f" (signal {-end.code})" if end.code is not None and end.code < 0 else ""
-        return Outcome.FAILED, f"ended by Slurm{sig}; waiting for Slurm's final state"
+        return f"ended by Slurm{sig}; waiting for Slurm's final state"
+    return None
+
+
+def _failure_reason(a: Attempt, end: protocol.Exited) -> str:
+    """Why a failed attempt failed, by its own record: what it said, the restart's reason, or how
+    the process ended."""
     if a.failure:
-        return Outcome.FAILED, a.failure
+        return a.failure
     if a.stop is not None:
-        return Outcome.FAILED, a.stop.reason or "stopped for a restart"
+        return a.stop.reason or "stopped for a restart"
     if end.vanished:
-        return Outcome.FAILED, "process vanished without an exit status"
+        return "process vanished without an exit status"
     if end.code == 0:
-        return Outcome.FAILED, "exited 0 without the done sentinel"
-    return Outcome.FAILED, describe_exit(end.code)
+        return "exited 0 without the done sentinel"
+    return describe_exit(end.code)
 
 
 @dataclass
@@ -160,35 +187,44 @@ class ShardRecord:
     unlaunched_stop: protocol.StopRequested | None = None   # a run stop before its first launch
 
     def apply(self, ev: protocol.Record) -> None:
-        a = self.attempt
-        if isinstance(ev, protocol.Launch):
-            self._launch(ev)
+        """Fold one event of the shard's record, in file order."""
+        a = self._attempt_of(ev)
+        if a is None:
             return
-        if isinstance(ev, protocol.Reopened):
-            if a is not None and a.ended:
-                self.reopened = f"{ev.samples} sample(s) to redo: {ev.reason}"
-            return
-        if a is None and isinstance(ev, protocol.StopRequested):
-            if ev.final:                                  # the run stopped before it ever ran
-                self.unlaunched_stop = newer_intent(self.unlaunched_stop, ev)
-            return
-        if a is None or (ev.launch is not None and ev.launch != a.n):
-            return                            # before any launch, or another launch's leftover
         self.last_event, self.last_event_t = ev.KIND, ev.t
         if isinstance(ev, (protocol.Submitted, protocol.SlurmEnded)):
             self._slurm(a, ev)                # Slurm's word may come after the task's own end
-            return
-        if a.ended:
+        elif a.ended:
             if isinstance(ev, protocol.StopRequested):    # an intent for an ended attempt: a stop
                 a.stop = newer_intent(a.stop, ev)         # or restart of a shard that is not running
-            return                            # nothing else changes an attempt after its end
+            # nothing else changes an attempt after its end
+        else:
+            self._running(a, ev)
+
+    def _attempt_of(self, ev: protocol.Record) -> Attempt | None:
+        """The current attempt when `ev` is about it; None when `ev` is about the shard itself (a
+        launch, a reopening, a stop before the first launch: folded here) or about nothing now
+        (before any launch, or another launch's leftover)."""
+        a = self.attempt
+        if isinstance(ev, protocol.Launch):
+            self._launch(ev)
+            return None
+        if isinstance(ev, protocol.Reopened):
+            if a is not None and a.ended:
+                self.reopened = f"{ev.samples} sample(s) to redo: {ev.reason}"
+            return None
+        if a is None and isinstance(ev, protocol.StopRequested):
+            if ev.final:                                  # the run stopped before it ever ran
+                self.unlaunched_stop = newer_intent(self.unlaunched_stop, ev)
+            return None
+        if a is None or (ev.launch is not None and ev.launch != a.n):
+            return None
+        return a
+
+    def _running(self, a: Attempt, ev: protocol.Record) -> None:
+        """An event of the attempt while it runs: the shard's own word about itself."""
         if isinstance(ev, protocol.Started):
-            a.pid = ev.pid if ev.pid is not None else a.pid
-            if ev.total is not None:
-                self.total = ev.total
-            a.node, a.job, a.gpus = ev.node or a.node, a.job or ev.job, ev.gpus or a.gpus
-            if ev.total_tokens is not None:
-                self.total_tokens = ev.total_tokens
+            self._started(a, ev)
         elif isinstance(ev, protocol.Loading):
             a.phase, a.detail = Phase.LOADING, ev.detail
         elif isinstance(ev, protocol.Loaded):
@@ -197,34 +233,57 @@ class ShardRecord:
             if ev.gpu_mem_bytes is not None:
                 self.gpu_mem_bytes = ev.gpu_mem_bytes
         elif isinstance(ev, protocol.Progress):               # Done is a Progress too
-            self._count(ev)
-            if getattr(ev, "batches_from", None) is not None:
-                a.batches_from = ev.batches_from
-            a.worked = a.worked or self.done + self.skipped > a.base_done
-            if isinstance(ev, protocol.Done):
-                a.done_event = True
-            else:
-                a.phase = Phase.RUNNING
-            a.last_progress_t = ev.t
-            a.history.append((ev.t, self.done + self.skipped, self.tokens, self.bytes, self.sq_tokens))
+            self._progress(a, ev)
         elif isinstance(ev, protocol.WarningEvent):
             self.warning = ev.message
-        elif isinstance(ev, protocol.Failed):
-            if a.failure is None:
-                a.failure, a.failure_t, a.failure_fatal = ev.reason, ev.t, bool(ev.fatal)
-        elif isinstance(ev, protocol.Sentinel):
-            if ev.match == "done":
-                a.done_sentinel = True
-            elif a.failure is None:
-                a.failure, a.failure_t, a.failure_line = f"fail sentinel: {ev.line.strip()}", ev.t, True
+        elif isinstance(ev, (protocol.Failed, protocol.Sentinel)):
+            self._said(a, ev)
         elif isinstance(ev, protocol.StopRequested):
             a.stop = newer_intent(a.stop, ev)
         elif isinstance(ev, protocol.Exited):
-            a.end = ev
-            kind, why = outcome(a, self.needs_done_sentinel)
-            if kind == Outcome.FAILED:
-                self.failures += 1
-                self.last_failure, self.last_failure_t = why, ev.t
+            self._exited(a, ev)
+
+    def _started(self, a: Attempt, ev: protocol.Started) -> None:
+        """The process (or its Slurm task) is up: its pid, where it runs, the shard's size."""
+        a.pid = ev.pid if ev.pid is not None else a.pid
+        if ev.total is not None:
+            self.total = ev.total
+        a.node, a.job, a.gpus = ev.node or a.node, a.job or ev.job, ev.gpus or a.gpus
+        if ev.total_tokens is not None:
+            self.total_tokens = ev.total_tokens
+
+    def _progress(self, a: Attempt, ev: protocol.Progress) -> None:
+        """Counters (cumulative over launches), the attempt's warm-up and its history point;
+        `done` marks the built-in worker's end of work."""
+        self._count(ev)
+        if getattr(ev, "batches_from", None) is not None:
+            a.batches_from = ev.batches_from
+        a.worked = a.worked or self.done + self.skipped > a.base_done
+        if isinstance(ev, protocol.Done):
+            a.done_event = True
+        else:
+            a.phase = Phase.RUNNING
+        a.last_progress_t = ev.t
+        a.history.append((ev.t, self.done + self.skipped, self.tokens, self.bytes, self.sq_tokens))
+
+    @staticmethod
+    def _said(a: Attempt, ev: protocol.Failed | protocol.Sentinel) -> None:
+        """A `failed` event or a [job]'s sentinel line: the first failure said is the one kept."""
+        if isinstance(ev, protocol.Sentinel) and ev.match == "done":
+            a.done_sentinel = True
+        elif a.failure is None:
+            if isinstance(ev, protocol.Failed):
+                a.failure, a.failure_t, a.failure_fatal = ev.reason, ev.t, bool(ev.fatal)
+            else:
+                a.failure, a.failure_t, a.failure_line = f"fail sentinel: {ev.line.strip()}", ev.t, True
+
+    def _exited(self, a: Attempt, ev: protocol.Exited) -> None:
+        """The attempt ended: count it when it failed, and remember why."""
+        a.end = ev
+        kind, why = outcome(a, self.needs_done_sentinel)
+        if kind == Outcome.FAILED:
+            self.failures += 1
+            self.last_failure, self.last_failure_t = why, ev.t
 
     def _slurm(self, a: Attempt, ev) -> None:
         """`submitted` names the task; `slurm_end` is Slurm's final state of it (the first one

@@ -59,10 +59,23 @@ class NotRetryable(Exception):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _argument_parser()
+    return _checked_args(p, p.parse_args(argv))
+
+
+def _argument_parser() -> argparse.ArgumentParser:
+    """The command line, its flags in the order --help lists them."""
     p = argparse.ArgumentParser(
         prog="python -m worker.extract",
         description="Extract chosen intermediate hidden states of a Hugging Face causal LM over one "
                     "shard of a tokenized (or raw chat) dataset into hs_<index>.safetensors files.")
+    for add in (_shard_arguments, _row_arguments, _device_arguments, _pipeline_arguments):
+        add(p)
+    return p
+
+
+def _shard_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, the data, where the shard's output and record go, and which shard this is."""
     p.add_argument("--model", required=True, help="local Hugging Face model folder")
     p.add_argument("--data", required=True,
                    help="JSONL, Parquet or a save_to_disk folder; rows with input_ids [+ loss_mask] "
@@ -72,6 +85,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="folder for events.jsonl (what fleet reads); default: no event file")
     p.add_argument("--shard-index", type=int, default=0)
     p.add_argument("--num-shards", type=int, default=1)
+
+
+def _row_arguments(p: argparse.ArgumentParser) -> None:
+    """What is written for each row (format, layers, loss mask), and how rows are batched and cut."""
     p.add_argument("--format", choices=FORMATS, default="speculators",
                    help="which trainer's files to write (default speculators: hs_<index>.safetensors)")
     p.add_argument("--layers", default=None,
@@ -91,6 +108,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=None, help="longest sample kept (tokens)")
     p.add_argument("--too-long", choices=("truncate", "skip"), default="skip",
                    help="what to do with a sample over --max-length (default skip, reported)")
+
+
+def _device_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the model runs (one GPU, several, the CPU) and in which dtypes."""
     p.add_argument("--device", default=None, help="cuda:0 | cpu (default: cuda:0 when available)")
     p.add_argument("--gpus-per-shard", type=int, default=1,
                    help="spread the decoder layers over this many GPUs (cuda:0..k-1), for a model "
@@ -108,6 +129,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "fp32 is the old meaning of this flag: use --model-dtype fp32")
     p.add_argument("--model-dtype", choices=("bf16", "fp32"), default=None,
                    help="the model's compute dtype (default bf16; fp32 allowed on the CPU)")
+
+
+def _pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    """The writer and reader's bounds, progress, the run's plan and limits, compiling and caches."""
     p.add_argument("--writer-queue", type=int, default=3,
                    help="batches waiting for the disk before the GPU waits (bounds host memory)")
     p.add_argument("--writer-threads", type=int, default=4, help="files written in parallel")
@@ -129,7 +154,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(fleet passes <root>/cache): a launch pays no compile or tuning the host has paid before")
     p.add_argument("--random-weights", action="store_true",
                    help="initialise from config.json with random weights (benchmarks, dry runs)")
-    args = p.parse_args(argv)
+
+
+def _checked_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Refuse what argparse cannot (non-positive sizes, a shard out of range) through `p.error`,
+    and read the old meaning of --dtype fp32."""
     if min(args.max_tokens_per_batch, args.writer_queue, args.writer_threads, args.pad_multiple or 1,
            args.micro_batches or 1) < 1:
         p.error("--max-tokens-per-batch, --writer-queue, --writer-threads, --pad-multiple and "
@@ -438,49 +467,27 @@ def write_meta(out_dir: str, meta: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the shard: open it, claim its output, load the model, extract what is left of its
+    rows; an error ends it with a failure event and an exit code that says what kind it was."""
     args = parse_args(argv)
     os.umask(os.umask(0o022) | 0o022)          # output and state never world- or group-writable
     log = EventLog(args.state, args.shard_index)
-
-    def on_term(signum, frame):
-        raise Terminated(f"terminated by signal {signum}")
-    signal.signal(signal.SIGTERM, on_term)
-
+    signal.signal(signal.SIGTERM, _on_term)
     use_cache_dir(args.cache_dir)
-    device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
-    devices = args.devices.split(",") if args.devices else \
-        [f"cuda:{i}" for i in range(args.gpus_per_shard)] if device.type == "cuda" and args.gpus_per_shard > 1 \
-        else [str(device)]
+    devices = shard_devices(args)
     device = torch.device(devices[0])
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dtype = torch.float32 if args.model_dtype == "fp32" else torch.bfloat16
-        dataset = open_dataset(args.data)
-        if dataset.num_rows == 0:
-            raise DataError(f"{args.data}: empty (0 rows)")
-        start, stop = shard_range(dataset.num_rows, args.num_shards, args.shard_index)
-        log.emit(protocol.Started(pid=os.getpid(), host=socket.gethostname(), device=str(device),
-                                  shard=args.shard_index, num_shards=args.num_shards, start=start,
-                                  stop=stop, total=stop - start))
-        shape = model_shape(args.model)
-        if shape is None:
-            raise ModelError(f"{args.model}: " + ("no config.json with hidden_size and num_hidden_layers"
-                                                   if os.path.isdir(args.model) else "model folder not found"))
-        plan = resolve_layers(args.layers or args.format, shape.num_layers,
-                              args.last_layer_norm, args.target_last_hidden_states)
-        layout = Layout(args.format, plan, args.dtype)
+        dataset, start, stop = _open_shard(args, log, device)
+        shape, plan, layout = _resolve_work(args)
         identity = check_identity(args, plan)        # before any file is touched
-        planned = read_plan_file(args.plan) if args.plan else {}
-        # held for the process's life: one writer per output folder, one process per shard
-        lock = claim_output(args.out, planned.get("run"), planned.get("created"), args.shard_index)  # noqa: F841
-        remove_stale_temps(args.out, start, stop)
-        finished = load_finished(args.out)
+        # `lock` is held for the process's life: one writer per output folder, one process per shard
+        lock, finished = _claim_output(args, start, stop)
         log.emit(protocol.Loading(model=args.model))
         t0 = time.perf_counter()
-        if device.type == "cuda" and len(devices) > torch.cuda.device_count():
-            raise ModelError(f"--gpus-per-shard {len(devices)}: only {torch.cuda.device_count()} GPU(s) "
-                             f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')})")
+        _check_gpus_visible(device, devices)
         tuner = start_tuner(args, dataset, start, stop, set(finished), device, dtype, shape, log)
         model = load_model(args.model, devices, dtype, args.random_weights)
         shard_gpus = model_devices(model, device)
@@ -493,40 +500,13 @@ def main(argv: list[str] | None = None) -> int:
                                  path=path))
         if warning := missing_fast_kernels(model):
             log.emit(protocol.WarningEvent(message=warning))
-        os.makedirs(args.out, exist_ok=True)
-        write_meta(args.out, {
-            "model": os.path.abspath(args.model), "model_type": config.model_type,
-            "model_dtype": str(dtype).removeprefix("torch."),
-            **run_meta(layout, args.layers or args.format, args.loss_mask, args.out),
-            "hidden_size": config.hidden_size,
-            "num_samples": dataset.num_rows, "data": os.path.abspath(args.data),
-            "random_weights": args.random_weights, "identity": identity,
-            "max_length": args.max_length or yaml_max_length(args.layers),   # the window the mask was judged in
-            "versions": {"worker": __version__, "torch": torch.__version__,
-                         "transformers": __import__("transformers").__version__,
-                         "safetensors": __import__("safetensors").__version__}})
-
-        stats = Stats()
-        in_range = [rec for i, rec in finished.items() if start <= i < stop]
-        stats.done = sum(1 for r in in_range if "skipped" not in r)
-        stats.skipped = len(in_range) - stats.done
-        stats.tokens = sum(r.get("tokens", 0) for r in in_range)
-        stats.sq_tokens = sum(r.get("tokens", 0) ** 2 for r in in_range)
-        stats.bytes = sum(r.get("bytes", 0) for r in in_range)
-
-        @functools.cache
-        def tokenizer():
-            from transformers import AutoTokenizer
-            try:
-                return AutoTokenizer.from_pretrained(args.model)
-            except (OSError, ValueError) as e:
-                raise ModelError(f"{args.model}: raw chat rows need the model's tokenizer, which "
-                                 f"did not load: {str(e).splitlines()[0]}") from None
-
+        _write_run_meta(args, config, dtype, layout, dataset.num_rows, identity)
+        stats = resumed_stats(finished, start, stop)
         options = make_options(args, shape, pad)
         suspects = Suspects(suspects_path(args.out, args.shard_index), set(finished), start, stop)
         done = set(finished) | ({suspects.culprit} if suspects.culprit is not None else set())
-        items = iter_shard(dataset, start, stop, done, vocab_size, tokenizer, options, suspects.rows)
+        items = iter_shard(dataset, start, stop, done, vocab_size, chat_tokenizer(args.model), options,
+                           suspects.rows)
         sizing.start(log, dataset, start, stop, vocab_size, args.model, options, config)  # total_tokens, work
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                stats, args.progress_interval, stop - start, suspects)
@@ -538,25 +518,125 @@ def main(argv: list[str] | None = None) -> int:
         log.emit(protocol.Done(**stats.snapshot(), total=stop - start,
                                host_peak_bytes=host_peak_bytes(), **gpu_memory(shard_gpus)))
         return 0
-    except (NotRetryable, OwnerError) as e:
+    except (Exception, KeyboardInterrupt) as e:
+        return _failure_exit(log, e)
+
+
+def _on_term(signum, frame):
+    """SIGTERM (a stop, a restart, Slurm's end) as an exception: the shard ends through main's handler."""
+    raise Terminated(f"terminated by signal {signum}")
+
+
+def shard_devices(args: argparse.Namespace) -> list[str]:
+    """The devices the model's layers are spread over: --devices; else cuda:0..k-1 for
+    --gpus-per-shard k on a GPU; else the one device (--device, or cuda:0 when there is one)."""
+    device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    return args.devices.split(",") if args.devices else \
+        [f"cuda:{i}" for i in range(args.gpus_per_shard)] if device.type == "cuda" and args.gpus_per_shard > 1 \
+        else [str(device)]
+
+
+def _open_shard(args: argparse.Namespace, log: EventLog, device: torch.device):
+    """The dataset and this shard's rows [start, stop), announced by the `started` event."""
+    dataset = open_dataset(args.data)
+    if dataset.num_rows == 0:
+        raise DataError(f"{args.data}: empty (0 rows)")
+    start, stop = shard_range(dataset.num_rows, args.num_shards, args.shard_index)
+    log.emit(protocol.Started(pid=os.getpid(), host=socket.gethostname(), device=str(device),
+                              shard=args.shard_index, num_shards=args.num_shards, start=start,
+                              stop=stop, total=stop - start))
+    return dataset, start, stop
+
+
+def _resolve_work(args: argparse.Namespace):
+    """The model's shape (from its config.json), the layers to capture and the files' layout."""
+    shape = model_shape(args.model)
+    if shape is None:
+        raise ModelError(f"{args.model}: " + ("no config.json with hidden_size and num_hidden_layers"
+                                               if os.path.isdir(args.model) else "model folder not found"))
+    plan = resolve_layers(args.layers or args.format, shape.num_layers,
+                          args.last_layer_norm, args.target_last_hidden_states)
+    return shape, plan, Layout(args.format, plan, args.dtype)
+
+
+def _claim_output(args: argparse.Namespace, start: int, stop: int):
+    """The output folder claimed for the run's plan (the lock returned must be kept open), its
+    leftover temporary files of this shard removed, and the rows its manifests hold."""
+    planned = read_plan_file(args.plan) if args.plan else {}
+    lock = claim_output(args.out, planned.get("run"), planned.get("created"), args.shard_index)
+    remove_stale_temps(args.out, start, stop)
+    return lock, load_finished(args.out)
+
+
+def _check_gpus_visible(device: torch.device, devices: list[str]) -> None:
+    if device.type == "cuda" and len(devices) > torch.cuda.device_count():
+        raise ModelError(f"--gpus-per-shard {len(devices)}: only {torch.cuda.device_count()} GPU(s) "
+                         f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')})")
+
+
+def _write_run_meta(args: argparse.Namespace, config, dtype: torch.dtype, layout: Layout, num_rows: int,
+                    identity: dict) -> None:
+    """meta.json: what the output holds and what made it (the trainers and verify read it)."""
+    os.makedirs(args.out, exist_ok=True)
+    write_meta(args.out, {
+        "model": os.path.abspath(args.model), "model_type": config.model_type,
+        "model_dtype": str(dtype).removeprefix("torch."),
+        **run_meta(layout, args.layers or args.format, args.loss_mask, args.out),
+        "hidden_size": config.hidden_size,
+        "num_samples": num_rows, "data": os.path.abspath(args.data),
+        "random_weights": args.random_weights, "identity": identity,
+        "max_length": args.max_length or yaml_max_length(args.layers),   # the window the mask was judged in
+        "versions": {"worker": __version__, "torch": torch.__version__,
+                     "transformers": __import__("transformers").__version__,
+                     "safetensors": __import__("safetensors").__version__}})
+
+
+def resumed_stats(finished: dict[int, dict], start: int, stop: int) -> Stats:
+    """The shard's counters as its manifests leave them: a resumed launch counts on from there."""
+    stats = Stats()
+    in_range = [rec for i, rec in finished.items() if start <= i < stop]
+    stats.done = sum(1 for r in in_range if "skipped" not in r)
+    stats.skipped = len(in_range) - stats.done
+    stats.tokens = sum(r.get("tokens", 0) for r in in_range)
+    stats.sq_tokens = sum(r.get("tokens", 0) ** 2 for r in in_range)
+    stats.bytes = sum(r.get("bytes", 0) for r in in_range)
+    return stats
+
+
+def chat_tokenizer(model: str) -> Callable:
+    """The model's tokenizer, loaded on first use (only raw chat rows need it), once."""
+    @functools.cache
+    def tokenizer():
+        from transformers import AutoTokenizer
+        try:
+            return AutoTokenizer.from_pretrained(model)
+        except (OSError, ValueError) as e:
+            raise ModelError(f"{model}: raw chat rows need the model's tokenizer, which "
+                             f"did not load: {str(e).splitlines()[0]}") from None
+    return tokenizer
+
+
+def _failure_exit(log: EventLog, e: BaseException) -> int:
+    """The failure event and exit code for what ended the shard: fatal where a restart would fail
+    the same way (exit 1), a user's error (exit 2), a stop (143; quiet when one was asked for)."""
+    if isinstance(e, (NotRetryable, OwnerError)):
         return fail(log, str(e), EXIT_FAILED, fatal=True)
-    except (DataError, ModelError, LayerError, FormatError) as e:
+    if isinstance(e, (DataError, ModelError, LayerError, FormatError)):
         return fail(log, str(e), EXIT_USAGE, fatal=getattr(e, "fatal", False))
-    except DiskFullError as e:
+    if isinstance(e, DiskFullError):
         return fail(log, str(e), EXIT_FAILED)
-    except Terminated as e:
+    if isinstance(e, Terminated):
         if asked := log.stop_requested():
             print(f"stopped: {e} ({'a restart' if asked.why == 'restart' else 'asked by the user'}); "
                   f"what was written stays, the next launch resumes", file=sys.stderr, flush=True)
             return EXIT_TERMINATED
         return fail(log, str(e), EXIT_TERMINATED)
-    except KeyboardInterrupt:
+    if isinstance(e, KeyboardInterrupt):
         return fail(log, "interrupted", EXIT_TERMINATED)
-    except Exception as e:
-        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if "CUDA error" in str(e):        # sticky: only a new process recovers (worker.suspects)
-            why += " (the rows in flight run alone, after the rest, at the next launch)"
-        return fail(log, why, EXIT_FAILED, traceback.format_exc())
+    why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if "CUDA error" in str(e):        # sticky: only a new process recovers (worker.suspects)
+        why += " (the rows in flight run alone, after the rest, at the next launch)"
+    return fail(log, why, EXIT_FAILED, traceback.format_exc())
 
 
 def use_cache_dir(cache_dir: str | None) -> None:

@@ -10,6 +10,7 @@ from then on each redraw adds the snapshot's figure. Points are capped to an hou
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 from rich.segment import Segment
 from rich.style import Style
@@ -127,10 +128,10 @@ class ThroughputChart(Widget):
         return self._lines[y] if y < len(self._lines) else Strip.blank(self.size.width)
 
     def _draw(self, width: int, height: int) -> list[Strip]:
-        base = self.rich_style
-        axis = base + Style(dim=True)
-        bars = base + Style(color="green") if not self.app.no_color else base
-        exp_style = base + (Style(color="yellow") if not self.app.no_color else Style(bold=True))
+        """The title, `height - 3` rows of bars against the value axis, the zero baseline with its
+        ticks and the time labels under it; the title alone when the chart has no room."""
+        styles = self._styles()
+        base, axis = styles.base, styles.axis
         lines = [Strip([Segment(self.title[:width].ljust(width), base + Style(bold=True))])]
         rows = height - 3
         plot = width - MARGIN - 1
@@ -138,44 +139,90 @@ class ThroughputChart(Widget):
             return (lines + [Strip.blank(width, base)] * height)[:height]
         bucket = bucket_for(self.points, self.now, plot, self.start)
         values = columns(self.points, self.now, plot, bucket)
+        lines += self._bar_rows(values, rows, width, styles)
+        ticks = time_ticks(plot, bucket)
+        baseline = "".join("┴" if x in ticks else "─" for x in range(plot))
+        lines.append(Strip([Segment("0".rjust(MARGIN - 1) + " └", axis), Segment(baseline, axis)])
+                     .adjust_cell_length(width, base))
+        lines.append(Strip([Segment(" " * (MARGIN + 1) + tick_labels(ticks, plot), axis)])
+                     .adjust_cell_length(width, base))
+        return lines[:height]
+
+    def _styles(self) -> ChartStyles:
+        """The chart's styles over the widget's own; NO_COLOR marks the expected line by weight."""
+        base = self.rich_style
+        return ChartStyles(base=base, axis=base + Style(dim=True),
+                           bars=base + Style(color="green") if not self.app.no_color else base,
+                           expected=base + (Style(color="yellow") if not self.app.no_color else Style(bold=True)))
+
+    def _bar_rows(self, values: list[float | None], rows: int, width: int, styles: ChartStyles) -> list[Strip]:
+        """The plot's rows from the top: a value label at the top and the middle, then each
+        column's bar to the eighth of a row, under a round top a little above the highest value."""
         seen = [v for v in values if v is not None]
         top = nice_top(max(seen + ([self.expected] if self.expected else []) + [1e-9]) * 1.05)
         exp_row = None
         if self.expected:
             exp_row = rows - 1 - min(int(self.expected / top * rows), rows - 1)
+        out = []
         for r in range(rows):
             label = si(top * (rows - r) / rows) if r == 0 or (rows >= 4 and r == rows // 2) else ""
-            segments = [Segment(label.rjust(MARGIN - 1)[: MARGIN - 1] + " ", axis), Segment("┤" if label else "│", axis)]
-            level_lo = (rows - 1 - r) * 8              # eighths below this row
-            cells = []
-            for v in values:
-                e = 0 if v is None else int(round(v / top * rows * 8))
-                fill = min(max(e - level_lo, 0), 8)
-                if fill:
-                    cells.append(("█" if fill == 8 else _BLOCKS[fill], bars))
-                elif r == exp_row:
-                    cells.append(("┈", exp_style))
-                else:
-                    cells.append((" ", base))
-            segments += [Segment(c, s) for c, s in cells]
-            lines.append(Strip(segments).adjust_cell_length(width, base))
-        # The zero baseline, with ticks, and the time labels under it.
-        ticks = {}
-        span = plot * bucket
-        step = next((s for s in (5, 10, 15, 20, 30, 60, 120, 300, 600, 900, 1800, 3600) if span / s <= 6), 3600)
-        for k in range(0, int(span // step) + 1):
-            x = plot - 1 - int(k * step / bucket)
-            if x >= 0:
-                ago = k * step
-                ticks[x] = "now" if k == 0 else f"-{ago // 3600}h" if ago % 3600 == 0 \
-                    else f"-{ago // 60}m" if ago % 60 == 0 else f"-{ago}s"
-        baseline = "".join("┴" if x in ticks else "─" for x in range(plot))
-        lines.append(Strip([Segment("0".rjust(MARGIN - 1) + " └", axis), Segment(baseline, axis)])
-                     .adjust_cell_length(width, base))
-        labels = [" "] * plot
-        for x, text in sorted(ticks.items()):
-            start = min(max(x - len(text) + 1 if text == "now" else x - len(text) // 2, 0), plot - len(text))
-            if all(c == " " for c in labels[max(start - 1, 0):start + len(text) + 1]):
-                labels[start:start + len(text)] = list(text)
-        lines.append(Strip([Segment(" " * (MARGIN + 1) + "".join(labels), axis)]).adjust_cell_length(width, base))
-        return lines[:height]
+            segments = [Segment(label.rjust(MARGIN - 1)[: MARGIN - 1] + " ", styles.axis),
+                        Segment("┤" if label else "│", styles.axis)]
+            segments += row_cells(values, top, rows, r, r == exp_row, styles)
+            out.append(Strip(segments).adjust_cell_length(width, styles.base))
+        return out
+
+
+class ChartStyles(NamedTuple):
+    base: Style
+    axis: Style
+    bars: Style
+    expected: Style
+
+
+def row_cells(values: list[float | None], top: float, rows: int, r: int, expected_row: bool,
+              styles: ChartStyles) -> list[Segment]:
+    """Row `r`'s cells (0 at the top): a column's bar filled to its eighth of the row, else the
+    expected rate's dot where this is its row, else blank."""
+    level_lo = (rows - 1 - r) * 8              # eighths below this row
+    cells = []
+    for v in values:
+        e = 0 if v is None else int(round(v / top * rows * 8))
+        fill = min(max(e - level_lo, 0), 8)
+        if fill:
+            cells.append(Segment("█" if fill == 8 else _BLOCKS[fill], styles.bars))
+        elif expected_row:
+            cells.append(Segment("┈", styles.expected))
+        else:
+            cells.append(Segment(" ", styles.base))
+    return cells
+
+
+def time_ticks(plot: int, bucket: float) -> dict[int, str]:
+    """The columns of the time axis that get a tick, each with how long ago it is: at most about
+    six, a round step apart, counted back from now at the right edge."""
+    ticks = {}
+    span = plot * bucket
+    step = next((s for s in (5, 10, 15, 20, 30, 60, 120, 300, 600, 900, 1800, 3600) if span / s <= 6), 3600)
+    for k in range(0, int(span // step) + 1):
+        x = plot - 1 - int(k * step / bucket)
+        if x >= 0:
+            ticks[x] = ago_text(k * step)
+    return ticks
+
+
+def ago_text(ago: int) -> str:
+    """'now', '-2h', '-5m', '-30s': in the largest unit that divides it."""
+    return "now" if ago == 0 else f"-{ago // 3600}h" if ago % 3600 == 0 \
+        else f"-{ago // 60}m" if ago % 60 == 0 else f"-{ago}s"
+
+
+def tick_labels(ticks: dict[int, str], plot: int) -> str:
+    """The time labels under the ticks, left to right, each centred on its tick ('now' ends at
+    it), inside the plot; a label that would touch the one before it is left out."""
+    labels = [" "] * plot
+    for x, text in sorted(ticks.items()):
+        start = min(max(x - len(text) + 1 if text == "now" else x - len(text) // 2, 0), plot - len(text))
+        if all(c == " " for c in labels[max(start - 1, 0):start + len(text) + 1]):
+            labels[start:start + len(text)] = list(text)
+    return "".join(labels)

@@ -41,30 +41,38 @@ def state_counts(snap: FleetSnapshot, no_color: bool) -> list[tuple[int, Text]]:
 
 
 def lines(snap: FleetSnapshot, width: int, no_color: bool = False) -> list[Text]:
+    """The bar's three lines at `width`: the head, the rate (or a banner once nothing runs), the facts."""
     t = snap.totals
-    up = sum(1 for h in snap.hosts if h.reachable)
-    head: list[tuple[int, Text]] = [
-        (0, Text.assemble(("fleet ", "bold"), (snap.run, "bold" if no_color else "bold cyan"))),
-        (1, Text(f"hosts {up}/{len(snap.hosts)}"))]
+    head = head_parts(snap, no_color)
     if not t.replayed:
-        # Re-attaching: until the hosts' records are read, every shard would count as PENDING, with
-        # 0 samples/s and no ETA. Say what is happening instead of figures that are not known yet.
-        waiting = sum(1 for h in snap.hosts if not h.replayed and h.reachable is not False)
-        head.append((0, Text(f"reading hosts… ({waiting} of {len(snap.hosts)} record(s) to replay)", "italic")))
-        return [fit(head, width),
-                fit([(0, Text(f"{len(snap.shards)} shard(s): states, rates and the ETA follow once "
-                              f"their hosts' records are read", "italic"))], width),
-                Text("")]
+        return replaying_lines(snap, head, width)
     head += state_counts(snap, no_color)
+    facts = fact_parts(t)
+    banner = run_banner(snap, no_color)
+    middle = [(0, banner)] if banner is not None else rate_parts(t, no_color)
+    return [fit(head, width), fit(middle, width), fit(facts, width)]
 
-    money = []
-    if t.usd_spent is not None:
-        money = [(4, Text(f"{usd(t.usd_spent)} spent")),
-                 (5, Text(f"{usd(t.usd_projected)} projected" if t.usd_projected is not None and not t.settled
-                          else "")),
-                 (5, Text(f"{usd(t.usd_per_million_tokens)}/Mtok" if t.usd_per_million_tokens is not None
-                          else ""))]
-        money = [m for m in money if m[1].plain]
+
+def head_parts(snap: FleetSnapshot, no_color: bool) -> list[tuple[int, Text]]:
+    """The run's name and how many of its hosts are up: always shown, whatever else is known."""
+    up = sum(1 for h in snap.hosts if h.reachable)
+    return [(0, Text.assemble(("fleet ", "bold"), (snap.run, "bold" if no_color else "bold cyan"))),
+            (1, Text(f"hosts {up}/{len(snap.hosts)}"))]
+
+
+def replaying_lines(snap: FleetSnapshot, head: list[tuple[int, Text]], width: int) -> list[Text]:
+    """Re-attaching: until the hosts' records are read, every shard would count as PENDING, with
+    0 samples/s and no ETA. Say what is happening instead of figures that are not known yet."""
+    waiting = sum(1 for h in snap.hosts if not h.replayed and h.reachable is not False)
+    head = head + [(0, Text(f"reading hosts… ({waiting} of {len(snap.hosts)} record(s) to replay)", "italic"))]
+    return [fit(head, width),
+            fit([(0, Text(f"{len(snap.shards)} shard(s): states, rates and the ETA follow once "
+                          f"their hosts' records are read", "italic"))], width),
+            Text("")]
+
+
+def fact_parts(t) -> list[tuple[int, Text]]:
+    """Progress, elapsed time, bytes, disk and money: the third line, kept in a banner's company."""
     facts = [(0, Text(f"{t.done:,}/{t.total:,} samples"))]
     if t.tokens or t.total_tokens:                # a [job] that reports samples shows no tokens
         facts.append((2, Text(f"{si(t.tokens)}/{si(t.total_tokens)} tokens" if t.total_tokens
@@ -75,40 +83,66 @@ def lines(snap: FleetSnapshot, width: int, no_color: bool = False) -> list[Text]
     if t.disk_full_eta_s:
         facts.append((3, Text(f"disk full in {duration(t.disk_full_eta_s)}",
                               "bold" if t.eta_s and t.disk_full_eta_s < t.eta_s else "")))
-    facts += money
+    return facts + money_parts(t)
 
+
+def money_parts(t) -> list[tuple[int, Text]]:
+    """Spent, projected (while the run goes on) and per million tokens, for hosts with a price."""
+    if t.usd_spent is None:
+        return []
+    money = [(4, Text(f"{usd(t.usd_spent)} spent")),
+             (5, Text(f"{usd(t.usd_projected)} projected" if t.usd_projected is not None and not t.settled
+                      else "")),
+             (5, Text(f"{usd(t.usd_per_million_tokens)}/Mtok" if t.usd_per_million_tokens is not None
+                      else ""))]
+    return [m for m in money if m[1].plain]
+
+
+def run_banner(snap: FleetSnapshot, no_color: bool) -> Text | None:
+    """Instead of the rate, once nothing runs: what the finished run took, or that it needs a
+    restart; None while shards run."""
+    t = snap.totals
     if t.finished:
-        banner = Text(f"✓ {finished_summary(snap, ' · ')} → fleet verify",
-                      "bold reverse" if no_color else "bold white on dark_green")
-        return [fit(head, width), fit([(0, banner)], width), fit(facts, width)]
+        return Text(f"✓ {finished_summary(snap, ' · ')} → fleet verify",
+                    "bold reverse" if no_color else "bold white on dark_green")
     if t.settled:
         counts = ", ".join(f"{n} {s}" for s, n in t.by_state.items())
-        banner = Text(f"nothing is running: {counts} · r restarts the selected, R every failed one",
-                      "bold reverse" if no_color else "bold black on yellow")
-        return [fit(head, width), fit([(0, banner)], width), fit(facts, width)]
+        return Text(f"nothing is running: {counts} · r restarts the selected, R every failed one",
+                    "bold reverse" if no_color else "bold black on yellow")
+    return None
 
-    level = t.alert_level
-    style = ALERT[no_color][level]
-    unit = t.ratio_unit or "samples"
+
+def rate_parts(t, no_color: bool) -> list[tuple[int, Text]]:
+    """The measured rate (tokens/s when the run counts tokens), against the expected, and the ETA."""
+    style = ALERT[no_color][t.alert_level]
     rate: list[tuple[int, Text]] = []
     if t.tokens_per_s is not None and (t.tokens or t.total_tokens):
         rate.append((0, Text(f"{si(t.tokens_per_s)} tok/s", "bold")))
         rate.append((3, Text(f"({t.samples_per_s:,.1f} samples/s)")))
     else:
         rate.append((0, Text(f"{si(t.samples_per_s)} samples/s", "bold")))
-    expected = t.expected_tokens_per_s if unit == "tokens" else t.expected_per_s
-    if expected:
-        rate.append((2, Text(f"expected {si(expected)} {'tok' if unit == 'tokens' else 'samples'}/s"
-                             f" ({t.gpus_expected} GPU{'' if t.gpus_expected == 1 else 's'})")))
-        if t.ratio is not None:
-            rate.append((1, Text.assemble((bar(min(t.ratio, 1.0), 12), style),
-                                          (f" {t.ratio:.0%} of expected", style))))
-        else:
-            rate.append((1, Text("not measured yet", "italic")))
+    rate += expected_parts(t, style)
     rate.append((0, Text(run_eta_text(t))))
     if t.eta_left_out:
         rate.append((3, Text(f"(leaves out {len(t.eta_left_out)} FATAL/STOPPED)", "italic")))
-    return [fit(head, width), fit(rate, width), fit(facts, width)]
+    return rate
+
+
+def expected_parts(t, style: str) -> list[tuple[int, Text]]:
+    """The expected rate in the ratio's unit and the measured share of it as a bar (nothing when
+    no rate is expected)."""
+    unit = t.ratio_unit or "samples"
+    expected = t.expected_tokens_per_s if unit == "tokens" else t.expected_per_s
+    if not expected:
+        return []
+    parts = [(2, Text(f"expected {si(expected)} {'tok' if unit == 'tokens' else 'samples'}/s"
+                      f" ({t.gpus_expected} GPU{'' if t.gpus_expected == 1 else 's'})"))]
+    if t.ratio is not None:
+        parts.append((1, Text.assemble((bar(min(t.ratio, 1.0), 12), style),
+                                       (f" {t.ratio:.0%} of expected", style))))
+    else:
+        parts.append((1, Text("not measured yet", "italic")))
+    return parts
 
 
 def run_eta_text(t) -> str:
