@@ -177,10 +177,13 @@ class Notifier:
 
         async def watch() -> None:
             while True:
-                snap = snapshot()
-                if snap.totals.replayed:
-                    told, self.alert = alert_notice(self.alert, snap, self.spec.alert_after)
-                    self._send([told] if told else [])
+                try:
+                    snap = snapshot()
+                    if snap.totals.replayed:
+                        told, self.alert = alert_notice(self.alert, snap, self.spec.alert_after)
+                        self._send([told] if told else [])
+                except Exception as e:                  # never ends the supervisor's tasks
+                    self.on_log(f"notify: {type(e).__name__}: {e}")
                 await asyncio.sleep(self.interval)
         group.create_task(watch(), name="notify")
 
