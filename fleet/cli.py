@@ -175,7 +175,13 @@ async def supervise_headless(sup: Supervisor) -> int:
     await sup.start()
     await sup.launch_all()
     sup.settled_event.clear()                     # judged again once the launches are in flight
-    await sup.settled_event.wait()
+    settled = asyncio.ensure_future(sup.settled_event.wait())
+    await asyncio.wait({settled, sup.runner}, return_when=asyncio.FIRST_COMPLETED)
+    if not settled.done():                        # supervising itself ended: say why, never hang
+        settled.cancel()
+        why = sup.runner.exception() if not sup.runner.cancelled() else "cancelled"
+        await sup.close()
+        fail(f"supervising stopped: {why!r}; the workers keep running (fleet status)", EXIT_FAULT)
     await sup.close()
     snap = sup.snapshot()
     click.echo(render.format_status(snap))

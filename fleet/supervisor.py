@@ -53,7 +53,7 @@ class Supervisor:
         self.settled_event = asyncio.Event()        # every shard settled, nothing in flight
         self.starved = 0.0                  # seconds the decide loop ran late lately (decaying max)
         self._group: asyncio.TaskGroup | None = None
-        self._runner: asyncio.Task | None = None
+        self.runner: asyncio.Task | None = None
         self.notifier = Notifier(config.spec.notify, config.base_dir, lambda m: self.on_log(m)) \
             if config.spec.notify else None
 
@@ -115,7 +115,7 @@ class Supervisor:
                     self.subscribe(self.notifier.told)
                 started.set()
                 await asyncio.Event().wait()           # until close() cancels this task
-        self._runner = asyncio.create_task(run(), name="supervisor")
+        self.runner = asyncio.create_task(run(), name="supervisor")
         await started.wait()
 
     async def wait_replayed(self, timeout: float = 60) -> None:
@@ -283,12 +283,12 @@ class Supervisor:
 
     async def close(self) -> None:
         """Stop following (telling what just changed first); the workers keep running."""
-        if self._runner is not None:
+        if self.runner is not None:
             now = time.time()                           # the last changes are told
             self.publish({k: self.verdict(s, now) for k, s in self.shards.items()}, now)
-            self._runner.cancel()
-            await asyncio.gather(self._runner, return_exceptions=True)
-            self._runner = self._group = None
+            self.runner.cancel()
+            await asyncio.gather(self.runner, return_exceptions=True)
+            self.runner = self._group = None
         if self.notifier is not None:
             await self.notifier.close()
         for link in self.links.values():
