@@ -175,13 +175,15 @@ async def supervise_headless(sup: Supervisor) -> int:
     await sup.start()
     await sup.launch_all()
     sup.settled_event.clear()                     # judged again once the launches are in flight
-    settled = asyncio.ensure_future(sup.settled_event.wait())
-    await asyncio.wait({settled, sup.runner}, return_when=asyncio.FIRST_COMPLETED)
-    if not settled.done():                        # supervising itself ended: say why, never hang
-        settled.cancel()
-        why = sup.runner.exception() if not sup.runner.cancelled() else "cancelled"
-        await sup.close()
-        fail(f"supervising stopped: {why!r}; the workers keep running (fleet status)", EXIT_FAULT)
+    while not (sup.settled_event.is_set() or (sup.replayed and not sup.acting and sup.snapshot().totals.settled)):
+        if sup.runner.done():                     # supervising itself ended: say why, never hang
+            why = sup.runner.exception() if not sup.runner.cancelled() else "cancelled"
+            await sup.close()
+            fail(f"supervising stopped: {why!r}; the workers keep running (fleet status)", EXIT_FAULT)
+        try:                                      # the decide loop's event, or a look once a second
+            await asyncio.wait_for(sup.settled_event.wait(), 1.0)
+        except asyncio.TimeoutError:
+            pass
     await sup.close()
     snap = sup.snapshot()
     click.echo(render.format_status(snap))
