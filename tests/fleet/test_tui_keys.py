@@ -321,14 +321,19 @@ async def test_tab_moves_between_panes_and_enter_expands_a_gpu_host():
         assert gpus.highlight == {"g:box01:1"}
 
 
-async def test_a_failure_while_watching_is_toasted_with_the_bell():
-    f = fleet()
-    bells = []
+def counting_bells(source) -> tuple[FleetApp, list]:
+    """The live view on `source`, with the bells it rings kept in the returned list."""
+    bells: list = []
 
     class App(FleetApp):
         def bell(self):
             bells.append(1)
-    app = App(f, interval=3600)
+    return App(source, interval=3600), bells
+
+
+async def test_a_failure_while_watching_is_toasted_with_the_bell():
+    f = fleet()
+    app, bells = counting_bells(f)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause(0.3)
         assert bells == []                                       # failures before watching: silent
@@ -347,12 +352,7 @@ async def test_a_stall_is_toasted_with_the_bell_as_it_appears_labelled_stalled()
     """Issue 25: the STALLED toast came 13 s after STALLED showed, labelled "RUNNING -> STARTING".
     The frame that first shows a shard STALLED brings the toast and the bell, and says STALLED."""
     f = fleet()
-    bells = []
-
-    class App(FleetApp):
-        def bell(self):
-            bells.append(1)
-    app = App(f, interval=3600)
+    app, bells = counting_bells(f)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause(0.3)
         f.stalled.add(7)                                          # alive, no more progress

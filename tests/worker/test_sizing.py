@@ -32,14 +32,21 @@ def test_shard_tokens_follow_the_extraction_rules(token_data, too_long):
     assert shard_tokens(open_dataset(token_data), 10, 50, 10, lambda: None, Options()) == 0   # every id out of vocab
 
 
-def test_worker_sends_total_tokens_equal_to_what_it_writes(tmp_path, dense_model):
+def small_run(tmp_path, model: str, rows: int, seed: int) -> tuple[str, str]:
+    """The real worker over `rows` short token rows, batches of 256 tokens, progress every 0.1 s;
+    returns its output and state folders."""
     from worker.demo import make_token_dataset
-    data = make_token_dataset(str(tmp_path / "d.jsonl"), 400, vocab_size=500, mean_tokens=40, seed=5)
+    data = make_token_dataset(str(tmp_path / "d.jsonl"), rows, vocab_size=500, mean_tokens=40, seed=seed)
     out, state = str(tmp_path / "out"), str(tmp_path / "state")
-    r = run_worker("--model", dense_model, "--data", data, "--out", out, "--state", state,
+    r = run_worker("--model", model, "--data", data, "--out", out, "--state", state,
                    "--max-tokens-per-batch", "256", "--dtype", "fp32", "--device", "cpu",
                    "--progress-interval", "0.1")
     assert r.returncode == 0, r.stderr
+    return out, state
+
+
+def test_worker_sends_total_tokens_equal_to_what_it_writes(tmp_path, dense_model):
+    out, state = small_run(tmp_path, dense_model, 400, 5)
     sized = {e["total_tokens"] for e in read_events(state) if e.get("total_tokens") is not None}
     assert sized == {manifest_tokens(out)}
     assert all(e["event"] in ("progress", "done") for e in read_events(state) if "total_tokens" in e)
@@ -49,13 +56,7 @@ def test_worker_sends_the_cost_of_its_work_equal_to_what_it_writes(tmp_path, den
     """Issue 25's ETA prices the work left: the totals the worker sends (rows, tokens squared) are
     what it writes, the done counters reach them, the FLOP model's weight is sent, and the first
     batch's start (`batches_from`) comes before any row is counted."""
-    from worker.demo import make_token_dataset
-    data = make_token_dataset(str(tmp_path / "d.jsonl"), 300, vocab_size=500, mean_tokens=40, seed=6)
-    out, state = str(tmp_path / "out"), str(tmp_path / "state")
-    r = run_worker("--model", dense_model, "--data", data, "--out", out, "--state", state,
-                   "--max-tokens-per-batch", "256", "--dtype", "fp32", "--device", "cpu",
-                   "--progress-interval", "0.1")
-    assert r.returncode == 0, r.stderr
+    out, state = small_run(tmp_path, dense_model, 300, 6)
     written = [json.loads(l) for p in os.listdir(os.path.join(out, "manifest"))
                for l in open(os.path.join(out, "manifest", p)) if l.strip() and "skipped" not in l]
     events = [e for e in read_events(state) if e["event"] in ("progress", "done")]
