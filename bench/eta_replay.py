@@ -55,7 +55,11 @@ def main() -> None:
     out = {}
     for path in args.runs:
         events = protocol.read_events(path)
-        start, end = extraction(events)
+        try:
+            start, end = extraction(events)
+        except StopIteration:           # a run that never finished (a fatal shard) has no end to replay
+            print(f"{os.path.basename(path)}: not replayed (no done)")
+            continue
         rows = []
         print(f"{os.path.basename(path)}: extraction {end - start:.1f} s")
         print(f"  {'at':>4} {'left':>7} {'ETA':>7} {'err':>6} {'before':>7} {'err':>6}")

@@ -6,8 +6,9 @@ long row costs more per token (its attention grows with its length: 4.8x per tok
 than at 32 for the demo's model on a CPU), so a rate measured on the long rows runs long for the
 short ones, and a 30 s window of batch-at-a-time progress swings by minutes within seconds. The
 worker sends what the work costs (`total_rows`, `total_tokens`, `total_sq_tokens` for the whole
-shard, the same counted over the rows done, and its FLOP model's `attention_weight`), and the ETA
-is the fitted cost of the work left (`fit_cost`, `pace_eta`); a record without them (an older
+shard, the same counted over the rows done, and `attention_weight`: its FLOP model's, or on a
+CPU the one it timed at load), each batch timed from the write that counted it (`counted_t`), and
+the ETA is the fitted cost of the work left (`fit_cost`, `pace_eta`); a record without them (an older
 worker, a [job]) is timed by its pace over the last 2 minutes, in tokens or samples, as before.
 Until the attempt has 3 minutes of progress behind it the ETA says it is rough ("~").
 """
@@ -108,9 +109,10 @@ def work_left(record: ShardRecord) -> tuple[float, float, float] | None:
 
 def batches(record: ShardRecord) -> list[tuple[float, float, float, float, float]]:
     """The attempt's progress as (end time, seconds, rows, tokens, tokens squared) per interval
-    between the points where its tokens moved, from when its first batch began (the worker's
-    `batches_from`; else the progress point before the first move). Empty for a record without
-    the work's cost."""
+    between the points where its tokens moved, each timed from when the write it reports was
+    counted (the worker's `counted_t`; a tick's own time for an older worker), from when its
+    first batch began (the worker's `batches_from`; else the progress point before the first
+    move). Empty for a record without the work's cost."""
     a = record.attempt
     if a is None or record.attention_weight is None and record.total_sq_tokens is None:
         return []
@@ -118,12 +120,17 @@ def batches(record: ShardRecord) -> list[tuple[float, float, float, float, float
     first = next((i for i in range(1, len(h)) if h[i][2] != h[i - 1][2]), None)
     if first is None:
         return []
-    begin = h[first - 1]
-    if a.batches_from is not None and a.batches_from <= h[first][0]:
+    begin = h[first - 1][:5]
+    if a.batches_from is not None and a.batches_from <= counted_at(h[first]):
         begin = (a.batches_from, *begin[1:])      # the first batch timed from its start, not a tick
-    points = [begin] + [h[i] for i in range(first, len(h)) if h[i][2] != h[i - 1][2]]
+    points = [begin] + [(counted_at(h[i]), *h[i][1:5]) for i in range(first, len(h)) if h[i][2] != h[i - 1][2]]
     return [(b[0], b[0] - a_[0], b[1] - a_[1], b[2] - a_[2], b[4] - a_[4])
             for a_, b in zip(points, points[1:]) if b[0] > a_[0]]
+
+
+def counted_at(point: tuple) -> float:
+    """When a history point's counters were counted: the write's time where the worker sent it."""
+    return point[5] if len(point) > 5 else point[0]
 
 
 def grouped(intervals: list, seconds: float = GROUP_S) -> list:
@@ -220,7 +227,7 @@ def last_move(a) -> float:
     h = a.history
     for i in range(len(h) - 1, 0, -1):
         if h[i][2] != h[i - 1][2]:
-            return h[i][0]
+            return counted_at(h[i])
     return h[0][0]
 
 

@@ -264,7 +264,8 @@ class ShardRecord:
         else:
             a.phase = Phase.RUNNING
         a.last_progress_t = ev.t
-        a.history.append((ev.t, self.done + self.skipped, self.tokens, self.bytes, self.sq_tokens))
+        counted = ev.counted_t if ev.counted_t is not None and ev.counted_t <= ev.t else ev.t
+        a.history.append((ev.t, self.done + self.skipped, self.tokens, self.bytes, self.sq_tokens, counted))
 
     @staticmethod
     def _said(a: Attempt, ev: protocol.Failed | protocol.Sentinel) -> None:

@@ -495,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         config = text_config(model)
         pad = args.pad_multiple or (1 if device.type != "cuda" else HYBRID_PAD if is_hybrid(model) else 8)
         path = choose_path(model, device, args, log, max(8, pad), tuner)
+        weight = host_weight(model, device, args, log, config, shape.max_positions)
         log.emit(protocol.Loaded(seconds=round(time.perf_counter() - t0, 2), **gpu_memory(shard_gpus),
                                  layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm,
                                  path=path))
@@ -507,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         done = set(finished) | ({suspects.culprit} if suspects.culprit is not None else set())
         items = iter_shard(dataset, start, stop, done, vocab_size, chat_tokenizer(args.model), options,
                            suspects.rows)
-        sizing.start(log, dataset, start, stop, vocab_size, args.model, options, config)  # total_tokens, work
+        sizing.start(log, dataset, start, stop, vocab_size, args.model, options, config, weight)  # total_tokens, work
         stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                stats, args.progress_interval, stop - start, suspects)
         if problem := too_many_skipped(args.out, start, stop, args.max_skip_fraction):
@@ -803,6 +804,25 @@ def warm_hybrid(model: torch.nn.Module, device: torch.device, args: argparse.Nam
 def row_buckets(budget: int, pad: int) -> list[int]:
     """Every row count a batch can have under `budget` with bucketed rows."""
     return sorted({row_bucket(r) for r in range(1, max(1, budget // pad) + 1)})
+
+
+def host_weight(model: torch.nn.Module, device: torch.device, args: argparse.Namespace, log: EventLog,
+                config, max_positions: int | None) -> float | None:
+    """Attention's weight for the ETA as this CPU runs the model (sizing.measured_weight, about a
+    second at load, shown as its own LOADING step); None on a GPU or when the timing fails: the
+    FLOP model's weight then."""
+    if device.type != "cpu":
+        return None
+    log.emit(protocol.Loading(model=args.model, detail="timing a long row against short ones "
+                                                       "(what the ETA weighs rows by)"))
+    long = min(sizing.LONG_ROW, max_positions or sizing.LONG_ROW)
+    try:
+        return sizing.measured_weight(lambda rows, width: warm_rows(model, device, [(rows, width)]),
+                                      sizing.attention_weight(config), long=long)
+    except Terminated:
+        raise
+    except Exception:           # a timing that fails costs the ETA its measured weight, never the shard
+        return None
 
 
 def warm_rows(model: torch.nn.Module, device: torch.device, shapes: list[tuple[int, int]],

@@ -204,8 +204,10 @@ class Progress(Record):
     `total_tokens`), `sq_tokens` (the sum of L^2 over the finished rows) and `attention_weight`
     (a FLOP model of the model's shape: a prior, which the supervisor corrects by fitting), and
     `batches_from`, when the launch's first batch began, so the first batch is timed from its
-    start and not from the last progress tick before it. All optional: a record without them
-    folds as before."""
+    start and not from the last progress tick before it, and `counted_t`, when the rows last
+    written were counted: progress goes out on a timer, so the tick's own time is up to a tick
+    after the write it reports, and the fit times each batch from `counted_t` to `counted_t`.
+    All optional: a record without them folds as before."""
     KIND: ClassVar[str] = "progress"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
@@ -219,6 +221,7 @@ class Progress(Record):
     total_sq_tokens: Optional[int] = None
     attention_weight: Optional[float] = None
     batches_from: Optional[float] = None   # when this launch's first batch began (loading and reading done)
+    counted_t: Optional[float] = None      # when the counters last moved (the write they report)
     bytes: Optional[int] = None
     writer_wait_s: Optional[float] = None
     host_buffer_bytes: Optional[int] = None

@@ -10,6 +10,12 @@ rows and the sum of each row's tokens squared (`total_rows`, `total_sq_tokens`) 
 model's weight of attention (`attention_weight`): what fleet's ETA weighs the work left by, since
 a long row costs more per token than a short one (its attention grows with its length).
 
+On a CPU the FLOP model is not what the host does (attention there is memory-bound: the demo's
+long rows cost 1.3-2.6x what it says per token of attention), so `measured_weight` times the
+model at load, one long row against the same tokens in short rows, and that weight goes out
+instead. On a GPU it is not timed: a forward at shapes the shard never runs would compile or tune
+kernels for them; the FLOP model stands there and the supervisor's fit corrects it.
+
 Raw chats are tokenized by a tokenizer of the thread's own (a fast tokenizer is not safe to share
 between threads); any error just leaves the total unknown — the extraction reports its own.
 """
@@ -18,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
 import threading
+from typing import Callable
 
 from .data import BadRow
 from .events import EventLog
@@ -64,10 +72,36 @@ def attention_weight(config) -> float | None:
         return None
 
 
+LONG_ROW, SHORT_ROW = 512, 32      # the lengths `measured_weight` times (the demo's rows: 8 to ~1,000)
+
+
+def measured_weight(forward: Callable[[int, int], float], prior: float | None,
+                    long: int = LONG_ROW, short: int = SHORT_ROW, repeats: int = 3) -> float | None:
+    """Attention's weight as this host runs the model: `forward(rows, width)` (its seconds) on one
+    row of `long` tokens and on long/short rows of `short`, the same tokens, timed back to back
+    `repeats` times. A row of L tokens costs c x L x (1 + w x L), so each pair of times gives w;
+    the median pair's is kept (another process's burst spoils a pair, not the figure). None when
+    the times say nothing (the long row no dearer) or fall outside [prior / 4, prior x 8]."""
+    if long < 4 * short:
+        return None                                              # too short a model to tell them apart
+    forward(1, short)                                            # first-call costs, untimed
+    weights = []
+    for _ in range(repeats):
+        a, b = forward(1, long), forward(long // short, short)
+        denominator = b * long - a * short
+        weights.append((a - b) / denominator if a > b and denominator > 0 else 0.0)
+    weight = statistics.median(weights)
+    if weight <= 0 or prior is not None and not prior / 4 <= weight <= prior * 8:
+        return None
+    return round(weight, 9)
+
+
 def start(log: EventLog, dataset, start: int, stop: int, vocab_size: int, model: str,
-          options, config=None) -> threading.Thread:
-    """Size the shard in a daemon thread; the log stamps the result on later progress events."""
-    weight = attention_weight(config) if config is not None else None
+          options, config=None, weight: float | None = None) -> threading.Thread:
+    """Size the shard in a daemon thread; the log stamps the result on later progress events.
+    `weight`: attention's weight as measured on this host (else the FLOP model's, from `config`)."""
+    if weight is None and config is not None:
+        weight = attention_weight(config)
     if weight is not None:
         log.work = {**log.work, "attention_weight": weight}   # replaced whole: emit() reads it unlocked
 

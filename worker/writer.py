@@ -248,13 +248,15 @@ class Stats:
     skipped: int = 0
     writer_wait_s: float = 0.0
     host_buffer_bytes: int = 0           # the writer's host buffers: its bound on host memory
+    counted_t: float | None = None       # when the rows last written were counted (wall clock)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def snapshot(self) -> dict:
         with self.lock:
             return {"done": self.done, "tokens": self.tokens, "sq_tokens": self.sq_tokens, "bytes": self.bytes,
                     "skipped": self.skipped, "writer_wait_s": round(self.writer_wait_s, 3),
-                    "host_buffer_bytes": self.host_buffer_bytes}
+                    "host_buffer_bytes": self.host_buffer_bytes,
+                    **({"counted_t": round(self.counted_t, 3)} if self.counted_t is not None else {})}
 
 
 @dataclass
@@ -429,6 +431,7 @@ class BackgroundWriter:
                 self.stats.tokens += sum(r["tokens"] for r in records)
                 self.stats.sq_tokens += sum(r["tokens"] ** 2 for r in records)
                 self.stats.bytes += sum(r["bytes"] for r in records)
+                self.stats.counted_t = protocol.now()
             if first_error is not None:
                 raise first_error
         finally:

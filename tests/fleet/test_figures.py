@@ -11,6 +11,11 @@
   max_tokens=4000)`), the per-token cost falling about 2.5x from the first rows to the last. All
   recorded on the 2-core development machine while other sessions' tests ran on it (load average
   6-9), every run recorded is here.
+- `demo-timed-{a,b,c}-{0,1}.jsonl`: the demo again (`bench/record_eta_runs.sh`), with the worker
+  that times each batch from when its rows were counted (`counted_t`) and measures attention's
+  weight at load on the CPU instead of sending the FLOP model's: run a on the machine as it was
+  (another session's helper at work on it), b beside one run of the fast test lane, c beside three
+  (load average 6-7). Every run recorded is here.
 
 The run, for "from the first tenth on", is the shard's extraction from when its first batch began
 (`batches_from`) to when its last row was written: before that the shard is LOADING (model, rows,
@@ -113,7 +118,8 @@ def test_the_eta_is_within_20_percent_from_the_first_tenth_of_the_long_sorted_ru
 
 @pytest.mark.parametrize("name", DEMOS)
 def test_the_demo_eta_is_nearer_than_the_pace_and_within_20_percent_from_45_percent(name):
-    """The demo on the busy development machine: its first rows (590-300 tokens) ran 1.6-2.2x
+    """The demo on the busy development machine, recorded by the worker before it timed batches
+    from their writes and measured attention's weight (the FLOP model's weight, 2 s ticks): its first rows (590-300 tokens) ran 1.6-2.2x
     slower per token than the rest, far steeper than the FLOP model (1.3x) — memory contention
     from the other work on the 2 cores hits the attention of long rows hardest (on the quiet
     machine, load 1.5, the per-token cost was flat). Until the fit has seen shorter rows the ETA
@@ -126,6 +132,38 @@ def test_the_demo_eta_is_nearer_than_the_pace_and_within_20_percent_from_45_perc
     ours = sum(abs(eta - left) / left for _, left, eta, _, _ in rows)
     theirs = sum(abs(old - left) / left for _, left, _, old, _ in rows)
     assert ours < 0.7 * theirs, (ours, theirs)
+
+
+TIMED = tuple(f"demo-timed-{run}-{shard}.jsonl" for run in "abc" for shard in "01")
+
+
+@pytest.mark.parametrize("name", TIMED)
+def test_the_demo_eta_is_within_20_percent_from_the_first_tenth(name):
+    """Issue 25's figure: the demo, quiet or beside other work, within 20% (or one batch) of the time
+    really left at every moment from 10% of its run on. What made it: each batch timed from its
+    write, not a 2 s tick (at a tenth of a 40 s run there are three batches), and the shape of the
+    cost measured on the host (the FLOP model said a long row's attention costs 0.87e-3 per token
+    of length; the CPU ran it at 1.1-2.9e-3)."""
+    misses = [(round(f, 2), round(left, 1), round(eta, 1)) for f, left, eta, _, ok in replayed(name, 0.1)
+              if abs(eta - left) > ok]
+    assert not misses, ("(fraction, left, ETA)", misses)
+
+
+@pytest.mark.parametrize("name", TIMED)
+def test_batches_are_timed_from_the_writes_they_report(name):
+    """The intervals the fit sees end where the worker counted the rows (`counted_t`, read here from
+    the raw lines), not at the ticks that reported them; the first begins at `batches_from`."""
+    raw = [e for e in protocol.iter_jsonl(os.path.join(RUNS, name)) if e["event"] == "progress"]
+    moves = [b["counted_t"] for a, b in zip(raw, raw[1:]) if b["tokens"] != a["tokens"]]
+    if raw[0]["tokens"]:
+        moves.insert(0, raw[0]["counted_t"])
+    intervals = batches(fold(recorded(name)))
+    assert [iv[0] for iv in intervals] == pytest.approx(moves)
+    assert any(e["counted_t"] != e["t"] for e in raw if e.get("counted_t"))
+    began = next(e["batches_from"] for e in raw if e.get("batches_from"))
+    assert intervals[0][0] - intervals[0][1] == pytest.approx(began)
+    weights = {e["attention_weight"] for e in raw if e.get("attention_weight")}
+    assert len(weights) == 1 and weights != {0.000868056}        # measured, not the FLOP model's
 
 
 def test_records_without_the_cost_fold_and_keep_the_pace_eta():

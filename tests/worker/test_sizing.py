@@ -7,6 +7,8 @@ import json
 import os
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from worker.data import open_dataset
 from worker.extract import Options
@@ -69,6 +71,48 @@ def test_worker_sends_the_cost_of_its_work_equal_to_what_it_writes(tmp_path, den
     assert len(begun) == 1
     first_batch = begun.pop()
     assert all(e["t"] >= first_batch for e in events if e.get("tokens"))
+    # Each batch is timed from when its rows were counted (`counted_t`), not from the tick that
+    # reported them: the stamp moves exactly when the tokens do, after the first batch began and
+    # never after the event that carries it.
+    counted = [e for e in events if e.get("tokens")]
+    assert all(first_batch <= e["counted_t"] <= e["t"] for e in counted)
+    assert all((a["tokens"] == b["tokens"]) == (a["counted_t"] == b["counted_t"])
+               for a, b in zip(counted, counted[1:]))
+    assert len({e["counted_t"] for e in counted}) > 1
+    # On a CPU the weight is timed at load, as its own LOADING step, before `loaded`.
+    kinds = [(e["event"], e.get("detail") or "") for e in read_events(state)]
+    timing = next(i for i, (k, d) in enumerate(kinds) if k == "loading" and d.startswith("timing a long row"))
+    assert timing < kinds.index(("loaded", ""))
+
+
+class Timed:
+    """A forward whose seconds are the cost model itself: rows x width x c x (1 + w x width), with
+    a burst (x `burst`) on the tries listed in `spoiled`."""
+
+    def __init__(self, c: float, w: float, spoiled=(), burst: float = 3.0):
+        self.c, self.w, self.spoiled, self.burst, self.calls = c, w, set(spoiled), burst, 0
+
+    def __call__(self, rows: int, width: int) -> float:
+        self.calls += 1
+        seconds = rows * width * self.c * (1 + self.w * width)
+        return seconds * (self.burst if self.calls in self.spoiled else 1.0)
+
+
+@given(w=st.floats(1e-5, 1e-2), c=st.floats(1e-7, 1e-3), spoiled=st.sampled_from([(), (2,), (5,), (3,), (6,)]))
+def test_measured_weight_is_the_weight_the_times_come_from(w, c, spoiled):
+    """The weight measured from a forward timed by the cost model is the model's weight, also when
+    one of the three pairs of tries is hit by a burst of another process's work (calls 2-7 are
+    the timed ones: long, short, long, short, long, short)."""
+    from worker.sizing import measured_weight
+    assert measured_weight(Timed(c, w, spoiled), None) == pytest.approx(w, rel=1e-6, abs=1e-9)   # 9 places sent
+
+
+def test_measured_weight_says_nothing_rather_than_something_wrong():
+    from worker.sizing import measured_weight
+    assert measured_weight(Timed(1e-5, 1e-3), prior=1e-3) == pytest.approx(1e-3, rel=1e-6)
+    assert measured_weight(Timed(1e-5, 1e-3), prior=1e-2) is None           # 10x off the FLOP model
+    assert measured_weight(Timed(1e-5, 0.0), prior=None) is None             # a long row no dearer
+    assert measured_weight(Timed(1e-5, 1e-3), prior=None, long=64) is None   # too short to tell
 
 
 def test_attention_weight_is_the_flop_model_of_the_config():
