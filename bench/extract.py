@@ -193,8 +193,9 @@ def profile_forward(base, n: int, vocab: int, rows: int = 16, width: int = 1024)
     """Where a forward's GPU time goes: kernels by total time (top 30), and the time in each
     family (matmuls, flash-linear-attention's Triton kernels, convolutions, attention, the rest)."""
     from torch.profiler import ProfilerActivity, profile
+    from worker.model import unpacked_rows
     ids = torch.randint(0, vocab, (rows, width), device=DEVICE)
-    with torch.inference_mode():
+    with torch.inference_mode(), unpacked_rows():         # as the worker's forwards run
         for _ in range(3):
             base(input_ids=ids, use_cache=False)
         sync()
@@ -331,8 +332,8 @@ def main() -> None:
                    help="hybrid: run the RMS norms on fla's fused kernels (worker.model.use_fla_norms), "
                         "after comparing the model's hidden states with its own norms'")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="profile N forward passes of 16 x 1024 tokens (after a warm-up) and report the "
-                        "GPU kernels by time, then exit")
+                   help="profile N forward passes of 16 x 1024 tokens (after a warm-up; a dense model's layers "
+                        "compiled with --compile on/both) and report the GPU kernels by time, then exit")
     p.add_argument("--skip-warmup-pass", action="store_true",
                    help="time the first pass itself (no untimed warm-up pass): a shard's first minutes")
     args = p.parse_args()
@@ -393,6 +394,8 @@ def main() -> None:
         result["compile_s"] = round(time.perf_counter() - t1, 1)
         result["ref_rel_err_regions"] = reference_error(lm, base, warm, plan)
     if args.profile:
+        if args.shape == "dense" and args.compile in ("on", "both"):    # the worker's dense path
+            compile_layers(base)
         result["profile"] = profile_forward(base, args.profile, vocab)
         result["conv_source"] = conv_source(base)
         print(json.dumps(result, indent=1))

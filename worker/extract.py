@@ -38,7 +38,7 @@ from .identity import (IdentityError, differences, model_shape, output_identity,
                        upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers, yaml_max_length
 from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, find_decoder, is_hybrid, load_model,
-                    missing_fast_kernels, model_devices, move, text_config, uncompile_layers,
+                    missing_fast_kernels, model_devices, move, text_config, uncompile_layers, unpacked_rows,
                     use_fla_conv)
 from .suspects import Suspects, suspects_path
 from .writer import (BackgroundWriter, DiskFullError, Manifest, OwnerError, Stats, claim_output,
@@ -314,7 +314,7 @@ class Extractor:
     def _forward(self, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
         width = padded_length(max(s.length for s in batch), self.pad_multiple)
         ids, lengths = self._inputs(batch, width)
-        with torch.inference_mode():
+        with torch.inference_mode(), unpacked_rows():            # no host sync in the forward
             self.model(input_ids=ids, use_cache=False)
             hidden = self.capture.take(self.out_device)          # [B, S, n, H] bf16
             out = self.out_device

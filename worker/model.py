@@ -293,6 +293,37 @@ def _compile_forwards(modules, limit: int) -> int:
     return len(modules)
 
 
+@contextlib.contextmanager
+def unpacked_rows():
+    """The worker's forwards, without transformers' search for packed sequences. With no
+    attention mask and no cache, transformers (from 4.53, `masking_utils`) looks in every
+    forward for several sequences packed into one row (`find_packed_sequence_indices`), and
+    reads the answer on the host: a GPU-to-host sync at the start of every batch, which drains
+    the GPU's queue, so the host has to launch the whole forward anew while the GPU waits (15%
+    of the dense bench pass idle, docs/benchmarks.md round 7). The worker never packs: each row
+    is one sample, its padding after it, its positions those the model numbers itself (0, 1,
+    2, ...), for which that search answers "none" (None). Inside this block it answers so
+    without looking; a transformers without it is left alone."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    find = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = _none
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find
+
+
+def _none(*args, **kwargs):
+    return None
+
+
 # The parts of a hybrid decoder layer that hold no fla kernel, by class-name ending.
 REGION_KINDS = ("RMSNorm", "RMSNormGated", "MLP", "Attention")
 

@@ -115,3 +115,48 @@ def test_compile_regions_leaves_the_linear_attention_eager_and_matches_the_model
     assert compile_regions(hybrid) == 0                   # once only
     uncompile_layers(hybrid)
     assert not any("forward" in m.__dict__ for m in hybrid.modules())
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text"])
+def test_unpacked_rows_captures_what_the_models_own_forward_returns(models, arch):
+    """worker.model.unpacked_rows (the worker's forwards skip transformers' packed-sequence
+    search, a GPU-to-host sync per batch): a padded batch captured inside it holds, row by row,
+    the hidden states of the model's own forward of that row alone (outside it, the search on);
+    the search answers None for the positions the model numbers itself, which is what the block
+    answers without looking; and the search is back after the block, an error inside included."""
+    from transformers import masking_utils
+
+    from worker.layers import resolve_layers
+    from worker.model import Capture, find_decoder, load_model, unpacked_rows
+    model = load_model(models[arch], "cpu", torch.float32)
+    L = model.config.num_hidden_layers
+    plan = resolve_layers("speculators", L)
+    search = masking_utils.find_packed_sequence_indices
+    assert search(torch.arange(37)[None].expand(3, -1)) is None
+    g = torch.Generator().manual_seed(7)
+    lengths = [37, 21, 9]
+    rows = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in lengths]
+    ids = torch.stack([torch.cat([r, r[-1:].expand(max(lengths) - len(r))]) for r in rows])
+    capture = Capture(find_decoder(model), plan)
+    calls = []
+    masking_utils.find_packed_sequence_indices = lambda *a, **k: calls.append(a) or search(*a, **k)
+    try:
+        with torch.inference_mode(), unpacked_rows():
+            model(input_ids=ids, use_cache=False)
+            got = capture.take()
+        assert calls == []                                   # not searched inside the block
+    finally:
+        masking_utils.find_packed_sequence_indices = search
+        capture.remove()
+    worst = 0.0
+    with torch.inference_mode():
+        for r, row in enumerate(rows):
+            hs = model(input_ids=row[None], output_hidden_states=True).hidden_states
+            ref = torch.stack([hs[i][0] for i in plan.ids[:-1]], dim=1).float()   # hs[L] is post-norm there
+            worst = max(worst, float((got[r, : len(row), :-1].float() - ref).norm() / ref.norm()))
+    assert worst < 4e-3, worst                             # bf16 capture of fp32 states: one rounding
+    with pytest.raises(RuntimeError):
+        with unpacked_rows():
+            assert masking_utils.find_packed_sequence_indices is not search
+            raise RuntimeError("inside")
+    assert masking_utils.find_packed_sequence_indices is search
