@@ -371,6 +371,56 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
         yield Later(held)
 
 
+class ProgressTicker:
+    """A progress event every `interval`, and one more as soon as the first batch is written:
+    with `batches_from` (when it began) it times the first batch exactly, and the ETA's first
+    figure rests on it."""
+
+    def __init__(self, emit: Callable[[], None], stats: Stats, interval: float):
+        self.emit, self.stats, self.interval = emit, stats, interval
+        self.began = threading.Event()          # the first batch began: reading the rows is over
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+
+    def start(self) -> "ProgressTicker":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        last, first = time.monotonic(), self.stats.done + self.stats.skipped
+        timing = True                           # waiting for the first batch's write
+        while not self._stopped.wait(min(0.05, self.interval) if timing else
+                                     max(self.interval - (time.monotonic() - last), 0.0)):
+            if timing and self.began.is_set() and self.stats.done + self.stats.skipped > first:
+                timing = False
+            elif time.monotonic() - last < self.interval:
+                continue
+            self.emit()
+            last = time.monotonic()
+
+
+def feed(items: Iterable[list[Sample] | BadRow | Later], extractor: Extractor, writer: BackgroundWriter,
+         log: EventLog, options: Options, began: threading.Event) -> None:
+    """Every item through the extractor: a bad row recorded as skipped, the held-back suspects kept
+    for after the rest, each chunk in length-sorted batches (the first one's start sent as
+    `batches_from` on every later progress event)."""
+    for item in items:
+        if isinstance(item, BadRow):
+            writer.skip(item.index, item.reason)
+        elif isinstance(item, Later):
+            extractor.later += item.samples
+        else:
+            for batch in make_batches(item, options.max_tokens_per_batch, options.pad_multiple,
+                                      options.bucket_rows):
+                if not began.is_set():
+                    log.work = {**log.work, "batches_from": protocol.now()}
+                    began.set()
+                extractor.run_batch(batch)
+
+
 def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow | Later],
                    plan: LayerPlan, out_dir: str, shard: int, device: torch.device, options: Options,
                    log: EventLog, stats: Stats, progress_interval: float = 2.0,
@@ -387,47 +437,14 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
         reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0, layout=layout)
     extractor = Extractor(model, plan, device, writer, options.pad_multiple,
                           options.micro_batches or len(devices), suspects)
-    stop_ticker = threading.Event()
-    started = threading.Event()         # the first batch began: reading the rows is over
-
-    def progress() -> None:
-        log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices)))
-
-    def tick() -> None:
-        """A progress event every `progress_interval`, and one more as soon as the first batch is
-        written: with `batches_from` (when it began) it times the first batch exactly, and the
-        ETA's first figure rests on it."""
-        last, first = time.monotonic(), stats.done + stats.skipped
-        timing = True
-        while not stop_ticker.wait(min(0.05, progress_interval) if timing else
-                                   max(progress_interval - (time.monotonic() - last), 0.0)):
-            if timing and started.is_set() and stats.done + stats.skipped > first:
-                timing = False
-                progress()
-                last = time.monotonic()
-            elif time.monotonic() - last >= progress_interval:
-                progress()
-                last = time.monotonic()
-
-    ticker = threading.Thread(target=tick, name="progress", daemon=True)
-    ticker.start()
+    progress = ProgressTicker(
+        lambda: log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices))),
+        stats, progress_interval).start()
     try:
         if suspects is not None and suspects.culprit is not None:
             writer.skip(suspects.culprit, "the worker process died while this row ran alone (a GPU "
                                           "error such as a device-side assert, or a kill)")
-        for item in items:
-            if isinstance(item, BadRow):
-                writer.skip(item.index, item.reason)
-                continue
-            if isinstance(item, Later):
-                extractor.later += item.samples
-                continue
-            for batch in make_batches(item, options.max_tokens_per_batch, options.pad_multiple,
-                                      options.bucket_rows):
-                if not started.is_set():
-                    log.work = {**log.work, "batches_from": protocol.now()}   # on every later progress
-                    started.set()
-                extractor.run_batch(batch)
+        feed(items, extractor, writer, log, options, progress.began)
         extractor.run_later()
         writer.close()
         if suspects is not None:
@@ -437,7 +454,7 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
             suspects.settled()              # a stop, not a crash: what ran was not to blame
         raise
     finally:
-        stop_ticker.set()
+        progress.stop()
         extractor.capture.remove()
     log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices)))
     return stats
