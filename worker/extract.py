@@ -825,8 +825,8 @@ def row_buckets(budget: int, pad: int) -> list[int]:
 
 def host_weight(model: torch.nn.Module, device: torch.device, args: argparse.Namespace, log: EventLog,
                 config, max_positions: int | None) -> float | None:
-    """Attention's weight for the ETA as this CPU runs the model (sizing.measured_weight, about a
-    second at load, shown as its own LOADING step); None on a GPU or when the timing fails: the
+    """Attention's weight for the ETA as this CPU runs the model (sizing.measured_weight, 1-3 s at
+    load on the demo, shown as its own LOADING step); None on a GPU or when the timing fails: the
     FLOP model's weight then."""
     if device.type != "cpu":
         return None

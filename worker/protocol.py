@@ -202,7 +202,8 @@ class Progress(Record):
     L tokens costs about L + attention_weight x L^2 (its attention), so the worker also sends
     `total_rows` and `total_sq_tokens` (the rows and the sum of L^2 over the whole shard, with
     `total_tokens`), `sq_tokens` (the sum of L^2 over the finished rows) and `attention_weight`
-    (a FLOP model of the model's shape: a prior, which the supervisor corrects by fitting), and
+    (a FLOP model of the model's shape, or on a CPU the weight the worker timed at load: a prior,
+    which the supervisor corrects by fitting), and
     `batches_from`, when the launch's first batch began, so the first batch is timed from its
     start and not from the last progress tick before it, and `counted_t`, when the rows last
     written were counted: progress goes out on a timer, so the tick's own time is up to a tick
