@@ -51,6 +51,16 @@ def python_argv(config: Config, host: HostSpec, module: str, *args: str) -> list
             f"worker.{module}", *args]
 
 
+async def worker_argv(t: Transport, config: Config, host: HostSpec, module: str, *args: str) -> list[str]:
+    """`python_argv`, with this fleet's worker put on the host first where it is not there yet
+    (checked once a connection): `fleet status`, `down` or `verify` before any `fleet up`, or
+    after fleet was upgraded here, run the worker this fleet ships — not a missing folder, and
+    not whatever `worker` the host's Python happens to have installed."""
+    if t.worker_at != code_dir(config, host):
+        await upload_worker(t, config, host)
+    return python_argv(config, host, module, *args)
+
+
 def _python_missing(config: Config, host: HostSpec, stderr: str) -> str | None:
     """The host's python did not start (a line naming it says not found), as opposed to a python
     that ran and failed (a traceback: a root it cannot write, under /proc, ...)."""
@@ -69,7 +79,7 @@ async def run_worker_module(t: Transport, config: Config, host: HostSpec, module
                             reply: type[R], timeout: float | None = 300, input: bytes | None = None) -> R:
     """Run a worker module that prints one JSON object, parsed here as `reply` (its one typed
     form: worker/protocol.py); its errors, and a reply that is not one, become a HostUnusable."""
-    r = await t.run(python_argv(config, host, module, *args), timeout=timeout, input=input)
+    r = await t.run(await worker_argv(t, config, host, module, *args), timeout=timeout, input=input)
     if r.rc != 0:
         why = _python_missing(config, host, r.stderr) or \
             f"{host.name}: worker.{module} failed (exit {r.rc}): {last_line(r.stderr)}"
@@ -122,12 +132,14 @@ async def upload_worker(t: Transport, config: Config, host: HostSpec) -> bool:
     target = code_dir(config, host)
     probe = await t.run(["test", "-f", os.path.join(target, "worker", "protocol.py")], timeout=60)
     if probe.rc == 0:
+        t.worker_at = target
         return False
     r = await t.run([config.python(host), "-c", UNPACK, target], timeout=300, input=worker_tarball())
     if r.rc != 0:
         why = _python_missing(config, host, r.stderr) or \
             f"{host.name}: upload to {target} failed: {last_line(r.stderr)}"
         raise HostUnusable(why)
+    t.worker_at = target
     return True
 
 
@@ -211,7 +223,7 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec,
 
 async def run_demo_assets(t: Transport, config: Config, host: HostSpec, model: str, data: str) -> list[str]:
     """Make the demo's model and data where absent; what was made (worker.demo says)."""
-    r = await t.run(python_argv(config, host, "demo", "--model", model, "--data", data), timeout=900)
+    r = await t.run(await worker_argv(t, config, host, "demo", "--model", model, "--data", data), timeout=900)
     if r.rc != 0:
         raise HostUnusable(_python_missing(config, host, r.stderr) or
                         f"{host.name}: making the demo model failed: {last_line(r.stderr)}")

@@ -52,13 +52,14 @@ class HostLink:
     def host(self) -> Host:
         return self.store.hosts[self.spec.name]
 
-    def agent_argv(self, once: bool = False) -> list[str]:
+    async def agent_argv(self, once: bool = False) -> list[str]:
         config = self.store.config
         shards = "auto" if once else ",".join(str(p.shard) for p in self.store.on(self.name)) or "auto"
         args = ["--run-dir", config.run_dir(self.spec), "--shards", shards,
                 "--output", config.host_path(self.spec, config.run.output),
                 "--interval", str(config.spec.supervise.telemetry_interval), *self.launcher.agent_args()]
-        return deploy.python_argv(config, self.spec, "agent", *args, *(["--once"] if once else []))
+        return await deploy.worker_argv(self.transport, config, self.spec, "agent", *args,
+                                        *(["--once"] if once else []))
 
     def silence(self) -> float:
         """How long the agent may be silent before its host counts as unreachable: longer while the
@@ -96,7 +97,7 @@ class HostLink:
             try:
                 await self.transport.connect()
                 self.diagnostics.clear()
-                self.stream = await self.transport.stream(self.agent_argv())
+                self.stream = await self.transport.stream(await self.agent_argv())
                 await self._read(self.stream.lines().__aiter__())
             except HostError as e:
                 self.down(e)
@@ -166,7 +167,7 @@ class HostLink:
         """The agent's whole replay, once (`--once`); [] when the host cannot be read."""
         try:
             await self.transport.connect()
-            r = await self.transport.run(self.agent_argv(once=True), timeout=120)
+            r = await self.transport.run(await self.agent_argv(once=True), timeout=120)
             lines = r.stdout.splitlines()
             if r.rc != 0 and not any('"type":"error"' in l for l in lines):
                 raise HostUnusable(deploy._python_missing(config, self.spec, r.stderr) or

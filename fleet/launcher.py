@@ -74,7 +74,7 @@ class HostLauncher(_Engine):
                 a.launch_spec = self.launch_spec(host, places[a.shard], num_shards)
         argv = ["act", "--run-dir", self.config.run_dir(host)] + (["--wait", str(wait)] if wait else [])
         text = "".join(a.to_json() + "\n" for a in actions)
-        r = await t.run(deploy.python_argv(self.config, host, "hostctl", *argv),
+        r = await t.run(await deploy.worker_argv(t, self.config, host, "hostctl", *argv),
                         timeout=ACT_TIMEOUT_S + wait, input=text.encode())
         if r.rc != 0:
             raise HostUnusable(deploy._python_missing(self.config, host, r.stderr) or

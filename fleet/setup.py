@@ -72,8 +72,9 @@ async def settle_plan(sup: Supervisor, results: list[deploy.Preflight], replan: 
 
 
 async def write_plan(sup: Supervisor, link: HostLink, plan: Plan, replaced: bool) -> None:
-    argv = deploy.python_argv(sup.config, link.spec, "plan", "write", "--run-dir", sup.config.run_dir(link.spec),
-                              *(["--archive-records"] if replaced else []))
+    argv = await deploy.worker_argv(link.transport, sup.config, link.spec, "plan", "write",
+                                    "--run-dir", sup.config.run_dir(link.spec),
+                                    *(["--archive-records"] if replaced else []))
     r = await link.transport.run(argv, timeout=60, input=plan.to_json().encode())
     if r.rc != 0:
         raise PlanError(f"{link.name}: cannot write the run's plan: {deploy.last_line(r.stderr)}")

@@ -49,6 +49,7 @@ class Transport:
 
     def __init__(self, host: HostSpec):
         self.host = host
+        self.worker_at: str | None = None    # this fleet's worker is known to be there (deploy sets it)
 
     async def __aenter__(self) -> Transport:
         await self.connect()
@@ -277,6 +278,7 @@ class SSHTransport(Transport):
             return
         h = self.host
         self.conn = None
+        self.worker_at = None                # a new connection: the host may have been wiped since
         r = self.resolved = resolve(h.name, h.address, h.ssh_config, port=h.port, user=h.user,
                                     identity_file=h.identity_file, known_hosts=h.known_hosts)
         known_hosts = os.path.expanduser(r.known_hosts)

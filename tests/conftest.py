@@ -20,6 +20,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def host_python() -> str:
+    """The `python` of the tests' SSH hosts: this interpreter without this checkout's fleet and
+    worker (tests/host_python.py), so a command must find the worker fleet deployed there."""
+    import shlex
+    import tempfile
+    path = os.path.join(tempfile.gettempdir(), f"fleet-host-python-{os.getpid()}")
+    if not os.path.exists(path):
+        script = os.path.join(REPO, "tests", "host_python.py")
+        with open(path + ".tmp", "w") as f:
+            f.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(script)} "$@"\n')
+        os.chmod(path + ".tmp", 0o755)
+        os.replace(path + ".tmp", path)
+    return path
+
+
 # --- the fast lane: `pytest -m "not slow"` (README: Development) ----------------------------------
 # What is slow is said here, in one place, with why; CI (scripts/test.sh) runs everything. The fast
 # lane keeps the pure parts, the live view on the synthetic fleet, and a short worker run.

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, host_python
 
 
 
@@ -49,7 +49,7 @@ port = {port}
 user = "root"
 identity_file = {json.dumps(client_key)}
 known_hosts = {json.dumps(known_hosts)}
-python = {json.dumps(sys.executable)}
+python = {json.dumps(host_python())}
 gpus = {json.dumps(list(gpus))}
 root = {json.dumps(os.path.join(root, "fleet"))}
 {extra_host}

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.conftest import run_worker
+from tests.conftest import host_python, run_worker
 from tests.fleet.conftest import fleet, fleet_popen
 from tests.sshd_server import start_sshd
 
@@ -48,7 +48,7 @@ port = {server.port}
 user = "root"
 identity_file = {json.dumps(server.client_key)}
 known_hosts = {json.dumps(server.known_hosts)}
-python = {json.dumps(__import__('sys').executable)}
+python = {json.dumps(host_python())}
 gpus = {json.dumps(gpus[name])}
 root = {json.dumps(str(tmp_path / ('root-' + name)))}
 """

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import threading
 
@@ -91,6 +92,17 @@ def test_up_headless_to_done_then_status_and_verify(tmp_path, sshd, dense_model,
     assert again.returncode == 0
     assert len(launches(tmp_path, 0)) == 1 and len(launches(tmp_path, 1)) == 1
     assert len(glob.glob(os.path.join(str(tmp_path), "remote", "fleet", "t", "code", "*"))) == 1
+    # fleet upgraded here: the host holds the run's worker only under another version's hash (and
+    # its python has no fleet of its own, tests/host_python.py). Each command puts this fleet's back.
+    [code] = glob.glob(os.path.join(str(tmp_path), "remote", "fleet", "t", "code", "*"))
+    said = {"status": lambda out: [s["state"] for s in json.loads(out)["shards"]] == ["DONE", "DONE"],
+            "verify": lambda out: "verify: OK" in out, "logs": lambda out: "done" in out.lower()}
+    for command in (("status", "--json"), ("verify",), ("logs", "0")):
+        shutil.rmtree(os.path.join(os.path.dirname(code), "0ld0ld0ld0ld0ld0"), ignore_errors=True)
+        os.rename(code, os.path.join(os.path.dirname(code), "0ld0ld0ld0ld0ld0"))
+        r = fleet(*command, "-c", config)
+        assert r.returncode == 0 and said[command[0]](r.stdout), (command, r.stdout + r.stderr)
+        assert os.path.isfile(os.path.join(code, "worker", "protocol.py")), command
 
 
 def test_sigkilled_worker_fails_restarts_resumes_and_completes(tmp_path, sshd, dense_model, token_rows):
