@@ -137,7 +137,7 @@ async def upload_worker(t: Transport, config: Config, host: HostSpec) -> bool:
     r = await t.run([config.python(host), "-c", UNPACK, target], timeout=300, input=worker_tarball())
     if r.rc != 0:
         why = _python_missing(config, host, r.stderr) or \
-            f"{host.name}: upload to {target} failed: {last_line(r.stderr)}"
+            f"{host.name}: upload to {target} failed ({config.python(host)}, exit {r.rc}): {last_line(r.stderr)}"
         raise HostUnusable(why)
     t.worker_at = target
     return True

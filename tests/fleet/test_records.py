@@ -286,7 +286,9 @@ def test_a_broken_host_python_is_said_as_such_not_unreachable(tmp_path):
     config = job_toml(tmp_path, {"0": [[["hang"]]]}, gpus=(0,), python=str(broken))
     r = subprocess.run([sys.executable, "-m", "fleet", "status", "-c", config], capture_output=True, text=True)
     assert r.returncode == 3 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
-    assert "the agent failed there" in r.stdout and "libpython3.11.so.1.0" in r.stdout, r.stdout
+    # fleet's worker cannot be put there: the python that failed, its exit and its own words
+    assert "unusable (upload to " in r.stdout and f"failed ({broken}, exit 127): " in r.stdout, r.stdout
+    assert "libpython3.11.so.1.0" in r.stdout, r.stdout
     js = subprocess.run([sys.executable, "-m", "fleet", "status", "--json", "-c", config], capture_output=True, text=True)
     host = json.loads(js.stdout)["hosts"][0]
-    assert host["reachable"] is False and host["error"].startswith("the agent failed there")
+    assert host["reachable"] is False and host["error"].startswith("upload to ")

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from fleet.deploy import run_worker_module
-from fleet.transport import Completed, HostUnusable
+from fleet.transport import Completed, HostUnusable, Transport
 from tests.faults.test_hostile_inputs import local_toml
 from worker.protocol import VerifyReport
 
@@ -21,10 +21,11 @@ def test_verify_merge_refuses_hosts_in_different_formats():
     assert result.missing == [[3, 4]] and not result.ok
 
 
-class Replies:
-    """A transport whose command prints `stdout` (what a host replied)."""
+class Replies(Transport):
+    """A transport whose every command prints `stdout` (what a host replied) and succeeds."""
 
     def __init__(self, stdout: str):
+        super().__init__(None)
         self.stdout = stdout
 
     async def run(self, argv, timeout=None, input=None) -> Completed:
