@@ -71,6 +71,9 @@ async def test_a_hung_shard_is_restarted_every_time_then_fatal_with_nothing_left
         stops = [e for e in file_events(tmp_path, 0) if isinstance(e, protocol.StopRequested)]
         assert [(e.launch, e.why, e.then) for e in stops] == [(1, "restart", "launch"), (2, "restart", "launch"),
                                                              (3, "fatal", None)]
+        # The third attempt's end reaches the store with its runner's exit event, which may come
+        # a moment after the agent has seen the process gone (`alive`): wait for it, then 3 exactly.
+        await until(lambda: shard(sup, 0).failures >= 3, timeout=30, what="the third attempt's end read")
         assert shard(sup, 0).failures == 3
         verdict, action = due_later(sup, 0)                   # FATAL: nothing more is tried
         assert (verdict.state, action) == (State.FATAL, None)
