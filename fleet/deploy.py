@@ -45,20 +45,21 @@ def code_dir(config: Config, host: HostSpec) -> str:
     return os.path.join(config.run_dir(host), "code", worker_hash())
 
 
-def python_argv(config: Config, host: HostSpec, module: str, *args: str) -> list[str]:
-    """`python -m worker.<module>` with the deployed code on PYTHONPATH (no shell involved)."""
+def _python_argv(config: Config, host: HostSpec, module: str, *args: str) -> list[str]:
+    """`python -m worker.<module>` with the deployed code on PYTHONPATH (no shell involved); only
+    through `worker_argv`, which makes sure that code is there."""
     return ["env", f"PYTHONPATH={code_dir(config, host)}", config.python(host), "-m",
             f"worker.{module}", *args]
 
 
 async def worker_argv(t: Transport, config: Config, host: HostSpec, module: str, *args: str) -> list[str]:
-    """`python_argv`, with this fleet's worker put on the host first where it is not there yet
+    """`_python_argv`, with this fleet's worker put on the host first where it is not there yet
     (checked once a connection): `fleet status`, `down` or `verify` before any `fleet up`, or
     after fleet was upgraded here, run the worker this fleet ships — not a missing folder, and
     not whatever `worker` the host's Python happens to have installed."""
     if t.worker_at != code_dir(config, host):
         await upload_worker(t, config, host)
-    return python_argv(config, host, module, *args)
+    return _python_argv(config, host, module, *args)
 
 
 def _python_missing(config: Config, host: HostSpec, stderr: str) -> str | None:

@@ -437,9 +437,10 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
         reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0, layout=layout)
     extractor = Extractor(model, plan, device, writer, options.pad_multiple,
                           options.micro_batches or len(devices), suspects)
-    progress = ProgressTicker(
-        lambda: log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices))),
-        stats, progress_interval).start()
+    def emit_progress() -> None:
+        log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices)))
+
+    progress = ProgressTicker(emit_progress, stats, progress_interval).start()
     try:
         if suspects is not None and suspects.culprit is not None:
             writer.skip(suspects.culprit, "the worker process died while this row ran alone (a GPU "
@@ -456,7 +457,7 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
     finally:
         progress.stop()
         extractor.capture.remove()
-    log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices)))
+    emit_progress()                         # the last figures, after the last write
     return stats
 
 
