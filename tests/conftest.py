@@ -75,6 +75,8 @@ SLOW_TESTS = {
     "tests/worker/test_extract.py::test_raw_chats_assistant_content_mask": "a worker run per chat form",
     "tests/worker/test_extract.py::test_parquet_and_save_to_disk_inputs": "a worker run per input kind",
     "tests/worker/test_extract.py::test_user_errors_are_one_line_with_exit_2": "a worker start per wrong input",
+    "tests/worker/test_extract.py::test_speculators_layout_output_inside_the_dataset_folder_over_two_shards_and_a_restart":
+        "three worker runs",
     "tests/worker/test_extract.py::test_hybrid_warns_about_missing_fast_kernels": "a worker run on the hybrid model",
     "tests/worker/test_data.py::test_worker_masks_chats_and_skips_unsupervised_samples": "a worker run",
     "tests/worker/test_data.py::test_worker_writes_every_tool_and_thinking_chat": "worker runs per template",

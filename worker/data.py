@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .identity import jsonl_row_count
+from .datafiles import DatasetFilesError, data_files, jsonl_row_count
 from .ranges import shard_range  # noqa: F401  (the rows of a shard: one definition, worker/ranges.py)
 
 
@@ -95,21 +95,17 @@ def _arrow_table(path: str) -> Any:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if os.path.isfile(path):
-        return pq.read_table(path, memory_map=True)
-    if os.path.exists(os.path.join(path, "state.json")):        # datasets.save_to_disk layout
-        state = json.load(open(os.path.join(path, "state.json")))
+    try:
+        files = data_files(path)
+    except DatasetFilesError as e:
+        raise DataError(str(e)) from None
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "state.json")):   # save_to_disk
         tables = []
-        for entry in state.get("_data_files", []):
-            with pa.memory_map(os.path.join(path, entry["filename"])) as source:
+        for name in files:
+            with pa.memory_map(name) as source:
                 tables.append(pa.ipc.open_stream(source).read_all())
-        if not tables:
-            raise DataError(f"{path}: state.json lists no data files")
         return pa.concat_tables(tables)
-    files = sorted(f for f in os.listdir(path) if f.endswith(".parquet"))
-    if not files:
-        raise DataError(f"{path}: folder holds neither a save_to_disk dataset nor .parquet files")
-    return pa.concat_tables(pq.read_table(os.path.join(path, f), memory_map=True) for f in files)
+    return pa.concat_tables(pq.read_table(f, memory_map=True) for f in files)
 
 
 def open_dataset(path: str) -> Dataset:

@@ -16,6 +16,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from .datafiles import DatasetFilesError, dataset_files, jsonl_row_count
+
 EDGE = 1 << 20                      # bytes hashed at each end of a weight file
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 INFO_KEYS = {"path", "mtime"}       # recorded, never compared
@@ -28,16 +30,6 @@ class IdentityError(Exception):
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
-
-
-def jsonl_row_count(path: str) -> int:
-    """Lines of a JSON-lines file (a last line without a newline counts): the worker's row count."""
-    count, last = 0, b"\n"
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            count += chunk.count(b"\n")
-            last = chunk[-1:]
-    return count + (0 if last == b"\n" else 1)
 
 
 @dataclass(frozen=True)
@@ -175,18 +167,19 @@ def dataset_identity(path: str) -> dict:
         content = content_hash(path)
     except OSError as e:
         raise IdentityError(f"{path}: {e.strerror or e}") from None
+    except DatasetFilesError as e:
+        raise IdentityError(str(e)) from None
     return {"rows": rows, "bytes": size, "first_row": _sha(first), "last_row": _sha(last),
             "content": content, "path": os.path.abspath(path), "mtime": round(mtime, 3)}
 
 
 def content_hash(path: str) -> str:
-    """A hash of every byte of the dataset (a file, or a folder's files by name), streamed: an
-    edit in place that keeps the size, row count and first and last rows still changes it. A
-    read of the dataset, cheap next to extracting it."""
+    """A hash of every byte of the dataset's own files (a file, or a folder's declared files by
+    name: worker.datafiles), streamed: an edit in place that keeps the size, row count and first
+    and last rows still changes it, and nothing else in the folder (speculators' hidden_states/,
+    our own output) ever does. A read of the dataset, cheap next to extracting it."""
     h = hashlib.sha256()
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(root, n) for root, _, names in os.walk(path) for n in names)
-    for name in files:
+    for name in dataset_files(path):
         if path != name:
             h.update(os.path.relpath(name, path).encode() + b"\0")
         with open(name, "rb") as f:
@@ -211,8 +204,7 @@ def _last_line(path: str) -> bytes:
 def _arrow_identity(path: str) -> tuple[int, bytes, bytes, int]:
     from .data import open_dataset          # pyarrow only here, where the dataset needs it
     ds = open_dataset(path)
-    files = [path] if os.path.isfile(path) else [os.path.join(path, n) for n in os.listdir(path)]
-    size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    size = sum(os.path.getsize(f) for f in dataset_files(path))
     n = ds.num_rows
     edge = [json.dumps(row, sort_keys=True, default=str).encode()
             for _, row in list(ds.rows(0, min(n, 1))) + list(ds.rows(max(n - 1, 0), n))]

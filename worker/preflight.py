@@ -71,7 +71,7 @@ def jsonl_lengths(path: str, budget_s: float = SCAN_BUDGET_S) -> tuple[list[floa
                 ids = len(line.strip()) / CHARS_PER_TOKEN
             lengths.append(ids)
     if cut:
-        from .identity import jsonl_row_count
+        from .datafiles import jsonl_row_count
         rows = jsonl_row_count(path)
         mean = sum(lengths) / max(len(lengths), 1)
         return (lengths + [mean] * (rows - len(lengths)),

@@ -217,6 +217,30 @@ def test_parquet_and_save_to_disk_inputs(tmp_path, dense_model, token_data):
         assert t["token_ids"].tolist() == rows[5]["input_ids"]
 
 
+def test_speculators_layout_output_inside_the_dataset_folder_over_two_shards_and_a_restart(
+        tmp_path, dense_model, token_data):
+    """speculators keeps the hidden states in `<prepared>/hidden_states`: the files the first shard
+    writes there are not the data, so the second shard and a restart see the same identity."""
+    import datasets
+    from worker.identity import dataset_identity
+    rows = [json.loads(l) for l in open(token_data)][:12]
+    data = str(tmp_path / "prepared")
+    datasets.Dataset.from_list(rows).save_to_disk(data)
+    before = dataset_identity(data)
+    out = os.path.join(data, "hidden_states")
+    common = ["--model", dense_model, "--data", data, "--out", out, "--num-shards", "2"]
+    for shard in ("0", "1", "0"):                    # the last: shard 0 launched again (a restart)
+        r = run_worker(*common, "--shard-index", shard)
+        assert r.returncode == 0, r.stderr
+    assert sorted(manifest_indices(out)) == list(range(12))
+    assert {k: v for k, v in dataset_identity(data).items() if k != "mtime"} == \
+        {k: v for k, v in before.items() if k != "mtime"}
+    # What does change the identity: an edit of the data itself.
+    with open(os.path.join(data, "dataset_info.json"), "a") as f:
+        f.write(" ")
+    assert dataset_identity(data)["content"] != before["content"]
+
+
 def test_user_errors_are_one_line_with_exit_2(tmp_path, dense_model, token_data):
     r = run_worker("--model", str(tmp_path / "missing"), "--data", token_data, "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "model folder not found" in r.stderr and "Traceback" not in r.stderr
