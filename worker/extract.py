@@ -37,9 +37,9 @@ from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, L
 from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
                        upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers, yaml_max_length
-from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, find_decoder, is_hybrid, load_model,
-                    missing_fast_kernels, model_devices, move, text_config, uncompile_layers, unpacked_rows,
-                    use_fla_conv)
+from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, compute_dtype, find_decoder,
+                    is_hybrid, load_model, missing_fast_kernels, model_devices, move, text_config,
+                    uncompile_layers, unpacked_rows, use_fla_conv)
 from .suspects import Suspects, suspects_path
 from .writer import (BackgroundWriter, DiskFullError, Manifest, OwnerError, Stats, claim_output,
                      load_finished, manifest_path, remove_stale_temps, write_json_atomic)
@@ -128,7 +128,8 @@ def _device_arguments(p: argparse.ArgumentParser) -> None:
                         "scale per token per layer, quantised on the GPU; format speculators). "
                         "fp32 is the old meaning of this flag: use --model-dtype fp32")
     p.add_argument("--model-dtype", choices=("bf16", "fp32"), default=None,
-                   help="the model's compute dtype (default bf16; fp32 allowed on the CPU)")
+                   help="the model's compute dtype (default: bf16, or fp32 on a CPU without native "
+                        "bf16, where a bf16 matmul is many times slower; the files keep --dtype)")
 
 
 def _pipeline_arguments(p: argparse.ArgumentParser) -> None:
@@ -497,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dtype = torch.float32 if args.model_dtype == "fp32" else torch.bfloat16
+        dtype, dtype_note = compute_dtype(args.model_dtype, device)
         dataset, start, stop = _open_shard(args, log, device)
         shape, plan, layout = _resolve_work(args)
         identity = check_identity(args, plan)        # before any file is touched
@@ -512,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size = model.get_input_embeddings().num_embeddings
         config = text_config(model)
         pad = args.pad_multiple or (1 if device.type != "cuda" else HYBRID_PAD if is_hybrid(model) else 8)
-        path = choose_path(model, device, args, log, max(8, pad), tuner)
+        path = "; ".join(filter(None, (choose_path(model, device, args, log, max(8, pad), tuner), dtype_note)))
         weight = host_weight(model, device, args, log, config, shape.max_positions)
         log.emit(protocol.Loaded(seconds=round(time.perf_counter() - t0, 2), **gpu_memory(shard_gpus),
                                  layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm,

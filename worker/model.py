@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +150,34 @@ def _dtype_kwarg(dtype: torch.dtype) -> dict:
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+def compute_dtype(asked: str | None, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype the model computes in, and a note for the path line where it is not bf16 by
+    default. `asked` is --model-dtype (None: choose). On a CPU without native bf16 (AVX2 only: a
+    bf16 matmul runs 30x slower than fp32 there) the model computes in fp32; the files are stored
+    in the dtype asked for either way (Capture.take: bf16, or fp8 from it)."""
+    if asked == "fp32":
+        return torch.float32, ""
+    if asked == "bf16" or device.type != "cpu":
+        return torch.bfloat16, ""
+    bf16, fp32 = (matmul_gflops(d) for d in (torch.bfloat16, torch.float32))
+    if bf16 >= 0.8 * fp32:
+        return torch.bfloat16, ""
+    return torch.float32, (f"computing in fp32: this CPU has no native bf16 (a matmul {bf16:.1f} GFLOP/s "
+                           f"in bf16, {fp32:.1f} in fp32); stored as asked")
+
+
+def matmul_gflops(dtype: torch.dtype, n: int = 256, repeats: int = 3) -> float:
+    """This CPU's rate for an n x n x n matmul in `dtype` (best of `repeats`; ~0.1 s in all)."""
+    a = torch.randn(n, n).to(dtype)
+    torch.mm(a, a)                                    # first-call costs, untimed
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / max(best, 1e-9) / 1e9
 
 
 def load_model(path: str, device: str | list[str], dtype: torch.dtype,

@@ -67,6 +67,30 @@ def test_files_manifest_meta_and_no_padding(tmp_path, dense_model, token_data):
     assert verify(out)["problems"] == []
 
 
+def test_a_cpu_without_native_bf16_computes_in_fp32_and_stores_bf16(tmp_path, dense_model, token_data):
+    """torch and oneDNN held to AVX2 (no bf16 instructions, as on the AMD EPYC of issue 39): the
+    worker left to choose computes in fp32, says so in its path line, and writes exactly what an
+    explicit --model-dtype fp32 run writes; bf16 asked for is kept."""
+    avx2 = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for name, extra in (("chosen", ()), ("fp32", ("--model-dtype", "fp32")), ("bf16", ("--model-dtype", "bf16"))):
+        out, state = str(tmp_path / name), str(tmp_path / f"{name}-state")
+        r = run_worker("--model", dense_model, "--data", token_data, "--out", out, "--state", state,
+                       "--max-tokens-per-batch", "512", *extra, env=avx2)
+        assert r.returncode == 0, r.stderr
+        loaded = next(e for e in read_events(state) if e["event"] == "loaded")
+        runs[name] = (out, loaded["path"], json.load(open(os.path.join(out, "meta.json"))))
+    out, path, meta = runs["chosen"]
+    assert "computing in fp32: this CPU has no native bf16" in path and "stored as asked" in path
+    assert (meta["model_dtype"], meta["dtype"]) == ("float32", "bfloat16")
+    assert "computing in fp32" not in runs["fp32"][1] and "computing in fp32" not in runs["bf16"][1]
+    assert runs["bf16"][2]["model_dtype"] == "bfloat16"
+    for i in (0, 9, 31):
+        chosen = load_sample(out, i)[0]["hidden_states"]
+        assert chosen.dtype == torch.bfloat16
+        assert torch.equal(chosen, load_sample(runs["fp32"][0], i)[0]["hidden_states"])
+
+
 def test_batched_equals_one_at_a_time(tmp_path, models, token_data):
     for arch in ("qwen3", "qwen3_5_text"):
         outs = {}
