@@ -55,7 +55,10 @@ def shard_dir(config: Config, host: HostSpec, shard: int) -> str:
     return os.path.join(config.run_dir(host), "shards", str(shard))
 
 
-def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: int) -> ShardCommand:
+def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: int,
+                  pool: list[int] | tuple[int, ...] = ()) -> ShardCommand:
+    """The shard's command line and environment; `pool`: the shards of its host that share their
+    rows with it (the built-in worker's --pool; a [job] keeps its fixed shard)."""
     run = config.run
     python = config.python(host)
     values = {"python": python, "shard": place.shard, "num_shards": num_shards, "gpu": place.gpu,
@@ -77,6 +80,7 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
     argv = [python, "-m", "worker.extract", "--model", values["model"], "--data", values["data"],
             "--out", values["output"], "--state", values["shard_dir"],
             "--shard-index", str(place.shard), "--num-shards", str(num_shards),
+            *(["--pool", ",".join(map(str, sorted(pool)))] if len(pool) > 1 else []),
             "--max-tokens-per-batch", str(run.max_tokens_per_batch), "--too-long", run.too_long]
     if len(place.all_gpus) > 1:
         argv += ["--gpus-per-shard", str(len(place.all_gpus))]

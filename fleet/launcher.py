@@ -59,8 +59,10 @@ class _Engine:
 
 class HostLauncher(_Engine):
 
-    def launch_spec(self, host: HostSpec, place: Placement, num_shards: int) -> dict:
-        cmd = shard_command(self.config, host, place, num_shards)
+    def launch_spec(self, host: HostSpec, place: Placement, num_shards: int, pool: list[int]) -> dict:
+        """`pool`: the host's shards, which share their rows (worker/leases.py): a host's GPUs
+        finish a dead one's rows without a supervisor."""
+        cmd = shard_command(self.config, host, place, num_shards, pool)
         return {"argv": cmd.argv, "env": cmd.env, "cwd": cmd.cwd, "gpu": place.gpu,
                 "sentinels": sentinel_spec(self.config, host)}
 
@@ -71,7 +73,7 @@ class HostLauncher(_Engine):
         itself failed there: HostUnusable)."""
         for a in actions:
             if a.kind != "stop" and a.launch_spec is None:
-                a.launch_spec = self.launch_spec(host, places[a.shard], num_shards)
+                a.launch_spec = self.launch_spec(host, places[a.shard], num_shards, sorted(places))
         argv = ["act", "--run-dir", self.config.run_dir(host)] + (["--wait", str(wait)] if wait else [])
         text = "".join(a.to_json() + "\n" for a in actions)
         r = await t.run(await deploy.worker_argv(t, self.config, host, "hostctl", *argv),

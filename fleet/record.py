@@ -185,6 +185,10 @@ class ShardRecord:
     failures: int = 0                     # attempts that ended FAILED, ever
     reopened: str | None = None           # samples dropped since the newest attempt ended
     unlaunched_stop: protocol.StopRequested | None = None   # a run stop before its first launch
+    lease: str | None = None              # the rows it holds now and how it got them (worker/leases.py)
+    rows_in: int = 0                      # unfinished rows it took from other shards of its host
+    rows_out: int = 0                     # unfinished rows other shards took from it
+    holds_rows: bool = True               # False once a dead launch's lease went to another shard
 
     def apply(self, ev: protocol.Record) -> None:
         """Fold one event of the shard's record, in file order."""
@@ -208,6 +212,9 @@ class ShardRecord:
         a = self.attempt
         if isinstance(ev, protocol.Launch):
             self._launch(ev)
+            return None
+        if isinstance(ev, protocol.LeaseMoved):           # written by the taker, or by the shard itself
+            self._lease_moved(ev)
             return None
         if isinstance(ev, protocol.Reopened):
             if a is not None and a.ended:
@@ -236,6 +243,8 @@ class ShardRecord:
             self._progress(a, ev)
         elif isinstance(ev, protocol.WarningEvent):
             self.warning = ev.message
+        elif isinstance(ev, protocol.Leased):
+            self._leased(ev)
         elif isinstance(ev, (protocol.Failed, protocol.Sentinel)):
             self._said(a, ev)
         elif isinstance(ev, protocol.StopRequested):
@@ -300,6 +309,29 @@ class ShardRecord:
             kind, why = outcome(a, self.needs_done_sentinel)
             if kind == Outcome.FAILED:
                 self.last_failure = why
+
+    def _leased(self, ev: protocol.Leased) -> None:
+        self.holds_rows = True
+        where = f"rows {ev.start:,}–{ev.stop:,}"
+        if ev.how == "plan":
+            self.lease = where
+        else:
+            self.rows_in += ev.rows
+            self.lease = where + (f" (took {ev.rows:,} from dead shard {ev.from_shard})" if ev.how == "dead"
+                                  else f" (stole {ev.rows:,} from shard {ev.from_shard})")
+
+    def _lease_moved(self, ev: protocol.LeaseMoved) -> None:
+        """Rows this shard held went to another: its total (and, when taken over, its counts) are
+        what its remaining leases hold."""
+        self.rows_out += ev.rows
+        self.holds_rows = ev.holds
+        if ev.total is not None:
+            self.total = ev.total
+        if ev.done is not None:
+            self.done, self.skipped = ev.done, ev.skipped or 0
+        if not ev.holds:
+            self.lease = f"none: rows {ev.start:,}–{ev.stop:,} went to shard {ev.to_shard}"
+        self.last_event, self.last_event_t = ev.KIND, ev.t
 
     def _launch(self, ev: protocol.Launch) -> None:
         self.launches += 1

@@ -17,7 +17,9 @@ def finished_summary(snap: FleetSnapshot, sep: str = ", ") -> str:
     """A finished run in one line, as status, the quit message, the live view's banner and the
     finished notice all say it: '2/2 shards DONE in 1m17s, avg 1,433 tok/s/GPU, 456.7 MB, $0.12'."""
     t = snap.totals
-    parts = [f"{t.shards}/{t.shards} shards DONE in {duration(t.elapsed_s)}"]
+    done = t.by_state.get(State.DONE.value, 0)
+    parts = [f"{done}/{t.shards} shards DONE in {duration(t.elapsed_s)}"
+             + (f" ({t.rows_moved:,} rows moved to other GPUs of their host)" if t.rows_moved else "")]
     if t.avg_tokens_per_s_per_gpu:
         parts.append(f"avg {t.avg_tokens_per_s_per_gpu:,.0f} tok/s/GPU")
     parts.append(bytes_text(t.bytes_written))

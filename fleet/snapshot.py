@@ -159,6 +159,12 @@ class ShardStatus(BaseModel):
     warning: Optional[str] = None
     detail: Optional[str] = Field(None, description="what LOADING is doing now (\"compiling the decoder layers\")")
     path: Optional[str] = Field(None, description="the worker's forward path and why (compiled, eager)")
+    lease: Optional[str] = Field(None, description="the rows it holds and how it got them: its planned "
+                                                   "range, or taken from a dead or a slower shard of its host")
+    rows_moved_in: int = Field(0, description="unfinished rows it took from other shards of its host")
+    rows_moved_out: int = Field(0, description="unfinished rows other shards of its host took from it")
+    holds_rows: bool = Field(True, description="false once its rows went to other shards (a FATAL shard "
+                                               "that holds none does not keep the run from finishing)")
 
 
 class Totals(BaseModel):
@@ -205,7 +211,8 @@ class Totals(BaseModel):
         None, description="tokens once every shard not DONE has a total_tokens, else samples")
     elapsed_s: Optional[float] = Field(None, description="since the run's first launch; once settled, "
                                                          "to the last shard's end (frozen)")
-    finished: bool = Field(False, description="every shard DONE")
+    finished: bool = Field(False, description="every shard DONE, or FATAL with its rows done by others")
+    rows_moved: int = Field(0, description="unfinished rows that went from one shard to another of its host")
     avg_samples_per_s: Optional[float] = Field(None, description="samples done / elapsed_s")
     avg_tokens_per_s: Optional[float] = Field(None, description="tokens / elapsed_s")
     avg_tokens_per_s_per_gpu: Optional[float] = Field(None, description="avg_tokens_per_s / gpus_planned")
@@ -393,8 +400,16 @@ def shard_row(v: ShardView, host: Host, now: float) -> tuple[ShardStatus, Rates 
         restarts=max(r.launches - 1, 0), auto_attempts=v.verdict.attempts,
         max_restarts=v.max_restarts, failures=r.failures, last_failure=r.last_failure,
         writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
-        detail=a.detail if a and state == State.LOADING else None, path=r.path)
+        detail=a.detail if a and state == State.LOADING else None, path=r.path,
+        lease=r.lease, rows_moved_in=r.rows_in, rows_moved_out=r.rows_out, holds_rows=r.holds_rows)
     return row, rate
+
+
+def run_finished(rows: list[ShardStatus]) -> bool:
+    """The run's work is all done: every shard DONE, or FATAL holding no rows (its host's other
+    shards took them over and finished them)."""
+    return bool(rows) and all(r.state == State.DONE or (r.state == State.FATAL and not r.holds_rows)
+                              for r in rows)
 
 
 def shard_eta_fields(r: ShardRecord, state: State, rate: Rates | None, host_now: float) -> dict:
@@ -582,7 +597,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
             measured.append((v, rate))
     states = [row.state for row in rows]
     settled = bool(states) and all(s in SETTLED for s in states)
-    finished = bool(states) and all(s == State.DONE for s in states)
+    finished = run_finished(rows)
     eta_unit, eta = run_eta(views, rows, measured, finished)
     elapsed = elapsed_s(views, hosts, settled, now)
     hours = elapsed / 3600 if elapsed is not None else None
@@ -595,6 +610,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
                       **averages(n["done"], n["tokens"], n["gpus_planned"], elapsed),
                       **costs(hosts, hours, settled, eta, n["tokens"]),
                       elapsed_s=_finite(elapsed, 1), finished=finished, disk_full_eta_s=_finite(disk_eta, 0),
+                      rows_moved=sum(r.rows_moved_in for r in rows),
                       replayed=all_replayed(hosts.values()), settled=settled))
 
 

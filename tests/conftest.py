@@ -60,6 +60,10 @@ SLOW_MODULES = {
     "tests/worker/test_speed_paths.py": "the compiled and eager paths compared over whole runs",
 }
 SLOW_TESTS = {
+    "tests/worker/test_leases.py::test_a_dead_gpus_rows_are_finished_by_the_others_exactly_once":
+        "three worker processes sharing one host's rows",
+    "tests/worker/test_leases.py::test_a_slow_gpus_last_rows_are_split_off_and_done_once":
+        "three worker processes sharing one host's rows, one slowed",
     "tests/fleet/test_footprint.py::test_fleet_up_projects_the_output_refuses_what_cannot_fit_and_allow_partial_lets_it_through":
         "fleet up with real workers, three times",
     "tests/fleet/test_tui.py::test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish":

@@ -10,6 +10,7 @@ layers, copies to the host on a side stream, a bounded background writer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -37,6 +38,7 @@ from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, L
 from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
                        upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers, yaml_max_length
+from .leases import MIN_WINDOW, Cell, Lease, Move, Pool
 from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, compute_dtype, find_decoder,
                     is_hybrid, load_model, missing_fast_kernels, model_devices, move, text_config,
                     uncompile_layers, unpacked_rows, use_fla_conv)
@@ -85,6 +87,10 @@ def _shard_arguments(p: argparse.ArgumentParser) -> None:
                    help="folder for events.jsonl (what fleet reads); default: no event file")
     p.add_argument("--shard-index", type=int, default=0)
     p.add_argument("--num-shards", type=int, default=1)
+    p.add_argument("--pool", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
+                   help="the shards (comma list, this one included) that write --out on this host and "
+                        "share their rows: a dead one's are finished by the others, and the last rows "
+                        "of a slow one are split (worker/leases.py). Default: this shard alone")
 
 
 def _row_arguments(p: argparse.ArgumentParser) -> None:
@@ -332,14 +338,22 @@ class Later:
 
 
 def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: int,
-               tokenizer: Callable, options: Options, later: set[int] = frozenset()
-               ) -> Iterator[list[Sample] | BadRow | Later]:
+               tokenizer: Callable, options: Options, later: set[int] = frozenset(),
+               cell: Cell | None = None) -> Iterator[list[Sample] | BadRow | Later]:
     """Unfinished rows of [start, stop): valid samples in chunks of at most `sort_window`, and a
     BadRow for each row that will not be extracted (malformed, too long); the valid samples of
-    `later` come last, held back as one Later."""
+    `later` come last, held back as one Later. With a lease's `cell`, a row is read only once the
+    cell admits it (a steal may have moved the lease's end), and a chunk is at most half the rows
+    the lease has left, so that a steal finds rows not yet read."""
     chunk: list[Sample] = []
     held: list[Sample] = []
+    window = options.sort_window
     for index, row in dataset.rows(start, stop):
+        if cell is not None:
+            if cell.shared and not chunk:
+                window = min(options.sort_window, max(MIN_WINDOW, (cell.stop - index) // 2))
+            if not cell.admit(index):
+                break
         if index in finished:
             continue
         sample = row_to_sample(index, row, vocab_size, tokenizer, options.loss_mask)
@@ -363,7 +377,7 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
             held.append(sample)
             continue
         chunk.append(sample)
-        if len(chunk) >= options.sort_window:
+        if len(chunk) >= window:
             yield chunk
             chunk = []
     if chunk:
@@ -425,7 +439,7 @@ def feed(items: Iterable[list[Sample] | BadRow | Later], extractor: Extractor, w
 def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow | Later],
                    plan: LayerPlan, out_dir: str, shard: int, device: torch.device, options: Options,
                    log: EventLog, stats: Stats, progress_interval: float = 2.0,
-                   total: int = 0, suspects: Suspects | None = None) -> Stats:
+                   total: int | Callable[[], int] = 0, suspects: Suspects | None = None) -> Stats:
     """The GPU loop: sample chunks in, files out (in `options.format`); bad rows recorded as
     skipped. Shared by the CLI and the benchmark."""
     os.makedirs(out_dir, exist_ok=True)
@@ -439,7 +453,8 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
     extractor = Extractor(model, plan, device, writer, options.pad_multiple,
                           options.micro_batches or len(devices), suspects)
     def emit_progress() -> None:
-        log.emit(protocol.Progress(total=total, **stats.snapshot(), **gpu_memory(devices)))
+        log.emit(protocol.Progress(total=total() if callable(total) else total, **stats.snapshot(),
+                                   **gpu_memory(devices)))
 
     progress = ProgressTicker(emit_progress, stats, progress_interval).start()
     try:
@@ -503,11 +518,18 @@ def main(argv: list[str] | None = None) -> int:
         shape, plan, layout = _resolve_work(args)
         identity = check_identity(args, plan)        # before any file is touched
         # `lock` is held for the process's life: one writer per output folder, one process per shard
-        lock, finished = _claim_output(args, start, stop)
+        lock = _claim_output(args)
+        pool = Pool(args.out, args.shard_index, pool_ranges(args, dataset.num_rows))
+        finished = load_finished(args.out)
+        pool.reopen(lambda a, b: any(i not in finished for i in range(a, b)))   # rows a repair dropped
+        lease = pool.own()
+        if lease is None and pool.empty():           # its rows were done by the others: no model load
+            return _pool_done(args, log, pool)
         log.emit(protocol.Loading(model=args.model))
         t0 = time.perf_counter()
         _check_gpus_visible(device, devices)
-        tuner = start_tuner(args, dataset, start, stop, set(finished), device, dtype, shape, log)
+        first = lease or Lease(start, stop, 0, start)
+        tuner = start_tuner(args, dataset, first.start, first.stop, set(finished), device, dtype, shape, log)
         model = load_model(args.model, devices, dtype, args.random_weights)
         shard_gpus = model_devices(model, device)
         vocab_size = model.get_input_embeddings().num_embeddings
@@ -521,22 +543,41 @@ def main(argv: list[str] | None = None) -> int:
         if warning := missing_fast_kernels(model):
             log.emit(protocol.WarningEvent(message=warning))
         _write_run_meta(args, config, dtype, layout, dataset.num_rows, identity)
-        stats = resumed_stats(finished, start, stop)
         options = make_options(args, shape, pad)
-        suspects = Suspects(suspects_path(args.out, args.shard_index), set(finished), start, stop)
-        done = set(finished) | ({suspects.culprit} if suspects.culprit is not None else set())
-        items = iter_shard(dataset, start, stop, done, vocab_size, chat_tokenizer(args.model), options,
-                           suspects.rows)
-        sizing.start(log, dataset, start, stop, vocab_size, args.model, options, config, weight)  # total_tokens, work
-        stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
-                               stats, args.progress_interval, stop - start, suspects)
-        if problem := too_many_skipped(args.out, start, stop, args.max_skip_fraction):
+        tokenizer = chat_tokenizer(args.model)
+        how, source, counted = "plan", None, pool.counted()
+        stats = resumed_stats(load_finished(args.out), counted)
+        while lease is not None or (got := pool.next()) is not None:
+            if lease is None:
+                lease, move = got
+                how, source = move.how, move.source
+                if move.how == "dead":
+                    _tell_source(args, move, pool.counted_for(move.source))
+            held = Holding(args.out, lease, pool.counted(), log)
+            log.emit(protocol.Leased(start=lease.start, stop=lease.stop, rows=held.owed, epoch=lease.epoch,
+                                     how=how, from_shard=source))
+            suspects = Suspects(suspects_path(args.out, args.shard_index), set(held.finished), lease.start,
+                                lease.stop)
+            done = set(held.finished) | ({suspects.culprit} if suspects.culprit is not None else set())
+            cell = pool.hold(lease, held.given_up)
+            items = iter_shard(dataset, lease.start, lease.stop, done, vocab_size, tokenizer, options,
+                               suspects.rows, cell)
+            sizing.start(log, dataset, held.ranges, vocab_size, args.model, options, config, weight)
+            stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
+                                   held.stats, args.progress_interval, held.total, suspects)
+            if cell.lost:
+                raise NotRetryable(cell.lost)
+            pool.finish()
+            counted, lease = held.ranges, None
+        pool.close()
+        if problem := too_many_skipped(args.out, counted, args.max_skip_fraction):
             raise NotRetryable(problem)
         if args.format == "speculators":           # issue 22: speculators train reads its rows here
             from .prepared import write_prepared
             write_prepared(args.out)
-        log.emit(protocol.Done(**stats.snapshot(), total=stop - start,
+        log.emit(protocol.Done(**stats.snapshot(), total=sum(b - a for a, b in counted),
                                host_peak_bytes=host_peak_bytes(), **gpu_memory(shard_gpus)))
+        lock.close()
         return 0
     except (Exception, KeyboardInterrupt) as e:
         return _failure_exit(log, e)
@@ -579,13 +620,71 @@ def _resolve_work(args: argparse.Namespace):
     return shape, plan, Layout(args.format, plan, args.dtype)
 
 
-def _claim_output(args: argparse.Namespace, start: int, stop: int):
-    """The output folder claimed for the run's plan (the lock returned must be kept open), its
-    leftover temporary files of this shard removed, and the rows its manifests hold."""
+def _claim_output(args: argparse.Namespace):
+    """The output folder claimed for the run's plan (the lock returned must be kept open)."""
     planned = read_plan_file(args.plan) if args.plan else {}
-    lock = claim_output(args.out, planned.get("run"), planned.get("created"), args.shard_index)
-    remove_stale_temps(args.out, start, stop)
-    return lock, load_finished(args.out)
+    return claim_output(args.out, planned.get("run"), planned.get("created"), args.shard_index)
+
+
+def pool_ranges(args: argparse.Namespace, num_rows: int) -> dict[int, tuple[int, int]]:
+    """The planned rows of each shard of this shard's pool (--pool; alone: its own)."""
+    members = sorted({args.shard_index, *args.pool})
+    return {k: shard_range(num_rows, args.num_shards, k) for k in members}
+
+
+class Holding:
+    """This shard's counts while it holds `lease`, as before leases for one range: the finished
+    rows (by any launch) of the leases that count for it and of this one, out of their rows; a
+    steal takes its rows out of both."""
+
+    def __init__(self, out_dir: str, lease: Lease, counted: list[tuple[int, int]], log: EventLog):
+        remove_stale_temps(out_dir, lease.start, lease.stop)    # a dead holder's leftovers too
+        self.finished = load_finished(out_dir)
+        self.ranges = [*counted, (lease.start, lease.stop)]
+        self.stats = resumed_stats(self.finished, self.ranges)
+        self.rows = sum(b - a for a, b in self.ranges)
+        self.owed = sum(1 for i in range(lease.start, lease.stop) if i not in self.finished)
+        self.log = log
+
+    def total(self) -> int:
+        return self.rows
+
+    def given_up(self, move: Move) -> None:
+        """A steal took rows [move.start, move.stop), none of them read yet."""
+        gone = [self.finished[i] for i in range(move.start, move.stop) if i in self.finished]
+        with self.stats.lock:
+            self.rows -= move.stop - move.start
+            self.stats.done -= sum(1 for r in gone if "skipped" not in r)
+            self.stats.skipped -= sum(1 for r in gone if "skipped" in r)
+        self.ranges[-1] = (self.ranges[-1][0], move.start)
+        self.log.emit(protocol.LeaseMoved(start=move.start, stop=move.stop, to_shard=move.target, why="stolen",
+                                          rows=move.stop - move.start - len(gone), total=self.rows, holds=True))
+
+
+def _tell_source(args: argparse.Namespace, move: Move, counted: list[tuple[int, int]]) -> None:
+    """A dead shard's lease taken over: said in that shard's own record (its state folder beside
+    ours), so that fleet shows where its rows went and that it holds none; `counted`: the leases
+    that still count for it."""
+    if not args.state or os.path.basename(os.path.dirname(os.path.abspath(args.state))) != "shards":
+        return
+    finished = load_finished(args.out)
+    stats = resumed_stats(finished, counted)
+    event = protocol.LeaseMoved(start=move.start, stop=move.stop, to_shard=move.target, why="dead",
+                                rows=sum(1 for i in range(move.start, move.stop) if i not in finished),
+                                total=sum(b - a for a, b in counted), done=stats.done, skipped=stats.skipped,
+                                holds=False)
+    path = os.path.join(os.path.dirname(os.path.abspath(args.state)), str(move.source), protocol.EVENTS_FILE)
+    with contextlib.suppress(OSError):
+        protocol.append_jsonl(path, event)
+
+
+def _pool_done(args: argparse.Namespace, log: EventLog, pool: Pool) -> int:
+    """A launch that finds no rows left in its pool: done, with the counts of its finished leases."""
+    counted = pool.counted()
+    pool.close()
+    stats = resumed_stats(load_finished(args.out), counted)
+    log.emit(protocol.Done(**stats.snapshot(), total=sum(b - a for a, b in counted)))
+    return 0
 
 
 def _check_gpus_visible(device: torch.device, devices: list[str]) -> None:
@@ -611,10 +710,11 @@ def _write_run_meta(args: argparse.Namespace, config, dtype: torch.dtype, layout
                      "safetensors": __import__("safetensors").__version__}})
 
 
-def resumed_stats(finished: dict[int, dict], start: int, stop: int) -> Stats:
-    """The shard's counters as its manifests leave them: a resumed launch counts on from there."""
+def resumed_stats(finished: dict[int, dict], ranges: list[tuple[int, int]]) -> Stats:
+    """The shard's counters over its rows `ranges` as the manifests leave them: a resumed launch,
+    or a new lease, counts on from there."""
     stats = Stats()
-    in_range = [rec for i, rec in finished.items() if start <= i < stop]
+    in_range = [rec for i, rec in finished.items() if any(a <= i < b for a, b in ranges)]
     stats.done = sum(1 for r in in_range if "skipped" not in r)
     stats.skipped = len(in_range) - stats.done
     stats.tokens = sum(r.get("tokens", 0) for r in in_range)
@@ -889,12 +989,12 @@ def read_plan_file(path: str) -> dict:
     return plan
 
 
-def too_many_skipped(out_dir: str, start: int, stop: int, limit: float) -> str | None:
-    """Nothing counts as done that did nothing: more than `limit` of the shard's rows skipped
-    fails it, with the count and the commonest reasons."""
+def too_many_skipped(out_dir: str, ranges: list[tuple[int, int]], limit: float) -> str | None:
+    """Nothing counts as done that did nothing: more than `limit` of the shard's rows (`ranges`)
+    skipped fails it, with the count and the commonest reasons."""
     skipped = [r["skipped"] for i, r in load_finished(out_dir).items()
-               if start <= i < stop and "skipped" in r]
-    rows = stop - start
+               if "skipped" in r and any(a <= i < b for a, b in ranges)]
+    rows = sum(b - a for a, b in ranges)
     if not rows or len(skipped) <= limit * rows:
         return None
     reasons = Counter(re.sub(r"\d{2,}|(?<=\[)\d+(?=\])", "N", why) for why in skipped).most_common(3)

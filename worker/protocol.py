@@ -325,6 +325,45 @@ class Reopened(Record):
 
 @event
 @dataclass
+class Leased(Record):
+    """The shard holds rows [start, stop) of its host's pool (worker/leases.py): its planned
+    range (`how` "plan"), a dead slot's lease taken over ("dead", `from_shard`) or the second half
+    of a live one's remainder ("stolen"). `rows`: those not yet finished; `epoch`: the lease's."""
+    KIND: ClassVar[str] = "leased"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    start: int = 0
+    stop: int = 0
+    rows: int = 0
+    epoch: int = 0
+    how: str = "plan"
+    from_shard: Optional[int] = None
+
+
+@event
+@dataclass
+class LeaseMoved(Record):
+    """Rows [start, stop) this shard held went to `to_shard` (`rows` of them unfinished): taken over
+    because this shard's process is gone (`why` "dead", written by the taker into this shard's
+    record), or given up on a steal (`why` "stolen", written by this shard). `total`, `done`,
+    `skipped`: this shard's rows after the move (those of the leases that count for it, and what of
+    them is finished); `holds`: whether it still holds any."""
+    KIND: ClassVar[str] = "lease_moved"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    start: int = 0
+    stop: int = 0
+    rows: int = 0
+    to_shard: Optional[int] = None
+    why: str = "dead"
+    total: Optional[int] = None
+    done: Optional[int] = None
+    skipped: Optional[int] = None
+    holds: bool = False
+
+
+@event
+@dataclass
 class Exited(Record):
     """The launch ended: `code` (negative: killed by that signal; None: unknown), `stopped` (the
     runner was told to stop it), `vanished` (written by the agent: the runner died too)."""

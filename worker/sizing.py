@@ -96,10 +96,11 @@ def measured_weight(forward: Callable[[int, int], float], prior: float | None,
     return round(weight, 9)
 
 
-def start(log: EventLog, dataset, start: int, stop: int, vocab_size: int, model: str,
+def start(log: EventLog, dataset, ranges: list[tuple[int, int]], vocab_size: int, model: str,
           options, config=None, weight: float | None = None) -> threading.Thread:
-    """Size the shard in a daemon thread; the log stamps the result on later progress events.
-    `weight`: attention's weight as measured on this host (else the FLOP model's, from `config`)."""
+    """Size the shard's rows (`ranges`: its finished leases and the one it holds) in a daemon
+    thread; the log stamps the result on later progress events. `weight`: attention's weight as
+    measured on this host (else the FLOP model's, from `config`)."""
     if weight is None and config is not None:
         weight = attention_weight(config)
     if weight is not None:
@@ -112,7 +113,8 @@ def start(log: EventLog, dataset, start: int, stop: int, vocab_size: int, model:
 
     def run() -> None:
         try:
-            rows, tokens, sq = shard_work(dataset, start, stop, vocab_size, tokenizer, options)
+            parts = [shard_work(dataset, a, b, vocab_size, tokenizer, options) for a, b in ranges]
+            rows, tokens, sq = (sum(p[i] for p in parts) for i in range(3))
         except Exception:
             return                                      # unknown: throughput stays in samples
         log.work = {**log.work, "total_rows": rows, "total_sq_tokens": sq}

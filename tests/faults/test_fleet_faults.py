@@ -234,3 +234,46 @@ def test_a_record_the_full_disk_cuts_short_is_taken_back_not_torn(tmp_path, smal
     os.unlink(filler)
     protocol.append_jsonl(path, protocol.Exited(launch=1, code=0))
     assert [type(e).__name__ for e in protocol.read_events(path)] == ["Launch", "Exited"]
+
+
+def test_a_dead_gpus_rows_are_done_by_its_hosts_others_and_the_run_finishes(tmp_path, dense_model):
+    """Three shards of one host, the shard on GPU 2 dead from its first batch (a sticky CUDA error
+    on every launch): the host's other two take its rows over and finish them, and the run ends
+    finished, with the move in the records and `fleet verify` exact."""
+    from worker.demo import make_token_dataset
+    make_token_dataset(str(tmp_path / "d.jsonl"), 180, vocab_size=500, mean_tokens=30, seed=8)
+    path = tmp_path / "fleet.toml"
+    path.write_text(f"""
+[run]
+name = "dead"
+model = {json.dumps(dense_model)}
+data = "d.jsonl"
+output = "out"
+device = "cpu"
+max_tokens_per_batch = 256
+env = {{ PYTHONPATH = {json.dumps(os.path.join(os.path.dirname(os.path.abspath(__file__)), "inject"))}, FLEET_INJECT_DEAD_GPU = "2", OMP_NUM_THREADS = "1" }}
+
+[supervise]
+max_restarts = 1
+backoff_base = "1s"
+
+[[hosts]]
+name = "local"
+address = "local"
+gpus = [0, 1, 2]
+root = "fleet"
+""")
+    r = fleet("up", "--headless", "-c", str(path), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    snap = json.loads(fleet("status", "--json", "-c", str(path)).stdout)
+    shards = {s["id"]: s for s in snap["shards"]}
+    # GPU 2 ends FATAL, or DONE when its last restart found its host's rows all done (no model load)
+    assert [shards[k]["state"] for k in range(2)] == ["DONE", "DONE"] and shards[2]["state"] in ("DONE", "FATAL")
+    assert shards[2]["failures"] >= 1 and "CUDA error" in shards[2]["last_failure"]
+    assert shards[2]["holds_rows"] is False and shards[2]["rows_moved_out"] > 0 and shards[2]["total"] == 0
+    assert shards[0]["rows_moved_in"] + shards[1]["rows_moved_in"] == shards[2]["rows_moved_out"]
+    assert snap["totals"]["finished"] is True and snap["totals"]["rows_moved"] == shards[2]["rows_moved_out"]
+    assert snap["totals"]["done"] == 180
+    assert "rows moved to other GPUs of their host" in fleet("status", "-c", str(path)).stdout
+    v = fleet("verify", "-c", str(path))
+    assert v.returncode == 0 and "180 written" in v.stdout, v.stdout

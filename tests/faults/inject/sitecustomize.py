@@ -9,13 +9,18 @@ PYTHONPATH. The model itself is real and untouched; the embedding lookup fails a
 - FLEET_INJECT_ABORT_TOKEN=T: a lookup holding token id T kills the process with SIGABRT, as a
   CUDA device-side assert does (nothing to catch);
 - FLEET_INJECT_CUDA_ASSERT_TOKEN=T: a lookup holding token id T indexes out of bounds on the
-  device: a real device-side assert on a GPU (reported asynchronously, later).
+  device: a real device-side assert on a GPU (reported asynchronously, later);
+- FLEET_INJECT_DEAD_GPU=G: in the process whose CUDA_VISIBLE_DEVICES is G (the shard fleet put
+  on GPU G), every lookup raises a sticky CUDA error, as a card that fell off the bus does;
+- FLEET_INJECT_SLOW_GPU=G:S: in that process every lookup first sleeps S seconds (a throttled or
+  older card).
 """
 
 import os
 
 _VARS = ("FLEET_INJECT_OOM_ABOVE", "FLEET_INJECT_OOM_TIMES", "FLEET_INJECT_ERROR_TOKEN",
-         "FLEET_INJECT_ABORT_TOKEN", "FLEET_INJECT_CUDA_ASSERT_TOKEN")
+         "FLEET_INJECT_ABORT_TOKEN", "FLEET_INJECT_CUDA_ASSERT_TOKEN", "FLEET_INJECT_DEAD_GPU",
+         "FLEET_INJECT_SLOW_GPU")
 
 if any(os.environ.get(v) for v in _VARS):
     import torch
@@ -26,9 +31,18 @@ if any(os.environ.get(v) for v in _VARS):
     _token = int(os.environ.get("FLEET_INJECT_ERROR_TOKEN") or -1)
     _abort = int(os.environ.get("FLEET_INJECT_ABORT_TOKEN") or -1)
     _assert = int(os.environ.get("FLEET_INJECT_CUDA_ASSERT_TOKEN") or -1)
+    _dead = os.environ.get("FLEET_INJECT_DEAD_GPU") not in (None, "") and \
+        os.environ.get("FLEET_INJECT_DEAD_GPU") == os.environ.get("CUDA_VISIBLE_DEVICES")
+    _slow_gpu, _, _slow_s = (os.environ.get("FLEET_INJECT_SLOW_GPU") or "").partition(":")
+    _slow = float(_slow_s) if _slow_gpu and _slow_gpu == os.environ.get("CUDA_VISIBLE_DEVICES") else 0.0
     _embedding = F.embedding
 
     def embedding(input, weight, *args, **kwargs):
+        if _slow:
+            import time
+            time.sleep(_slow)
+        if _dead:
+            raise RuntimeError("CUDA error: unspecified launch failure (injected: this GPU is dead)")
         if _limit and input.numel() > _limit:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected above {_limit} tokens)")
         if _times[0] > 0:

@@ -1,0 +1,389 @@
+"""Leases of rows among the shards of one host (issue 33): a dead GPU's rows are finished by the
+host's other GPUs, and the host's GPUs finish together, with no supervisor attached.
+
+The shards of a host that write one output folder form a pool (`--pool`). Their ledger,
+`<out>/.fleet/leases-<first shard>.json`, starts with each shard holding its planned range (so a
+run where nothing fails or lags is exactly a run of fixed shards) and changes only under its
+flock, through the pure methods of `Ledger`:
+
+- a shard that finishes its lease takes over the lease of a pool member whose process is gone
+  (its `.fleet/<shard>.alive` flock is free: crashed, FATAL, never started); rows the dead holder
+  finished are in its manifest and are skipped;
+- else it asks the live holder with the largest unread remainder for the second half of it: the
+  holder's poller answers at its next tick, cutting its own lease no lower than the rows it has
+  already read (`Cell.frontier`), and only then does the thief start: no row is done twice on
+  purpose;
+- else, while any other member still holds rows, it waits (a late death is then taken over at
+  once); when no one holds any, the pool is done.
+
+Each lease carries an epoch; a holder whose lease is no longer in the ledger under its epoch
+stops (`LeaseLost`). `Ledger.problems` states the invariants the tests check after every step:
+every row is held by at most one shard, held ∪ done = the pool's rows, no done row is held again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
+
+from .files import write_atomic
+
+POLL_S = 0.5            # how often a holder reads the ledger (answers a steal, checks its epoch)
+STEAL_WAIT_S = 30.0     # a steal not answered by then (a stopped holder) is withdrawn
+MIN_STEAL = 2           # rows: a remainder smaller than this is left to its holder
+MIN_WINDOW = 64         # rows: a shared lease is read in chunks of half its rest, down to this
+
+
+class LeaseLost(Exception):
+    """This shard's lease is no longer its own in the ledger (its rows were moved): stop them."""
+
+
+@dataclass
+class Lease:
+    start: int
+    stop: int
+    epoch: int
+    at: int                   # the holder's frontier: rows below it are read (being done or done)
+
+    @property
+    def remainder(self) -> int:
+        return self.stop - self.at
+
+
+@dataclass
+class Move:
+    """Rows [start, stop) going from `source` to `target`: `how` "dead", "stolen" or "reopened"."""
+    start: int
+    stop: int
+    source: int
+    target: int
+    how: str
+    epoch: int
+
+
+@dataclass
+class Ledger:
+    held: dict[int, Lease] = field(default_factory=dict)
+    done: list[list[int]] = field(default_factory=list)     # finished leases: [a, b, the shard it counts for]
+    steals: dict[int, int] = field(default_factory=dict)    # victim -> thief
+    asked_t: dict[int, float] = field(default_factory=dict) # thief -> when it asked
+    epoch: int = 0
+    ranges: dict[int, list[int]] = field(default_factory=dict)   # the plan's: another plan, another ledger
+
+    @classmethod
+    def planned(cls, ranges: dict[int, tuple[int, int]]) -> "Ledger":
+        ledger = cls(ranges={k: list(v) for k, v in ranges.items()})
+        for slot in sorted(ranges):
+            a, b = ranges[slot]
+            ledger.epoch += 1
+            if b > a:
+                ledger.held[slot] = Lease(a, b, ledger.epoch, a)
+        return ledger
+
+    # --- changes ---------------------------------------------------------------------------
+
+    def finish(self, slot: int) -> None:
+        """`slot` finished its lease: its rows are done, and count for `slot` (the rows a dead
+        holder had finished in a lease taken over go with the lease)."""
+        lease = self.held.pop(slot, None)
+        if lease is not None and lease.stop > lease.start:
+            self.done.append([lease.start, lease.stop, slot])
+        self._forget(slot)
+
+    def take_over(self, thief: int, victim: int) -> Move:
+        """The whole lease of `victim` (whose process is gone) to `thief`, which holds none."""
+        assert thief not in self.held and victim in self.held and thief != victim
+        lease = self.held.pop(victim)
+        self._forget(victim)
+        self.withdraw(thief)
+        self.epoch += 1
+        self.held[thief] = Lease(lease.start, lease.stop, self.epoch, lease.start)
+        return Move(lease.start, lease.stop, victim, thief, "dead", self.epoch)
+
+    def reopen(self, slot: int, unfinished: Callable[[int, int], bool]) -> Move | None:
+        """A finished lease with rows no manifest holds any more (`fleet verify --repair` dropped
+        them) held again, by `slot`, which holds none; None when there is none."""
+        if slot in self.held:
+            return None
+        for entry in self.done:
+            a, b, owner = entry
+            if unfinished(a, b):
+                self.done.remove(entry)
+                self.epoch += 1
+                self.held[slot] = Lease(a, b, self.epoch, a)
+                return Move(a, b, owner, slot, "reopened", self.epoch)
+        return None
+
+    def ask(self, thief: int, victim: int, t: float) -> None:
+        assert thief not in self.held and victim in self.held and victim not in self.steals
+        self.withdraw(thief)
+        self.steals[victim], self.asked_t[thief] = thief, t
+
+    def withdraw(self, thief: int) -> None:
+        for victim in [v for v, th in self.steals.items() if th == thief]:
+            del self.steals[victim]
+        self.asked_t.pop(thief, None)
+
+    def answer(self, victim: int, frontier: int) -> Move | None:
+        """`victim` answers the steal asked of it, having read its rows up to `frontier`: the
+        second half of what it has not read goes to the thief (None when nothing is left to give)."""
+        thief = self.steals.pop(victim, None)
+        if thief is None:
+            return None
+        self.asked_t.pop(thief, None)
+        lease = self.held[victim]
+        lease.at = max(lease.at, min(frontier, lease.stop))
+        cut = lease.at + (lease.stop - lease.at + 1) // 2
+        if lease.stop - cut < 1 or thief in self.held:
+            return None
+        self.epoch += 1
+        self.held[thief] = Lease(cut, lease.stop, self.epoch, cut)
+        move = Move(cut, lease.stop, victim, thief, "stolen", self.epoch)
+        lease.stop = cut
+        return move
+
+    def counted(self, slot: int) -> list[tuple[int, int]]:
+        """The finished leases that count for `slot`."""
+        return [(a, b) for a, b, s in self.done if s == slot]
+
+    def read_up_to(self, slot: int, frontier: int) -> None:
+        lease = self.held.get(slot)
+        if lease is not None:
+            lease.at = max(lease.at, min(frontier, lease.stop))
+
+    def _forget(self, slot: int) -> None:
+        self.steals.pop(slot, None)
+        self.withdraw(slot)
+
+    # --- questions ------------------------------------------------------------------------
+
+    def victim(self, thief: int, alive: Callable[[int], bool]) -> tuple[str, int] | None:
+        """What `thief` (holding nothing) should do: ("dead", slot) to take over, ("steal", slot)
+        to ask, ("wait", slot) while a live holder's rows are too few to split; None: all done."""
+        others = [s for s in self.held if s != thief]
+        dead = [s for s in others if not alive(s)]
+        if dead:
+            return "dead", max(dead, key=lambda s: self.held[s].stop - self.held[s].start)
+        open_ = [s for s in others if s not in self.steals and self.held[s].remainder >= MIN_STEAL]
+        if open_:
+            return "steal", max(open_, key=lambda s: self.held[s].remainder)
+        return ("wait", others[0]) if others else None
+
+    def problems(self, rows: list[tuple[int, int]]) -> list[str]:
+        """The invariants, against the pool's rows: held and done disjoint and covering them."""
+        spans = [(l.start, l.stop, f"held by {s}") for s, l in self.held.items()] + \
+                [(a, b, "done") for a, b, _ in self.done]
+        spans.sort()
+        out, end = [], None
+        for a, b, what in spans:
+            if end is not None and a < end:
+                out.append(f"rows {a}-{min(b, end)} twice ({what})")
+            end = b if end is None else max(end, b)
+        covered = sorted((a, b) for a, b, _ in spans if b > a)
+        if merge(covered) != merge(sorted(rows)):
+            out.append(f"held and done {merge(covered)} are not the pool's rows {merge(sorted(rows))}")
+        for s, l in self.held.items():
+            if not l.start <= l.at <= l.stop:
+                out.append(f"{s}: frontier {l.at} outside {l.start}-{l.stop}")
+        return out
+
+    # --- storage --------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps({"held": {str(k): asdict(v) for k, v in self.held.items()}, "done": self.done,
+                           "steals": {str(k): v for k, v in self.steals.items()},
+                           "asked_t": {str(k): v for k, v in self.asked_t.items()}, "epoch": self.epoch,
+                           "ranges": {str(k): list(v) for k, v in self.ranges.items()}})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Ledger":
+        d = json.loads(text)
+        return cls(held={int(k): Lease(**v) for k, v in d["held"].items()}, done=[list(r) for r in d["done"]],
+                   steals={int(k): int(v) for k, v in d["steals"].items()},
+                   asked_t={int(k): float(v) for k, v in d["asked_t"].items()}, epoch=int(d["epoch"]),
+                   ranges={int(k): list(v) for k, v in d.get("ranges", {}).items()})
+
+
+def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+class Cell:
+    """The lease the worker's row reader is in, shared with the poller thread: the reader admits a
+    row only below `stop`, and a steal cuts `stop` no lower than the rows already admitted."""
+
+    def __init__(self, start: int, stop: int, shared: bool = True):
+        self.start, self.stop, self.frontier = start, stop, start
+        self.shared = shared              # other shards may steal from it (a pool of more than one)
+        self.lost: str | None = None
+        self.lock = threading.Lock()
+
+    def admit(self, index: int) -> bool:
+        with self.lock:
+            if index >= self.stop or self.lost:
+                return False
+            self.frontier = max(self.frontier, index + 1)
+            return True
+
+
+class Pool:
+    """One shard's side of its host's ledger. `alive` holds `.fleet/<slot>.alive` for the
+    process's life: the others' test of whether this shard is gone."""
+
+    def __init__(self, out_dir: str, slot: int, ranges: dict[int, tuple[int, int]]):
+        work = os.path.join(out_dir, ".fleet")
+        os.makedirs(work, exist_ok=True)
+        self.slot, self.ranges, self.work = slot, ranges, work
+        first = min(ranges)
+        self.path = os.path.join(work, f"leases-{first}.json")
+        self._lock_path = self.path + ".lock"
+        self._alive = open(os.path.join(work, f"{slot}.alive"), "a")
+        fcntl.flock(self._alive, fcntl.LOCK_EX)          # a prober holds it for microseconds only
+        self.cell: Cell | None = None
+        self.epoch: int | None = None
+        self.on_move: Callable[[Move], None] = lambda move: None
+        self._poller: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @contextlib.contextmanager
+    def ledger(self) -> Iterator[Ledger]:
+        """The ledger under its lock (made from the planned ranges on first use), saved after."""
+        with open(self._lock_path, "a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            fresh = Ledger.planned(self.ranges)
+            try:
+                with open(self.path) as f:
+                    ledger = Ledger.from_json(f.read())
+            except (OSError, ValueError, KeyError, TypeError):     # none yet, or unreadable: the plan's
+                ledger = fresh
+            if ledger.ranges != fresh.ranges:                     # another plan's (a replan): the manifests
+                ledger = fresh                                    # say what is done, not it
+            before = ledger.to_json()
+            yield ledger
+            after = ledger.to_json()
+            if after != before:
+                write_atomic(self.path, after, sync=False)
+
+    def alive(self, slot: int) -> bool:
+        if slot == self.slot:
+            return True
+        with open(os.path.join(self.work, f"{slot}.alive"), "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+
+    def own(self) -> Lease | None:
+        """The lease this shard holds (its planned range on a first launch; what it held when it
+        last stopped, unless another shard has taken it over since)."""
+        with self.ledger() as ledger:
+            lease = ledger.held.get(self.slot)
+            return None if lease is None else Lease(**asdict(lease))
+
+    def reopen(self, unfinished: Callable[[int, int], bool]) -> Move | None:
+        with self.ledger() as ledger:
+            return ledger.reopen(self.slot, unfinished)
+
+    def empty(self) -> bool:
+        with self.ledger() as ledger:
+            return not ledger.held
+
+    def counted(self) -> list[tuple[int, int]]:
+        return self.counted_for(self.slot)
+
+    def counted_for(self, slot: int) -> list[tuple[int, int]]:
+        with self.ledger() as ledger:
+            return ledger.counted(slot)
+
+    def finish(self) -> None:
+        with self.ledger() as ledger:
+            if ledger.held.get(self.slot) is not None and ledger.held[self.slot].epoch == self.epoch:
+                ledger.finish(self.slot)
+        self.cell = self.epoch = None
+
+    def next(self, stopping: Callable[[], bool] = lambda: False) -> tuple[Lease, Move] | None:
+        """This shard's next lease once it holds none: a dead member's, or half a live one's; None
+        when no member holds rows any more. Waits while a steal is answered or a holder finishes."""
+        asked: int | None = None
+        while not stopping():
+            with self.ledger() as ledger:
+                lease = ledger.held.get(self.slot)
+                if lease is not None and asked is not None:
+                    return Lease(**asdict(lease)), Move(lease.start, lease.stop, asked, self.slot, "stolen",
+                                                        lease.epoch)
+                pending = asked is not None and asked in ledger.steals and \
+                    time.time() - ledger.asked_t.get(self.slot, 0) < STEAL_WAIT_S and self.alive(asked)
+                if not pending:
+                    ledger.withdraw(self.slot)
+                    asked = None
+                    choice = ledger.victim(self.slot, self.alive)
+                    if choice is None:
+                        return None
+                    what, victim = choice
+                    if what == "dead":
+                        move = ledger.take_over(self.slot, victim)
+                        return Lease(**asdict(ledger.held[self.slot])), move
+                    if what == "steal":
+                        ledger.ask(self.slot, victim, time.time())
+                        asked = victim
+            time.sleep(POLL_S / 2)
+        return None
+
+    def hold(self, lease: Lease, on_move: Callable[[Move], None] = lambda move: None) -> Cell:
+        """Work on `lease`: its cell for the row reader, and the poller answering steals (told to
+        `on_move` once the cut is made)."""
+        self.on_move = on_move
+        self.epoch, self.cell = lease.epoch, Cell(lease.start, lease.stop, shared=len(self.ranges) > 1)
+        if self._poller is None:
+            self._poller = threading.Thread(target=self._poll, name="leases", daemon=True)
+            self._poller.start()
+        return self.cell
+
+    def _poll(self) -> None:
+        while not self._stop.wait(POLL_S):
+            cell = self.cell
+            if cell is None:
+                continue
+            try:
+                self.tick(cell)
+            except Exception:               # the ledger unreadable for a moment: next tick
+                continue
+
+    def tick(self, cell: Cell) -> Move | None:
+        """Publish the frontier, answer a steal (cutting the cell's stop first), check the epoch."""
+        with self.ledger() as ledger:
+            lease = ledger.held.get(self.slot)
+            if lease is None or lease.epoch != self.epoch:
+                with cell.lock:
+                    cell.lost = (f"rows {cell.start}-{cell.stop} are no longer this shard's "
+                                 f"(lease epoch {self.epoch} gone from {self.path})")
+                return None
+            with cell.lock:
+                move = ledger.answer(self.slot, cell.frontier) if self.slot in ledger.steals else None
+                if move is not None:
+                    cell.stop = move.start
+                ledger.read_up_to(self.slot, cell.frontier)
+        if move is not None:
+            self.on_move(move)
+        return move
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._alive.close()
