@@ -19,7 +19,7 @@ def finished_summary(snap: FleetSnapshot, sep: str = ", ") -> str:
     t = snap.totals
     done = t.by_state.get(State.DONE.value, 0)
     parts = [f"{done}/{t.shards} shards DONE in {duration(t.elapsed_s)}"
-             + (f" ({t.rows_moved:,} rows moved to other GPUs of their host)" if t.rows_moved else "")]
+             + (f" ({t.rows_moved:,} rows moved between GPUs)" if t.rows_moved else "")]
     if t.avg_tokens_per_s_per_gpu:
         parts.append(f"avg {t.avg_tokens_per_s_per_gpu:,.0f} tok/s/GPU")
     parts.append(bytes_text(t.bytes_written))

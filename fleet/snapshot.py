@@ -343,25 +343,46 @@ def shard_progress(r: ShardRecord, state: State) -> float | None:
 
 def last_shard_eta(rows: list[ShardStatus], views: list[ShardView],
                    measured: list[tuple[ShardView, Rates]]) -> float | None:
-    """When the run ends: when its last shard does (shards cannot lend each other work). A shard
-    not measured now (BACKOFF, LOADING, queued, host down) is counted at the mean rate of the
-    shards that are; FATAL and STOPPED shards will not finish and are left out. None when nothing
-    is measured."""
+    """When the run ends: when its last pool does. A shard with fixed rows ends at its own ETA;
+    the shards of one host that share their rows (their records hold a lease: worker/leases.py)
+    end together, when the pool's work left is done at their summed rate (pool_end). A shard not
+    measured now (BACKOFF, LOADING, queued, host down) is counted at the mean rate of the shards
+    that are; FATAL and STOPPED shards will not finish and are left out. None when nothing is
+    measured."""
     if not measured:
         return None
     n = len(measured)
     mean = Rates(samples_per_s=sum(x.samples_per_s for _, x in measured) / n,
                  tokens_per_s=sum(x.tokens_per_s for _, x in measured) / n,
                  bytes_per_s=sum(x.bytes_per_s for _, x in measured) / n)
-    ends = []
+    rate_of = {id(v): x for v, x in measured}
+    ends, pools = [], {}
     for row, v in zip(rows, views):
         if row.state in (State.DONE, State.FATAL, State.STOPPED):
+            continue
+        if v.record.lease is not None:
+            pools.setdefault(v.host, []).append((v.record, rate_of.get(id(v), mean)))
             continue
         end = row.eta_s if row.eta_s is not None else shard_eta(v.record, row.state, mean)
         if end is None:
             return None
         ends.append(end)
-    return max(ends) if ends else None
+    ends += [pool_end(p) for p in pools.values()]
+    return None if None in ends else max(ends, default=None)
+
+
+def pool_end(shards: list[tuple[ShardRecord, Rates]]) -> float | None:
+    """Seconds until a pool's live shards have done its work left, at their summed rate: in
+    tokens when every one has sized its rows, else in rows. Summed before it is clamped: just
+    after a steal, until both have sized their rows again, the thief's total still lacks the
+    rows that the holder's still counts, and the two cancel."""
+    if all(r.total_tokens is not None for r, _ in shards):
+        left = sum(r.total_tokens - r.tokens for r, _ in shards)
+        speed = sum(x.tokens_per_s for _, x in shards)
+    else:
+        left = sum(r.total - r.done - r.skipped for r, _ in shards)
+        speed = sum(x.samples_per_s for _, x in shards)
+    return eta(max(left, 0), speed)
 
 
 def disk_full_eta(records: list[ShardRecord], tokens_per_s: float, free: int) -> float | None:

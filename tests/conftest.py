@@ -64,6 +64,8 @@ SLOW_TESTS = {
         "three worker processes sharing one host's rows",
     "tests/worker/test_leases.py::test_a_slow_gpus_last_rows_are_split_off_and_done_once":
         "three worker processes sharing one host's rows, one slowed",
+    "tests/fleet/test_figures.py::test_the_run_eta_of_a_host_sharing_its_rows_is_the_pools_not_its_slowest_shards":
+        "three worker processes sharing one host's rows, one slowed, replayed into a snapshot",
     "tests/fleet/test_footprint.py::test_fleet_up_projects_the_output_refuses_what_cannot_fit_and_allow_partial_lets_it_through":
         "fleet up with real workers, three times",
     "tests/fleet/test_tui.py::test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish":

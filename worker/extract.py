@@ -38,7 +38,7 @@ from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, L
 from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
                        upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers, yaml_max_length
-from .leases import MIN_WINDOW, Cell, Lease, Move, Pool
+from .leases import Cell, Lease, Move, Pool
 from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, compute_dtype, find_decoder,
                     is_hybrid, load_model, missing_fast_kernels, model_devices, move, text_config,
                     uncompile_layers, unpacked_rows, use_fla_conv)
@@ -343,15 +343,15 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
     """Unfinished rows of [start, stop): valid samples in chunks of at most `sort_window`, and a
     BadRow for each row that will not be extracted (malformed, too long); the valid samples of
     `later` come last, held back as one Later. With a lease's `cell`, a row is read only once the
-    cell admits it (a steal may have moved the lease's end), and a chunk is at most half the rows
-    the lease has left, so that a steal finds rows not yet read."""
+    cell admits it (a steal may have moved the lease's end), in chunks of the cell's window, so
+    that a steal finds rows not yet read."""
     chunk: list[Sample] = []
     held: list[Sample] = []
     window = options.sort_window
     for index, row in dataset.rows(start, stop):
         if cell is not None:
-            if cell.shared and not chunk:
-                window = min(options.sort_window, max(MIN_WINDOW, (cell.stop - index) // 2))
+            if not chunk:
+                window = cell.window(index, options.sort_window)
             if not cell.admit(index):
                 break
         if index in finished:
@@ -546,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         options = make_options(args, shape, pad)
         tokenizer = chat_tokenizer(args.model)
         how, source, counted = "plan", None, pool.counted()
+        sizer = sizing.Sizer(log, dataset, vocab_size, args.model, options, config, weight)
         stats = resumed_stats(load_finished(args.out), counted)
         while lease is not None or (got := pool.next()) is not None:
             if lease is None:
@@ -553,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
                 how, source = move.how, move.source
                 if move.how == "dead":
                     _tell_source(args, move, pool.counted_for(move.source))
-            held = Holding(args.out, lease, pool.counted(), log)
+            held = Holding(args.out, lease, pool.counted(), log, resize=sizer.start)
             log.emit(protocol.Leased(start=lease.start, stop=lease.stop, rows=held.owed, epoch=lease.epoch,
                                      how=how, from_shard=source))
             suspects = Suspects(suspects_path(args.out, args.shard_index), set(held.finished), lease.start,
@@ -562,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             cell = pool.hold(lease, held.given_up)
             items = iter_shard(dataset, lease.start, lease.stop, done, vocab_size, tokenizer, options,
                                suspects.rows, cell)
-            sizing.start(log, dataset, held.ranges, vocab_size, args.model, options, config, weight)
+            held.resize(held.ranges)
             stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                    held.stats, args.progress_interval, held.total, suspects)
             if cell.lost:
@@ -635,16 +636,18 @@ def pool_ranges(args: argparse.Namespace, num_rows: int) -> dict[int, tuple[int,
 class Holding:
     """This shard's counts while it holds `lease`, as before leases for one range: the finished
     rows (by any launch) of the leases that count for it and of this one, out of their rows; a
-    steal takes its rows out of both."""
+    steal takes its rows out of both, and `resize` sizes the rows that are left again (the ETA's
+    tokens)."""
 
-    def __init__(self, out_dir: str, lease: Lease, counted: list[tuple[int, int]], log: EventLog):
+    def __init__(self, out_dir: str, lease: Lease, counted: list[tuple[int, int]], log: EventLog,
+                 resize: Callable[[list[tuple[int, int]]], object] = lambda ranges: None):
         remove_stale_temps(out_dir, lease.start, lease.stop)    # a dead holder's leftovers too
         self.finished = load_finished(out_dir)
         self.ranges = [*counted, (lease.start, lease.stop)]
         self.stats = resumed_stats(self.finished, self.ranges)
         self.rows = sum(b - a for a, b in self.ranges)
         self.owed = sum(1 for i in range(lease.start, lease.stop) if i not in self.finished)
-        self.log = log
+        self.log, self.resize = log, resize
 
     def total(self) -> int:
         return self.rows
@@ -659,6 +662,7 @@ class Holding:
         self.ranges[-1] = (self.ranges[-1][0], move.start)
         self.log.emit(protocol.LeaseMoved(start=move.start, stop=move.stop, to_shard=move.target, why="stolen",
                                           rows=move.stop - move.start - len(gone), total=self.rows, holds=True))
+        self.resize(list(self.ranges))
 
 
 def _tell_source(args: argparse.Namespace, move: Move, counted: list[tuple[int, int]]) -> None:

@@ -37,7 +37,8 @@ from .files import write_atomic
 POLL_S = 0.5            # how often a holder reads the ledger (answers a steal, checks its epoch)
 STEAL_WAIT_S = 30.0     # a steal not answered by then (a stopped holder) is withdrawn
 MIN_STEAL = 2           # rows: a remainder smaller than this is left to its holder
-MIN_WINDOW = 64         # rows: a shared lease is read in chunks of half its rest, down to this
+MIN_WINDOW = 64         # rows: the smallest chunk a shared lease is read in
+CHUNK_S = 120.0         # a chunk holds at most this much of its shard's own work (its rate so far)
 
 
 class LeaseLost(Exception):
@@ -226,18 +227,38 @@ class Cell:
     """The lease the worker's row reader is in, shared with the poller thread: the reader admits a
     row only below `stop`, and a steal cuts `stop` no lower than the rows already admitted."""
 
-    def __init__(self, start: int, stop: int, shared: bool = True):
+    def __init__(self, start: int, stop: int, shares: int = 2):
         self.start, self.stop, self.frontier = start, stop, start
-        self.shared = shared              # other shards may steal from it (a pool of more than one)
+        self.shares = shares              # the pool's shards: more than one may steal from it
+        self.began: float | None = None   # when the first row was admitted (monotonic)
         self.lost: str | None = None
         self.lock = threading.Lock()
+
+    @property
+    def shared(self) -> bool:
+        return self.shares > 1
 
     def admit(self, index: int) -> bool:
         with self.lock:
             if index >= self.stop or self.lost:
                 return False
             self.frontier = max(self.frontier, index + 1)
+            self.began = self.began or time.monotonic()
             return True
+
+    def window(self, index: int, most: int) -> int:
+        """Rows to read (and sort by length) from `index` before the next look at `stop`: once
+        read, rows can no longer be stolen, so a shared lease is read in chunks of its rest over
+        twice the pool's size (guided self-scheduling: chunks shrink as the lease does) and of at
+        most CHUNK_S of this shard's own pace — a slow GPU never sits on rows the others could
+        have done. At least MIN_WINDOW, so batches still sort by length."""
+        if not self.shared:
+            return most
+        rows = (self.stop - index) // (2 * self.shares)
+        spent = time.monotonic() - self.began if self.began is not None else 0.0
+        if spent >= 1.0:
+            rows = min(rows, int((self.frontier - self.start) / spent * CHUNK_S))
+        return min(most, max(MIN_WINDOW, rows))
 
 
 class Pool:
@@ -349,7 +370,7 @@ class Pool:
         """Work on `lease`: its cell for the row reader, and the poller answering steals (told to
         `on_move` once the cut is made)."""
         self.on_move = on_move
-        self.epoch, self.cell = lease.epoch, Cell(lease.start, lease.stop, shared=len(self.ranges) > 1)
+        self.epoch, self.cell = lease.epoch, Cell(lease.start, lease.stop, shares=len(self.ranges))
         if self._poller is None:
             self._poller = threading.Thread(target=self._poll, name="leases", daemon=True)
             self._poller.start()

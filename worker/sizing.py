@@ -96,30 +96,55 @@ def measured_weight(forward: Callable[[int, int], float], prior: float | None,
     return round(weight, 9)
 
 
-def start(log: EventLog, dataset, ranges: list[tuple[int, int]], vocab_size: int, model: str,
-          options, config=None, weight: float | None = None) -> threading.Thread:
-    """Size the shard's rows (`ranges`: its finished leases and the one it holds) in a daemon
-    thread; the log stamps the result on later progress events. `weight`: attention's weight as
-    measured on this host (else the FLOP model's, from `config`)."""
-    if weight is None and config is not None:
-        weight = attention_weight(config)
-    if weight is not None:
-        log.work = {**log.work, "attention_weight": weight}   # replaced whole: emit() reads it unlocked
+class Sizer:
+    """Sizes one worker's rows in daemon threads; the log stamps the result on later progress
+    events. `weight`: attention's weight as measured on this host (else the FLOP model's, from
+    `config`). `start` is called again whenever the shard's ranges change (a new lease, a steal
+    that cut this one): each range is read once, and a sizing overtaken by a newer one publishes
+    nothing."""
 
-    @functools.cache
-    def tokenizer():
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(model)
+    def __init__(self, log: EventLog, dataset, vocab_size: int, model: str, options, config=None,
+                 weight: float | None = None):
+        self.log, self.dataset, self.vocab_size, self.options = log, dataset, vocab_size, options
+        if weight is None and config is not None:
+            weight = attention_weight(config)
+        if weight is not None:
+            log.work = {**log.work, "attention_weight": weight}   # replaced whole: emit() reads it unlocked
+        self._sized: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._generation = 0
+        self._lock = threading.Lock()
+        self._reading = threading.Lock()        # one sizing reads at a time: the tokenizer is the threads'
 
-    def run() -> None:
-        try:
-            parts = [shard_work(dataset, a, b, vocab_size, tokenizer, options) for a, b in ranges]
-            rows, tokens, sq = (sum(p[i] for p in parts) for i in range(3))
-        except Exception:
-            return                                      # unknown: throughput stays in samples
-        log.work = {**log.work, "total_rows": rows, "total_sq_tokens": sq}
-        log.total_tokens = tokens
+        @functools.cache
+        def tokenizer():
+            from transformers import AutoTokenizer
+            return AutoTokenizer.from_pretrained(model)
+        self._tokenizer = tokenizer
 
-    thread = threading.Thread(target=run, name="sizing", daemon=True)
-    thread.start()
-    return thread
+    def _work(self, a: int, b: int) -> tuple[int, int, int]:
+        if (a, b) not in self._sized:
+            self._sized[a, b] = shard_work(self.dataset, a, b, self.vocab_size, self._tokenizer, self.options)
+        return self._sized[a, b]
+
+    def start(self, ranges: list[tuple[int, int]]) -> threading.Thread:
+        """Size `ranges` (the shard's finished leases and the one it holds) in the background."""
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
+
+        def run() -> None:
+            try:
+                with self._reading:
+                    parts = [self._work(a, b) for a, b in ranges]
+                rows, tokens, sq = (sum(p[i] for p in parts) for i in range(3))
+            except Exception:
+                return                                  # unknown: throughput stays in samples
+            with self._lock:
+                if generation != self._generation:
+                    return
+                self.log.work = {**self.log.work, "total_rows": rows, "total_sq_tokens": sq}
+                self.log.total_tokens = tokens
+
+        thread = threading.Thread(target=run, name="sizing", daemon=True)
+        thread.start()
+        return thread

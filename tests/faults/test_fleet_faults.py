@@ -274,6 +274,6 @@ root = "fleet"
     assert shards[0]["rows_moved_in"] + shards[1]["rows_moved_in"] == shards[2]["rows_moved_out"]
     assert snap["totals"]["finished"] is True and snap["totals"]["rows_moved"] == shards[2]["rows_moved_out"]
     assert snap["totals"]["done"] == 180
-    assert "rows moved to other GPUs of their host" in fleet("status", "-c", str(path)).stdout
+    assert "rows moved between GPUs" in fleet("status", "-c", str(path)).stdout
     v = fleet("verify", "-c", str(path))
     assert v.returncode == 0 and "180 written" in v.stdout, v.stdout

@@ -34,12 +34,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fleet.config import ExpectedSpec
 from fleet.figures import batches, fit_cost, nnls_toward, pace, pace_eta, progress_age
-from fleet.judge import rates
+from fleet.judge import Policy, judge, rates
 from fleet.record import ShardRecord, fold
-from fleet.snapshot import shard_eta
+from fleet.snapshot import ShardView, build_snapshot, shard_eta
 from fleet.state import State
+from fleet.store import Host
+from tests.worker.test_leases import run_pool, shard_events
 from worker import protocol
+from worker.demo import make_token_dataset
 
 RUNS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "runs")
 
@@ -240,3 +244,32 @@ def test_the_live_record_refits_now_and_then_and_holds_the_same_bound():
             assert p.cost.since_s >= 1.0
             checked += 1
     assert checked > 50
+
+
+def test_the_run_eta_of_a_host_sharing_its_rows_is_the_pools_not_its_slowest_shards(tmp_path, dense_model):
+    """Three real workers of one host sharing their rows, one slowed: a third of the way from all
+    three running to their last row written, the run's ETA is the pool's (its work left over its
+    summed rate), nearer the time the run really took than the slowest shard's own ETA (which is
+    when a run of fixed shards would end)."""
+    data = make_token_dataset(str(tmp_path / "d.jsonl"), 1800, vocab_size=500, mean_tokens=30, seed=9)
+    assert run_pool(tmp_path, dense_model, data, 3, {"FLEET_INJECT_SLOW_GPU": "2:0.15"}) == {0: 0, 1: 0, 2: 0}
+    records = {}
+    for k in range(3):                   # as hostctl launches a worker: its launch record first
+        events = [protocol.parse_event(e) for e in shard_events(tmp_path, k)]
+        for e in events:
+            e.launch = 1
+        records[k] = [protocol.Launch(t=events[0].t, launch=1), *events]
+    start = max(e.t for evs in records.values() for e in evs if e.KIND == "loaded")   # all three running
+    end = max(e.t for evs in records.values() for e in evs if e.KIND == "progress")   # the last row written
+    t = start + (end - start) / 3
+    policy = Policy(max_restarts=3, stall_timeout=120)
+    views = []
+    for k in range(3):
+        r = fold([e for e in records[k] if e.t <= t])
+        views.append(ShardView(k, "local", k, r, judge(r, True, t, policy), True, None, policy.max_restarts))
+    snap = build_snapshot("pool", views, {"local": Host("local", "local", reachable=True, replayed=True)},
+                          now=t, expected=ExpectedSpec())
+    slowest = max(s.eta_s for s in snap.shards)
+    assert all(s.lease is not None for s in snap.shards)
+    assert snap.totals.eta_s is not None and snap.totals.eta_s < slowest
+    assert abs(snap.totals.eta_s - (end - t)) < abs(slowest - (end - t))
