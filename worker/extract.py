@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
                 how, source = move.how, move.source
                 if move.how == "dead":
                     _tell_source(args, move, pool.counted_for(move.source))
-            held = Holding(args.out, lease, pool.counted(), log, resize=sizer.start)
+            held = Holding(args.out, lease, pool.counted(), log, sizer.start)
             log.emit(protocol.Leased(start=lease.start, stop=lease.stop, rows=held.owed, epoch=lease.epoch,
                                      how=how, from_shard=source))
             suspects = Suspects(suspects_path(args.out, args.shard_index), set(held.finished), lease.start,
@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             cell = pool.hold(lease, held.given_up)
             items = iter_shard(dataset, lease.start, lease.stop, done, vocab_size, tokenizer, options,
                                suspects.rows, cell)
-            held.resize(held.ranges)
+            held.size()
             stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                    held.stats, args.progress_interval, held.total, suspects)
             if cell.lost:
@@ -636,21 +636,24 @@ def pool_ranges(args: argparse.Namespace, num_rows: int) -> dict[int, tuple[int,
 class Holding:
     """This shard's counts while it holds `lease`, as before leases for one range: the finished
     rows (by any launch) of the leases that count for it and of this one, out of their rows; a
-    steal takes its rows out of both, and `resize` sizes the rows that are left again (the ETA's
-    tokens)."""
+    steal takes its rows out of both, and `size` has them sized (the ETA's tokens) again."""
 
     def __init__(self, out_dir: str, lease: Lease, counted: list[tuple[int, int]], log: EventLog,
-                 resize: Callable[[list[tuple[int, int]]], object] = lambda ranges: None):
+                 sizer: Callable[[list[tuple[int, int]]], object] = lambda ranges: None):
         remove_stale_temps(out_dir, lease.start, lease.stop)    # a dead holder's leftovers too
         self.finished = load_finished(out_dir)
         self.ranges = [*counted, (lease.start, lease.stop)]
         self.stats = resumed_stats(self.finished, self.ranges)
         self.rows = sum(b - a for a, b in self.ranges)
         self.owed = sum(1 for i in range(lease.start, lease.stop) if i not in self.finished)
-        self.log, self.resize = log, resize
+        self.log, self.sizer = log, sizer
 
     def total(self) -> int:
         return self.rows
+
+    def size(self) -> None:
+        """Have the rows that count for this shard now sized, in the background."""
+        self.sizer(list(self.ranges))
 
     def given_up(self, move: Move) -> None:
         """A steal took rows [move.start, move.stop), none of them read yet."""
@@ -662,7 +665,7 @@ class Holding:
         self.ranges[-1] = (self.ranges[-1][0], move.start)
         self.log.emit(protocol.LeaseMoved(start=move.start, stop=move.stop, to_shard=move.target, why="stolen",
                                           rows=move.stop - move.start - len(gone), total=self.rows, holds=True))
-        self.resize(list(self.ranges))
+        self.size()
 
 
 def _tell_source(args: argparse.Namespace, move: Move, counted: list[tuple[int, int]]) -> None:

@@ -122,9 +122,18 @@ class Sizer:
         self._tokenizer = tokenizer
 
     def _work(self, a: int, b: int) -> tuple[int, int, int]:
+        """shard_work of [a, b), each row read once: a lease a steal cut short is the longer one
+        sized before less the rows cut off (every row counts on its own)."""
         if (a, b) not in self._sized:
-            self._sized[a, b] = shard_work(self.dataset, a, b, self.vocab_size, self._tokenizer, self.options)
+            longer = min((y for x, y in self._sized if x == a and y > b), default=None)
+            if longer is None:
+                self._sized[a, b] = self._read(a, b)
+            else:
+                self._sized[a, b] = tuple(p - q for p, q in zip(self._sized[a, longer], self._read(b, longer)))
         return self._sized[a, b]
+
+    def _read(self, a: int, b: int) -> tuple[int, int, int]:
+        return shard_work(self.dataset, a, b, self.vocab_size, self._tokenizer, self.options)
 
     def start(self, ranges: list[tuple[int, int]]) -> threading.Thread:
         """Size `ranges` (the shard's finished leases and the one it holds) in the background."""

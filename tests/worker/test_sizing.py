@@ -125,3 +125,23 @@ def test_attention_weight_is_the_flop_model_of_the_config():
     hybrid = SimpleNamespace(**vars(demo), layer_types=["linear_attention"] * 18 + ["full_attention"] * 6)
     assert attention_weight(hybrid) == pytest.approx(attention_weight(demo) / 4, rel=1e-6)
     assert attention_weight(SimpleNamespace()) is None
+
+
+@given(cuts=st.lists(st.integers(11, 59), min_size=1, max_size=4))
+def test_a_lease_cut_by_steals_is_sized_as_a_fresh_read_of_its_rows(token_data, cuts):
+    """sizing.Sizer sizes a lease that steals cut short from the longer one it sized before, less
+    the rows cut off: the same rows, tokens and tokens squared as reading the cut lease afresh."""
+    from worker.events import EventLog
+    from worker.sizing import Sizer, shard_work
+    dataset, options = open_dataset(token_data), Options(max_length=30)
+    log = EventLog(None, 0)
+    sizer = Sizer(log, dataset, 500, "unused", options)
+    stop = 60
+    sizer.start([(0, 5), (10, stop)]).join()
+    for cut in sorted(cuts, reverse=True):
+        stop = min(stop, cut)
+        sizer.start([(0, 5), (10, stop)]).join()
+        fresh = [shard_work(dataset, a, b, 500, lambda: None, options) for a, b in ((0, 5), (10, stop))]
+        assert log.total_tokens == sum(f[1] for f in fresh) > 0
+        assert log.work["total_rows"] == sum(f[0] for f in fresh)
+        assert log.work["total_sq_tokens"] == sum(f[2] for f in fresh)
