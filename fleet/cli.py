@@ -26,7 +26,7 @@ from . import render, setup
 from .actions import describe
 from .config import Config, ConfigError, load_config
 from .snapshot import json_schema, status_exit_code
-from .state import SETTLED, State
+from .state import SETTLED
 from .supervisor import Supervisor
 from .plan import PlanError, refusal, spec_of
 from .transport import HostError, HostUnusable
@@ -115,7 +115,7 @@ def output_needs(config: Config, results: list, replan: bool) -> list:
     by_host: dict[str, list[int]] = {}
     for p in places:
         by_host.setdefault(p.host, []).append(p.shard)
-    outputs = {h.name: config.host_path(h, config.run.output) for h in config.hosts}
+    outputs = {h.name: config.output_dir(h) for h in config.hosts}
     return needs({r.host: r.report for r in results}, outputs, by_host, len(places))
 
 
@@ -169,13 +169,15 @@ def up(config_path: str, headless: bool, replan: bool, allow_partial: bool) -> N
 
 async def supervise_headless(sup: Supervisor) -> int:
     """`up --headless`: one line per transition as it is published, until every shard settles
-    (DONE, FATAL or STOPPED); 0 when all are DONE."""
+    (DONE, FATAL or STOPPED) or the run's rows are all done (a lost host's by the others); 0 when
+    they are."""
     sup.on_log = lambda m: click.echo(f"  {m}", err=True)
     sup.subscribe(lambda changes: [click.echo(line) for line in render.transition_lines(changes, sup.snapshot())])
     await sup.start()
     await sup.launch_all()
     sup.settled_event.clear()                     # judged again once the launches are in flight
-    while not (sup.settled_event.is_set() or (sup.replayed and not sup.acting and sup.snapshot().totals.settled)):
+    while not (sup.settled_event.is_set() or (sup.replayed and not sup.acting and
+                                              (sup.snapshot().totals.settled or sup.snapshot().totals.finished))):
         if sup.runner.done():                     # supervising itself ended: say why, never hang
             why = sup.runner.exception() if not sup.runner.cancelled() else "cancelled"
             await sup.close()
@@ -187,7 +189,7 @@ async def supervise_headless(sup: Supervisor) -> int:
     await sup.close()
     snap = sup.snapshot()
     click.echo(render.format_status(snap))
-    return 0 if all(s.state == State.DONE for s in snap.shards) else EXIT_FAULT
+    return 0 if snap.totals.finished else EXIT_FAULT
 
 
 # --- status ------------------------------------------------------------------------------------

@@ -162,6 +162,12 @@ class SuperviseSpec(Strict):
     reconnect_max: float = 30.0
     max_concurrent_connects: int = Field(8, ge=1)
     stop_grace: float = 10.0             # SIGTERM -> SIGKILL for every stop and restart
+    host_lost_after: float | None = 600.0   # unreachable this long: its rows go to the others ("never": kept)
+
+    @field_validator("host_lost_after", mode="before")
+    @classmethod
+    def _lost_after(cls, v):
+        return None if v in ("never", None) else positive_duration(v)
 
     @field_validator("stall_timeout", "backoff_base", "backoff_max", "telemetry_interval",
                      "connect_timeout", "keepalive_interval", "reconnect_max", "stop_grace", mode="before")
@@ -416,6 +422,11 @@ class Config:
         if host.is_local:
             return os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(path)))
         return path
+
+    def output_dir(self, host: HostSpec) -> str:
+        """[run] output as `host` sees it; "{host}" in it is the host's name (one folder a host on
+        storage several hosts mount)."""
+        return self.host_path(host, self.run.output.replace("{host}", host.name))
 
     def run_dir(self, host: HostSpec) -> str:
         return os.path.join(self.host_path(host, host.root), self.run.name)

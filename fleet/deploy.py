@@ -191,7 +191,7 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec,
     gpus, device, k = "all" if host.gpus == "all" else ",".join(map(str, host.gpus)), run.device, run.gpus_per_shard
     if config.slurm is not None:          # the login node's GPUs are not the run's: Slurm allocates them
         gpus, device = ",".join(map(str, range(k))), "cpu"
-    args = ["--gpus", gpus, "--device", device, "--output", config.host_path(host, run.output),
+    args = ["--gpus", gpus, "--device", device, "--output", config.output_dir(host),
             "--run-dir", config.run_dir(host), "--gpus-per-shard", str(k),
             "--max-tokens-per-batch", str(run.max_tokens_per_batch)]
     args += output_args(run)

@@ -39,7 +39,7 @@ async def export_fleet(config: Config, transports: dict[str, Transport], fmt: st
             return
         try:
             result.summaries[host.name] = await deploy.run_worker_module(
-                t, config, host, "export", config.host_path(host, config.run.output),
+                t, config, host, "export", config.output_dir(host),
                 "--format", fmt, "--out", config.host_path(host, out), reply=protocol.ExportSummary, timeout=None)
         except HostError as e:
             result.failed[host.name] = str(e)

@@ -16,7 +16,7 @@ from typing import Callable
 
 from worker import protocol
 
-from . import deploy
+from . import deploy, render
 from .config import Config, HostSpec
 from .launcher import Launcher
 from .state import State
@@ -56,7 +56,7 @@ class HostLink:
         config = self.store.config
         shards = "auto" if once else ",".join(str(p.shard) for p in self.store.on(self.name)) or "auto"
         args = ["--run-dir", config.run_dir(self.spec), "--shards", shards,
-                "--output", config.host_path(self.spec, config.run.output),
+                "--output", config.output_dir(self.spec),
                 "--interval", str(config.spec.supervise.telemetry_interval), *self.launcher.agent_args()]
         return await deploy.worker_argv(self.transport, config, self.spec, "agent", *args,
                                         *(["--once"] if once else []))
@@ -79,7 +79,10 @@ class HostLink:
             if line.strip():
                 self.diagnostics.append(line.strip()[-300:])
             return None
-        self.store.apply(self.name, msg, discover)
+        ev = self.store.apply(self.name, msg, discover)
+        if isinstance(ev, protocol.Leased) and self.host.replayed and \
+                (line := render.lease_line(ev, msg.shard, self.store.where)) is not None:
+            self.on_log(line)                   # a move as it happens (not the replay's history)
         if isinstance(msg, protocol.Replayed):
             self.on_change()
         return msg

@@ -63,7 +63,7 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
     python = config.python(host)
     values = {"python": python, "shard": place.shard, "num_shards": num_shards, "gpu": place.gpu,
               "gpus": ",".join(map(str, place.all_gpus)),
-              "host": host.name, "run": run.name, "output": config.host_path(host, run.output),
+              "host": host.name, "run": run.name, "output": config.output_dir(host),
               "model": config.host_path(host, run.model) if run.model else "",
               "data": config.host_path(host, run.data) if run.data else "",
               "shard_dir": shard_dir(config, host, place.shard)}

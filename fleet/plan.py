@@ -33,7 +33,7 @@ class PlanError(Exception):
 def spec_of(config: Config) -> dict:
     run = config.run
     spec = {key: getattr(run, key) for key in SPEC_KEYS if hasattr(run, key)}
-    spec["output"] = {h.name: config.host_path(h, run.output) for h in config.hosts}  # as each host sees it
+    spec["output"] = {h.name: config.output_dir(h) for h in config.hosts}  # as each host sees it
     spec["job"] = config.spec.job.command if config.spec.job else None
     return spec
 

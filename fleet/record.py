@@ -189,6 +189,9 @@ class ShardRecord:
     rows_in: int = 0                      # unfinished rows it took from other shards of its host
     rows_out: int = 0                     # unfinished rows other shards took from it
     holds_rows: bool = True               # False once a dead launch's lease went to another shard
+    num_rows: int | None = None           # the dataset's rows, as its worker counted them
+    planned: tuple[int, int] | None = None   # the plan's rows of this shard
+    leased_t: float | None = None         # when it last took a lease (newer than a relocation: holds rows)
 
     def apply(self, ev: protocol.Record) -> None:
         """Fold one event of the shard's record, in file order."""
@@ -216,8 +219,11 @@ class ShardRecord:
         if isinstance(ev, protocol.LeaseMoved):           # written by the taker, or by the shard itself
             self._lease_moved(ev)
             return None
-        if isinstance(ev, protocol.Reopened):
-            if a is not None and a.ended:
+        if isinstance(ev, protocol.Relocated):
+            self._relocated(ev)
+            return None
+        if isinstance(ev, protocol.Reopened):    # (a running attempt may be ending: it holds for after)
+            if a is not None:
                 self.reopened = f"{ev.samples} sample(s) to redo: {ev.reason}"
             return None
         if a is None and isinstance(ev, protocol.StopRequested):
@@ -260,6 +266,9 @@ class ShardRecord:
         a.node, a.job, a.gpus = ev.node or a.node, a.job or ev.job, ev.gpus or a.gpus
         if ev.total_tokens is not None:
             self.total_tokens = ev.total_tokens
+        self.num_rows = ev.num_rows or self.num_rows
+        if ev.start is not None and ev.stop is not None:
+            self.planned = (ev.start, ev.stop)
 
     def _progress(self, a: Attempt, ev: protocol.Progress) -> None:
         """Counters (cumulative over launches), the attempt's warm-up and its history point;
@@ -311,14 +320,24 @@ class ShardRecord:
                 self.last_failure = why
 
     def _leased(self, ev: protocol.Leased) -> None:
-        self.holds_rows = True
+        self.holds_rows, self.leased_t = True, ev.t
         where = f"rows {ev.start:,}–{ev.stop:,}"
         if ev.how == "plan":
             self.lease = where
-        else:
-            self.rows_in += ev.rows
-            self.lease = where + (f" (took {ev.rows:,} from dead shard {ev.from_shard})" if ev.how == "dead"
-                                  else f" (stole {ev.rows:,} from shard {ev.from_shard})")
+            return
+        self.rows_in += ev.rows
+        self.lease = where + (f" (took {ev.rows:,} from dead shard {ev.from_shard})" if ev.how == "dead" else
+                              f" (took {ev.rows:,} of lost host {ev.from_host})" if ev.how == "adopted" else
+                              f" (stole {ev.rows:,} from shard {ev.from_shard})")
+
+    def _relocated(self, ev: protocol.Relocated) -> None:
+        """Its host was lost and its rows went to another host: once it is back, it holds none."""
+        if ev.side != "out":
+            return
+        self.holds_rows = False
+        self.rows_out += ev.stop - ev.start
+        self.lease = f"none: rows {ev.start:,}–{ev.stop:,} went to {ev.to_host} (this host was lost)"
+        self.last_event, self.last_event_t = ev.KIND, ev.t
 
     def _lease_moved(self, ev: protocol.LeaseMoved) -> None:
         """Rows this shard held went to another: its total (and, when taken over, its counts) are

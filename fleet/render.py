@@ -88,6 +88,19 @@ def transition_lines(changes: list[Transition], snap: FleetSnapshot) -> list[str
     return out
 
 
+def lease_line(ev, shard: int, where) -> str | None:
+    """A move of rows onto `shard` as the log view says it (`where`: shard -> "host:gpu"):
+    'rows 41,200–45,000 of gpubox3:5 (dead) → gpubox1:2'; None for a shard's planned rows."""
+    why = {"dead": "dead", "stolen": "slower", "reopened": "repaired"}.get(ev.how)
+    if ev.how == "adopted":
+        source = f"{ev.from_host} (lost)"
+    elif why is not None and ev.from_shard is not None:
+        source = f"{where(ev.from_shard)} ({why})"
+    else:
+        return None
+    return f"rows {ev.start:,}–{ev.stop:,} of {source} → {where(shard)} ({ev.rows:,} to do)"
+
+
 QUIT_MESSAGE = ("fleet: the workers keep running. `fleet up` re-attaches to them, `fleet status` "
                 "shows them, `fleet down` stops them.")
 

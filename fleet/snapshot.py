@@ -213,6 +213,10 @@ class Totals(BaseModel):
                                                          "to the last shard's end (frozen)")
     finished: bool = Field(False, description="every shard DONE, or FATAL with its rows done by others")
     rows_moved: int = Field(0, description="unfinished rows that went from one shard to another of its host")
+    rows_relocated: int = Field(0, description="rows that went from a lost host to the others "
+                                               "([supervise] host_lost_after)")
+    rows_redone: int = Field(0, description="of those, rows the lost host had reported finished: done again, "
+                                            "its copies are removed by `fleet verify --repair` once it is back")
     avg_samples_per_s: Optional[float] = Field(None, description="samples done / elapsed_s")
     avg_tokens_per_s: Optional[float] = Field(None, description="tokens / elapsed_s")
     avg_tokens_per_s_per_gpu: Optional[float] = Field(None, description="avg_tokens_per_s / gpus_planned")
@@ -268,6 +272,7 @@ class ShardView:
     slurm: SlurmTaskStatus | None = None
     gpus: tuple[int, ...] = ()
     idle_s: float | None = None            # monotonic seconds since its last progress (the agent's)
+    moved_to: str | None = None            # its host was lost and its rows went to this host
 
 
 def slurm_task(record: ShardRecord, live) -> SlurmTaskStatus | None:
@@ -422,15 +427,27 @@ def shard_row(v: ShardView, host: Host, now: float) -> tuple[ShardStatus, Rates 
         max_restarts=v.max_restarts, failures=r.failures, last_failure=r.last_failure,
         writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
         detail=a.detail if a and state == State.LOADING else None, path=r.path,
-        lease=r.lease, rows_moved_in=r.rows_in, rows_moved_out=r.rows_out, holds_rows=r.holds_rows)
+        **lease_fields(v))
     return row, rate
 
 
+def lease_fields(v: ShardView) -> dict:
+    """What the shard holds: its record's word, unless its host was lost and its rows moved on."""
+    r = v.record
+    if v.moved_to is not None and r.holds_rows:
+        return dict(lease=f"none: its rows went to {v.moved_to} (this host was lost)", rows_moved_in=r.rows_in,
+                    rows_moved_out=r.rows_out, holds_rows=False)
+    return dict(lease=r.lease, rows_moved_in=r.rows_in, rows_moved_out=r.rows_out, holds_rows=r.holds_rows)
+
+
 def run_finished(rows: list[ShardStatus]) -> bool:
-    """The run's work is all done: every shard DONE, or FATAL holding no rows (its host's other
-    shards took them over and finished them)."""
-    return bool(rows) and all(r.state == State.DONE or (r.state == State.FATAL and not r.holds_rows)
+    """The run's work is all done: every shard DONE, or FATAL, STOPPED or UNKNOWN holding no rows
+    (its host's other shards, or the other hosts, took them over and finished them)."""
+    return bool(rows) and all(r.state == State.DONE or (r.state in NO_ROWS_NEEDED and not r.holds_rows)
                               for r in rows)
+
+
+NO_ROWS_NEEDED = (State.FATAL, State.STOPPED, State.UNKNOWN)   # states that end nothing while holding none
 
 
 def shard_eta_fields(r: ShardRecord, state: State, rate: Rates | None, host_now: float) -> dict:
@@ -607,9 +624,10 @@ def costs(hosts: dict[str, Host], hours: float | None, settled: bool, eta: float
 
 
 def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now: float,
-                   expected) -> FleetSnapshot:
+                   expected, relocated: tuple[int, int] = (0, 0)) -> FleetSnapshot:
     """`views`: every shard of the run's plan; `expected` the config's ExpectedSpec; `now` the
-    supervisor's clock. Each figure is one of the small functions above."""
+    supervisor's clock; `relocated`: rows moved from lost hosts, and of them redone. Each figure
+    is one of the small functions above."""
     rows, measured = [], []
     for v in views:
         row, rate = shard_row(v, hosts[v.host], now)
@@ -632,6 +650,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
                       **costs(hosts, hours, settled, eta, n["tokens"]),
                       elapsed_s=_finite(elapsed, 1), finished=finished, disk_full_eta_s=_finite(disk_eta, 0),
                       rows_moved=sum(r.rows_moved_in for r in rows),
+                      rows_relocated=relocated[0], rows_redone=relocated[1],
                       replayed=all_replayed(hosts.values()), settled=settled))
 
 

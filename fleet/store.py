@@ -20,6 +20,7 @@ from .jobs import Placement
 from .judge import LaunchFailure, Policy, Verdict, judge
 from .plan import check_hosts, placements
 from .record import ShardRecord
+from .relocate import HostFacts, Moves, planned_rows
 from .snapshot import Disk, FleetSnapshot, Gpu, ShardView, all_replayed, build_snapshot, slurm_task
 from .state import State
 from .transport import HostError, HostUnusable
@@ -43,6 +44,7 @@ class Host:
     role: str | None = None                # with [slurm]: "login" or "node"
     usd_per_hour: float | None = None      # [[hosts]] usd_per_hour
     unusable: bool = False                 # reached, but its python or agent fails there
+    down_since: float | None = None        # supervisor clock: unreachable since (None: reachable)
 
     def host_now(self, now: float) -> float:
         return now + self.clock_offset
@@ -58,13 +60,20 @@ class Host:
         self.reachable = None
 
     def up(self) -> None:
-        self.reachable, self.error, self.unusable = True, None, False
+        self.reachable, self.error, self.unusable, self.down_since = True, None, False, None
 
-    def down(self, e: HostError) -> None:
+    def down(self, e: HostError, now: float | None = None) -> None:
         """The host cannot be read: unreachable, or reached but unusable (its python, its agent)."""
         self.reachable, self.error = False, str(e).removeprefix(f"{self.name}: ")
         self.unusable = isinstance(e, HostUnusable)
         self.replayed = False
+        if self.down_since is None:
+            self.down_since = time.time() if now is None else now
+
+    def lost(self, now: float, after: float | None) -> bool:
+        """Unreachable (not merely unusable) for `after` seconds: its rows go to the others."""
+        return after is not None and self.reachable is False and not self.unusable and \
+            self.down_since is not None and now - self.down_since >= after
 
     def replay_starts(self) -> None:
         self.replayed = False
@@ -188,6 +197,7 @@ class Store:
         self.placements: list[Placement] = []
         self.plan: protocol.Plan | None = None
         self.shown: dict[int, tuple[State, int]] = {}    # shard -> (state, failures) last published
+        self.moves = Moves()                              # rows moved between hosts (fleet/relocate.py)
 
     @property
     def num_shards(self) -> int:
@@ -206,7 +216,24 @@ class Store:
 
     def forget(self) -> None:
         """No plan, no shards (a one-shot read starts here and finds them)."""
-        self.shards, self.placements, self.plan = {}, [], None
+        self.shards, self.placements, self.plan, self.moves = {}, [], None, Moves()
+
+    def host_facts(self, verdicts: dict[int, Verdict], now: float, after: float | None) -> list[HostFacts]:
+        """Each host as fleet/relocate.py needs it: lost or usable, whether it had work, its rows."""
+        num_rows = max((s.record.num_rows or 0 for s in self.shards.values()), default=0) or None
+        by_host: dict[str, list[Shard]] = {name: [] for name in self.hosts}
+        for s in self.shards.values():
+            by_host.setdefault(s.placement.host, []).append(s)
+        out = []
+        for name, host in self.hosts.items():
+            mine = by_host[name]
+            out.append(HostFacts(
+                name, tuple(s.id for s in mine), host.lost(now, after),
+                usable=host.reachable is True and host.replayed,
+                had_work=any(verdicts[s.id].state != State.DONE for s in mine if s.id in verdicts),
+                finished_rows=sum(s.record.done + s.record.skipped for s in mine),
+                planned=tuple(planned_rows({s.id: s.record.planned for s in mine}, num_rows, self.num_shards))))
+        return out
 
     def _new(self, p: Placement) -> Shard:
         return Shard(p, ShardRecord(needs_done_sentinel=self.policy.needs_done_sentinel))
@@ -238,8 +265,10 @@ class Store:
             self.shards[p.shard] = old.replayed_anew(self.policy.needs_done_sentinel) if old else self._new(p)
         self.hosts[host].replay_starts()
 
-    def apply(self, host_name: str, msg: protocol.Message, discover: bool = False, now: float | None = None) -> None:
-        """One message of a host's agent. Raises HostError where it says the host cannot be used."""
+    def apply(self, host_name: str, msg: protocol.Message, discover: bool = False,
+              now: float | None = None) -> protocol.Record | None:
+        """One message of a host's agent; the event it carried, once folded. Raises HostError
+        where it says the host cannot be used."""
         host = self.hosts[host_name]
         host.heard(getattr(msg, "t", None), time.time() if now is None else now)
         if isinstance(msg, protocol.Hello):
@@ -252,11 +281,14 @@ class Store:
                 self.replay_starts(host_name)
         elif isinstance(msg, protocol.EventMessage):
             ev = protocol.parse_event(msg.event)
+            if isinstance(ev, protocol.Relocated):
+                self.moves.seen(ev)
             shard = self.shards.get(msg.shard)
             if shard is None and ev is not None and discover:
                 shard = self.discover(host_name, msg.shard, ev)
             if shard is not None and ev is not None:
                 shard.fold(ev, live=host.replayed)
+                return ev
         elif isinstance(msg, protocol.Liveness):
             if (shard := self.shards.get(msg.shard)) is not None:
                 shard.liveness(msg)
@@ -276,6 +308,7 @@ class Store:
             host.replay_done()
         elif isinstance(msg, protocol.AgentError):
             raise HostError(f"{host_name}: agent failed: {msg.message}")
+        return None
 
     def resolve(self, ref: str) -> int:
         """'3' or 'host:gpu' -> shard id (KeyError with a message otherwise)."""
@@ -332,12 +365,14 @@ class Store:
         hosts = dict(self.hosts)
         if self.slurm is not None:
             hosts.update(self._nodes())
-        return build_snapshot(self.config.run.name, views, hosts, now, self.config.spec.expected)
+        return build_snapshot(self.config.run.name, views, hosts, now, self.config.spec.expected,
+                              (self.moves.rows, self.moves.redone))
 
     def _view(self, s: Shard, now: float) -> ShardView:
         p, a = s.placement, s.record.attempt
         view = ShardView(s.id, p.host, p.gpu, s.record, self.verdict(s, now), s.alive, s.pid,
-                         self.policy.max_restarts, gpus=p.all_gpus, idle_s=s.idle())
+                         self.policy.max_restarts, gpus=p.all_gpus, idle_s=s.idle(),
+                         moved_to=self.moves.moved_to(p.host, s.record.leased_t))
         if self.slurm is None:
             return view
         view.slurm = slurm_task(s.record, s.slurm)

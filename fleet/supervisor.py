@@ -19,7 +19,9 @@ import time
 from typing import Callable
 
 from worker import protocol
+from worker.ranges import runs_text
 
+from . import deploy, relocate
 from .actions import UNDER_WAY, busy_mark, policy_action, refusal as action_refusal, user_action
 from .config import Config
 from .follow import HostLink, read_all
@@ -54,6 +56,7 @@ class Supervisor:
         self.starved = 0.0                  # seconds the decide loop ran late lately (decaying max)
         self._group: asyncio.TaskGroup | None = None
         self.runner: asyncio.Task | None = None
+        self._moving: dict[relocate.Order, float] = {}    # order -> not again before (in flight: inf)
         self.notifier = Notifier(config.spec.notify, config.base_dir, lambda m: self.on_log(m)) \
             if config.spec.notify else None
 
@@ -130,6 +133,7 @@ class Supervisor:
         due: dict[str, list[protocol.ShardAction]] = {}
         for s in self.shards.values():
             if self.links[s.placement.host].host.reachable and s.busy_since is None and not s.alive and \
+                    not self.store.moves.untold(s.placement.host) and \
                     self.verdict(s).state not in LIVE | {State.DONE, State.QUEUED}:
                 s.begin(time.time(), busy_mark(s.record))
                 due.setdefault(s.placement.host, []).append(user_action(s.record, "restart", self.sup.stop_grace, s.id))
@@ -155,7 +159,8 @@ class Supervisor:
             host = self.links[s.placement.host].host
             s.settle(now, busy_mark(s.record), ACTION_TIMEOUT_S)
             v = verdicts[s.id] = self.verdict(s, now)
-            if not host.reachable or not host.replayed or s.busy_since is not None:
+            if not host.reachable or not host.replayed or s.busy_since is not None or \
+                    self.store.moves.untold(s.placement.host):       # told first of rows moved away
                 continue
             action = policy_action(s.record, v, self.sup.stop_grace, s.id)
             if action is not None:
@@ -163,7 +168,50 @@ class Supervisor:
                 due.setdefault(s.placement.host, []).append(action)
         for host, actions in due.items():
             self._spawn(self.carry_out(self.links[host], actions))
+        self.relocate(verdicts, now)
         self.publish(verdicts, now)
+
+    def relocate(self, verdicts: dict[int, Verdict], now: float) -> None:
+        """Rows of lost hosts to the live ones, and hosts that are back told of it (fleet/relocate.py
+        decides; `worker.relocate` carries it out). The built-in worker over SSH only: a [job]
+        keeps its fixed shards, and Slurm places its tasks itself."""
+        if self.sup.host_lost_after is None or self.config.spec.job is not None or self.config.slurm is not None \
+                or not self.store.replayed:
+            return
+        if not self.store.moves.moves and all(h.reachable is not False for h in self.store.hosts.values()):
+            return                                      # the common pass: nothing lost, nothing moved
+        due = relocate.orders(self.store.host_facts(verdicts, now, self.sup.host_lost_after), self.store.moves)
+        self._moving = {o: t for o, t in self._moving.items() if o in due or t > now}
+        for order in due:
+            if order in self._moving:
+                continue
+            self._moving[order] = float("inf")
+            if order.kind == "adopt":
+                self.store.moves.ask(order, now)
+            self.on_log(relocate.order_line(order))
+            self._spawn(self._carry_move(order))
+
+    async def _carry_move(self, order: relocate.Order) -> None:
+        link = self.links[order.host]
+        args = [order.kind, "--out", self.config.output_dir(link.spec),
+                "--run-dir", self.config.run_dir(link.spec), "--num-shards", str(self.store.num_shards),
+                "--pool", ",".join(str(p.shard) for p in self.store.on(order.host)),
+                "--rows", runs_text(order.runs), "--from-host", order.from_host,
+                "--to-host", order.to_host, "--redone", str(order.redone)]
+        try:
+            reply = await deploy.run_worker_module(link.transport, self.config, link.spec, "relocate", *args,
+                                                   reply=protocol.Status, timeout=60)
+            why = reply.detail if reply.status == "error" else None
+        except HostError as e:
+            why = str(e)
+        if why is None:
+            self._moving[order] = time.time() + 30.0        # its record is on the way
+            self.on_log(f"{order.host}: {order.kind}: {reply.status}: {reply.detail}")
+        else:
+            self.store.moves.refused(order)
+            self._moving[order] = time.time() + 10.0        # tried again then
+            self.on_log(f"{order.host}: {order.kind} of rows from {order.from_host} failed: {why}")
+        self.on_change()
 
     def publish(self, verdicts: dict[int, Verdict], now: float) -> None:
         """Tell every listener what changed, once; note whether the run has settled."""

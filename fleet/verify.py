@@ -122,7 +122,7 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
         t = transports[host.name]
         await t.connect()
         await deploy.upload_worker(t, config, host)      # a newer fleet's checks, not the old ones
-        args = ["--out", config.host_path(host, config.run.output)] + ([] if deep else ["--shallow"]) \
+        args = ["--out", config.output_dir(host)] + ([] if deep else ["--shallow"]) \
             + (["--repair"] if repair else [])
         return await deploy.run_worker_module(t, config, host, "verify", *args, reply=protocol.VerifyReport,
                                               timeout=None)
@@ -162,7 +162,8 @@ async def reopen_repaired(sup, result: VerifyResult) -> list[str]:
     for host, rep in result.repaired.items():
         lines.append(f"{host}: repaired: dropped {len(rep.dropped)} broken or missing sample(s)"
                      f"{' ' + str(rep.dropped[:20]) if rep.dropped else ''}, removed "
-                     f"{rep.removed_files} file(s), {len(rep.deduplicated)} duplicate entr(ies)")
+                     f"{rep.removed_files} file(s), {len(rep.deduplicated)} duplicate entr(ies)"
+                     + (f", {len(rep.moved_away)} copies of rows another host holds now" if rep.moved_away else ""))
         if plan and result.num_samples:
             for i in rep.dropped:
                 k = shard_of(i, result.num_samples, plan.num_shards)

@@ -60,6 +60,12 @@ SLOW_MODULES = {
     "tests/worker/test_speed_paths.py": "the compiled and eager paths compared over whole runs",
 }
 SLOW_TESTS = {
+    "tests/worker/test_leases.py::test_rows_adopted_while_the_pool_runs_are_done_by_it_once":
+        "two worker processes adopting a lost host's rows",
+    "tests/worker/test_leases.py::test_rows_revoked_from_a_host_back_from_lost_stop_its_running_shards_and_its_copies_go":
+        "two worker processes whose rows are revoked",
+    "tests/fleet/test_relocate.py::test_a_lost_hosts_rows_are_finished_by_the_other_and_its_copies_removed_once_it_is_back":
+        "two hosts over two sshds, one cut off and back, four worker processes",
     "tests/worker/test_leases.py::test_a_dead_gpus_rows_are_finished_by_the_others_exactly_once":
         "three worker processes sharing one host's rows",
     "tests/worker/test_leases.py::test_a_slow_gpus_last_rows_are_split_off_and_done_once":

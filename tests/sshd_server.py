@@ -77,22 +77,51 @@ AllowTcpForwarding yes
 LogLevel ERROR
 {extra}
 """)
+    known = os.path.join(d, "known_hosts")
+    server = Sshd(port, os.path.join(d, "client_key"), known, host_pub, d, address)
+    with open(known, "w") as f:
+        f.write(server.known_hosts_line())
+    return server, serve(server, prefix)
+
+
+def serve(server: Sshd, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Run the sshd made in `server.dir` (again, after `cut`: same port, same keys) until it listens."""
     os.makedirs("/run/sshd", exist_ok=True)
-    proc = subprocess.Popen([*prefix, SSHD, "-D", "-e", "-f", config], stdout=subprocess.DEVNULL,
-                            stderr=open(os.path.join(d, "sshd.log"), "w"))
+    d = server.dir
+    proc = subprocess.Popen([*prefix, SSHD, "-D", "-e", "-f", os.path.join(d, "sshd_config")],
+                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(d, "sshd.log"), "w"))
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
-            socket.create_connection((address, port), timeout=1).close()
+            socket.create_connection((server.address, server.port), timeout=1).close()
             break
         except OSError:
             if proc.poll() is not None:
                 raise SshdError(f"sshd exited: {open(os.path.join(d, 'sshd.log')).read()}")
             time.sleep(0.1)
-    known = os.path.join(d, "known_hosts")
-    server = Sshd(port, os.path.join(d, "client_key"), known, host_pub, d, address)
-    with open(known, "w") as f:
-        f.write(server.known_hosts_line())
-    return server, proc
+    return proc
+
+
+def cut(proc: subprocess.Popen) -> None:
+    """The host falls off the network: sshd and every connection it serves killed at once."""
+    def children(pid: int) -> list[int]:
+        out = []
+        for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+            try:
+                out += [int(c) for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+            except OSError:
+                pass
+        return out
+    tree, todo = [], [proc.pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children(pid)
+    for pid in tree:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    proc.wait(10)
 
 

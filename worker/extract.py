@@ -545,18 +545,19 @@ def main(argv: list[str] | None = None) -> int:
         _write_run_meta(args, config, dtype, layout, dataset.num_rows, identity)
         options = make_options(args, shape, pad)
         tokenizer = chat_tokenizer(args.model)
-        how, source, counted = "plan", None, pool.counted()
+        how, source, origin, counted = "plan", None, None, pool.counted()
         sizer = sizing.Sizer(log, dataset, vocab_size, args.model, options, config, weight)
         stats = resumed_stats(load_finished(args.out), counted)
+        lost = False
         while lease is not None or (got := pool.next()) is not None:
             if lease is None:
                 lease, move = got
-                how, source = move.how, move.source
+                how, source, origin = move.how, (move.source if move.source >= 0 else None), move.origin
                 if move.how == "dead":
                     _tell_source(args, move, pool.counted_for(move.source))
             held = Holding(args.out, lease, pool.counted(), log, sizer.start)
             log.emit(protocol.Leased(start=lease.start, stop=lease.stop, rows=held.owed, epoch=lease.epoch,
-                                     how=how, from_shard=source))
+                                     how=how, from_shard=source, from_host=origin))
             suspects = Suspects(suspects_path(args.out, args.shard_index), set(held.finished), lease.start,
                                 lease.stop)
             done = set(held.finished) | ({suspects.culprit} if suspects.culprit is not None else set())
@@ -566,11 +567,14 @@ def main(argv: list[str] | None = None) -> int:
             held.size()
             stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
                                    held.stats, args.progress_interval, held.total, suspects)
-            if cell.lost:
-                raise NotRetryable(cell.lost)
+            if cell.lost:                          # moved away (its host was lost): stop them, go on
+                log.emit(protocol.WarningEvent(message=cell.lost + ": stopped them"))
+                lost = True
             pool.finish()
-            counted, lease = held.ranges, None
+            counted, lease = pool.counted() if lost else held.ranges, None
         pool.close()
+        if lost:                                   # what counts for it is what the ledger says now
+            stats = resumed_stats(load_finished(args.out), counted)
         if problem := too_many_skipped(args.out, counted, args.max_skip_fraction):
             raise NotRetryable(problem)
         if args.format == "speculators":           # issue 22: speculators train reads its rows here
@@ -606,7 +610,7 @@ def _open_shard(args: argparse.Namespace, log: EventLog, device: torch.device):
     start, stop = shard_range(dataset.num_rows, args.num_shards, args.shard_index)
     log.emit(protocol.Started(pid=os.getpid(), host=socket.gethostname(), device=str(device),
                               shard=args.shard_index, num_shards=args.num_shards, start=start,
-                              stop=stop, total=stop - start))
+                              stop=stop, total=stop - start, num_rows=dataset.num_rows))
     return dataset, start, stop
 
 

@@ -16,9 +16,16 @@ flock, through the pure methods of `Ledger`:
 - else, while any other member still holds rows, it waits (a late death is then taken over at
   once); when no one holds any, the pool is done.
 
+Between hosts, rows move only while a supervisor is attached (fleet/relocate.py): the rows of a
+host lost for `[supervise] host_lost_after` are `adopt`ed into a live host's ledger as free rows
+(its members take them before stealing), and when the lost host comes back its ledger is told they
+are `gone` (`revoke`): its held leases go, its holders stop those rows at their next tick, and the
+copies it wrote of them are no longer its own (`worker.verify --repair` removes them).
+
 Each lease carries an epoch; a holder whose lease is no longer in the ledger under its epoch
-stops (`LeaseLost`). `Ledger.problems` states the invariants the tests check after every step:
-every row is held by at most one shard, held ∪ done = the pool's rows, no done row is held again.
+stops those rows. `Ledger.problems` states the invariants the tests check after every step: every
+row is held by at most one shard, held ∪ done ∪ free ∪ gone = the pool's rows and the adopted
+ones, no done row is held again.
 """
 
 from __future__ import annotations
@@ -41,10 +48,6 @@ MIN_WINDOW = 64         # rows: the smallest chunk a shared lease is read in
 CHUNK_S = 120.0         # a chunk holds at most this much of its shard's own work (its rate so far)
 
 
-class LeaseLost(Exception):
-    """This shard's lease is no longer its own in the ledger (its rows were moved): stop them."""
-
-
 @dataclass
 class Lease:
     start: int
@@ -59,13 +62,15 @@ class Lease:
 
 @dataclass
 class Move:
-    """Rows [start, stop) going from `source` to `target`: `how` "dead", "stolen" or "reopened"."""
+    """Rows [start, stop) going from `source` to `target`: `how` "dead", "stolen", "reopened" or
+    "adopted" (rows of the lost host `origin`; `source` is then -1)."""
     start: int
     stop: int
     source: int
     target: int
     how: str
     epoch: int
+    origin: str | None = None
 
 
 @dataclass
@@ -76,6 +81,9 @@ class Ledger:
     asked_t: dict[int, float] = field(default_factory=dict) # thief -> when it asked
     epoch: int = 0
     ranges: dict[int, list[int]] = field(default_factory=dict)   # the plan's: another plan, another ledger
+    free: list[list] = field(default_factory=list)    # rows adopted from a lost host: [a, b, its name]
+    gone: list[list] = field(default_factory=list)    # rows moved to another host: [a, b, its name]
+    idle: list[int] = field(default_factory=list)     # members that ran dry and left: rows adopted reopen them
 
     @classmethod
     def planned(cls, ranges: dict[int, tuple[int, int]]) -> "Ledger":
@@ -120,6 +128,44 @@ class Ledger:
                 self.held[slot] = Lease(a, b, self.epoch, a)
                 return Move(a, b, owner, slot, "reopened", self.epoch)
         return None
+
+    def take_free(self, thief: int) -> Move:
+        """The first run of adopted rows to `thief`, which holds none (its pool mates steal
+        halves of it as they run dry, as of any lease)."""
+        assert thief not in self.held and self.free
+        a, b, origin = self.free.pop(0)
+        self.withdraw(thief)
+        self.epoch += 1
+        self.held[thief] = Lease(a, b, self.epoch, a)
+        return Move(a, b, -1, thief, "adopted", self.epoch, origin)
+
+    def adopt(self, runs: list[tuple[int, int]], origin: str) -> int:
+        """Rows of the lost host `origin` become free rows of this pool; rows it already has
+        (a retried command) are not added twice. Returns the rows added."""
+        have = merge([(l.start, l.stop) for l in self.held.values()] + [(a, b) for a, b, _ in self.done] +
+                     [(a, b) for a, b, _ in self.free])
+        new = subtract(merge(runs), have)
+        self.gone = [[a, b, h] for a, b, h in _cut(self.gone, new)]
+        self.free += [[a, b, origin] for a, b in new]
+        return sum(b - a for a, b in new)
+
+    def revoke(self, runs: list[tuple[int, int]], target: str) -> list[int]:
+        """Rows moved to the host `target` while this one was lost are no longer this pool's: a
+        held lease touching them goes (its holder stops; its other rows become free), a finished
+        one keeps only its other rows. Returns the holders whose lease went."""
+        runs = merge(runs)
+        lost = []
+        for slot, lease in list(self.held.items()):
+            if subtract([(lease.start, lease.stop)], runs) != [(lease.start, lease.stop)]:
+                del self.held[slot]
+                self._forget(slot)
+                lost.append(slot)
+                self.free += [[a, b, "revoked"] for a, b in subtract([(lease.start, lease.stop)], runs)]
+        self.done = [list(r) for r in _cut(self.done, runs)]
+        self.free = [list(r) for r in _cut(self.free, runs)]
+        self.gone = [list(r) for r in _cut(self.gone, runs)] + [[a, b, target] for a, b in runs]
+        self.gone.sort()
+        return lost
 
     def ask(self, thief: int, victim: int, t: float) -> None:
         assert thief not in self.held and victim in self.held and victim not in self.steals
@@ -166,7 +212,10 @@ class Ledger:
 
     def victim(self, thief: int, alive: Callable[[int], bool]) -> tuple[str, int] | None:
         """What `thief` (holding nothing) should do: ("dead", slot) to take over, ("steal", slot)
-        to ask, ("wait", slot) while a live holder's rows are too few to split; None: all done."""
+        to ask, ("wait", slot) while a live holder's rows are too few to split, ("free", -1) to
+        take adopted rows; None: all done."""
+        if self.free:
+            return "free", -1
         others = [s for s in self.held if s != thief]
         dead = [s for s in others if not alive(s)]
         if dead:
@@ -177,9 +226,11 @@ class Ledger:
         return ("wait", others[0]) if others else None
 
     def problems(self, rows: list[tuple[int, int]]) -> list[str]:
-        """The invariants, against the pool's rows: held and done disjoint and covering them."""
+        """The invariants, against the rows the pool must account for (its own and those it
+        adopted): held, done, free and gone disjoint and covering them."""
         spans = [(l.start, l.stop, f"held by {s}") for s, l in self.held.items()] + \
-                [(a, b, "done") for a, b, _ in self.done]
+                [(a, b, "done") for a, b, _ in self.done] + [(a, b, "free") for a, b, _ in self.free] + \
+                [(a, b, "gone") for a, b, _ in self.gone]
         spans.sort()
         out, end = [], None
         for a, b, what in spans:
@@ -188,7 +239,7 @@ class Ledger:
             end = b if end is None else max(end, b)
         covered = sorted((a, b) for a, b, _ in spans if b > a)
         if merge(covered) != merge(sorted(rows)):
-            out.append(f"held and done {merge(covered)} are not the pool's rows {merge(sorted(rows))}")
+            out.append(f"held, done, free and gone {merge(covered)} are not the pool's rows {merge(sorted(rows))}")
         for s, l in self.held.items():
             if not l.start <= l.at <= l.stop:
                 out.append(f"{s}: frontier {l.at} outside {l.start}-{l.stop}")
@@ -200,7 +251,8 @@ class Ledger:
         return json.dumps({"held": {str(k): asdict(v) for k, v in self.held.items()}, "done": self.done,
                            "steals": {str(k): v for k, v in self.steals.items()},
                            "asked_t": {str(k): v for k, v in self.asked_t.items()}, "epoch": self.epoch,
-                           "ranges": {str(k): list(v) for k, v in self.ranges.items()}})
+                           "ranges": {str(k): list(v) for k, v in self.ranges.items()},
+                           "free": self.free, "gone": self.gone, "idle": self.idle})
 
     @classmethod
     def from_json(cls, text: str) -> "Ledger":
@@ -208,7 +260,9 @@ class Ledger:
         return cls(held={int(k): Lease(**v) for k, v in d["held"].items()}, done=[list(r) for r in d["done"]],
                    steals={int(k): int(v) for k, v in d["steals"].items()},
                    asked_t={int(k): float(v) for k, v in d["asked_t"].items()}, epoch=int(d["epoch"]),
-                   ranges={int(k): list(v) for k, v in d.get("ranges", {}).items()})
+                   ranges={int(k): list(v) for k, v in d.get("ranges", {}).items()},
+                   free=[list(r) for r in d.get("free", [])], gone=[list(r) for r in d.get("gone", [])],
+                   idle=[int(k) for k in d.get("idle", [])])
 
 
 def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -221,6 +275,26 @@ def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((a, b))
     return out
+
+
+def subtract(runs: list[tuple[int, int]], away: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The rows of `runs` not in `away` (both sorted, merged runs), as runs."""
+    out, away = [], merge(away)
+    for a, b in merge(runs):
+        for c, d in away:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+        if a < b:
+            out.append((a, b))
+    return out
+
+
+def _cut(entries: list[list], away: list[tuple[int, int]]) -> list[tuple]:
+    """Entries [a, b, tag] less the rows of `away`, each piece keeping its tag."""
+    return [(x, y, tag) for a, b, tag in entries for x, y in subtract([(a, b)], away)]
 
 
 class Cell:
@@ -261,6 +335,56 @@ class Cell:
         return min(most, max(MIN_WINDOW, rows))
 
 
+def _retire(ledger: Ledger, slot: int) -> bool:
+    """`slot` leaves if the pool has no rows left: then it is idle (under the same lock as the
+    look, so an adoption after it finds it there and reopens it)."""
+    if ledger.held or ledger.free:
+        return False
+    if slot not in ledger.idle:
+        ledger.idle.append(slot)
+    return True
+
+
+def ledger_path(out_dir: str, ranges: dict[int, tuple[int, int]]) -> str:
+    """Where the pool of these shards keeps its ledger: named by its first shard."""
+    return os.path.join(out_dir, ".fleet", f"leases-{min(ranges)}.json")
+
+
+@contextlib.contextmanager
+def open_ledger(path: str, ranges: dict[int, tuple[int, int]]) -> Iterator[Ledger]:
+    """The ledger at `path` under its flock (the planned one where there is none, or where it was
+    another plan's: a replan's manifests say what is done, not it), saved after if changed. The
+    one door for the pool's shards and for `hostctl adopt`/`revoke`."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        fresh = Ledger.planned(ranges)
+        try:
+            with open(path) as f:
+                ledger = Ledger.from_json(f.read())
+        except (OSError, ValueError, KeyError, TypeError):
+            ledger = fresh
+        if ledger.ranges != fresh.ranges:
+            ledger = fresh
+        before = ledger.to_json()
+        yield ledger
+        after = ledger.to_json()
+        if after != before:
+            write_atomic(path, after, sync=False)
+
+
+def slot_alive(work: str, slot: int) -> bool:
+    """Whether shard `slot`'s process holds its `<work>/<slot>.alive` flock (a prober takes it
+    for microseconds only)."""
+    with open(os.path.join(work, f"{slot}.alive"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
 class Pool:
     """One shard's side of its host's ledger. `alive` holds `.fleet/<slot>.alive` for the
     process's life: the others' test of whether this shard is gone."""
@@ -269,9 +393,7 @@ class Pool:
         work = os.path.join(out_dir, ".fleet")
         os.makedirs(work, exist_ok=True)
         self.slot, self.ranges, self.work = slot, ranges, work
-        first = min(ranges)
-        self.path = os.path.join(work, f"leases-{first}.json")
-        self._lock_path = self.path + ".lock"
+        self.path = ledger_path(out_dir, ranges)
         self._alive = open(os.path.join(work, f"{slot}.alive"), "a")
         fcntl.flock(self._alive, fcntl.LOCK_EX)          # a prober holds it for microseconds only
         self.cell: Cell | None = None
@@ -280,40 +402,19 @@ class Pool:
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
 
-    @contextlib.contextmanager
-    def ledger(self) -> Iterator[Ledger]:
+    def ledger(self):
         """The ledger under its lock (made from the planned ranges on first use), saved after."""
-        with open(self._lock_path, "a") as guard:
-            fcntl.flock(guard, fcntl.LOCK_EX)
-            fresh = Ledger.planned(self.ranges)
-            try:
-                with open(self.path) as f:
-                    ledger = Ledger.from_json(f.read())
-            except (OSError, ValueError, KeyError, TypeError):     # none yet, or unreadable: the plan's
-                ledger = fresh
-            if ledger.ranges != fresh.ranges:                     # another plan's (a replan): the manifests
-                ledger = fresh                                    # say what is done, not it
-            before = ledger.to_json()
-            yield ledger
-            after = ledger.to_json()
-            if after != before:
-                write_atomic(self.path, after, sync=False)
+        return open_ledger(self.path, self.ranges)
 
     def alive(self, slot: int) -> bool:
-        if slot == self.slot:
-            return True
-        with open(os.path.join(self.work, f"{slot}.alive"), "a") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(f, fcntl.LOCK_UN)
-            return False
+        return slot == self.slot or slot_alive(self.work, slot)
 
     def own(self) -> Lease | None:
         """The lease this shard holds (its planned range on a first launch; what it held when it
         last stopped, unless another shard has taken it over since)."""
         with self.ledger() as ledger:
+            if self.slot in ledger.idle:
+                ledger.idle.remove(self.slot)
             lease = ledger.held.get(self.slot)
             return None if lease is None else Lease(**asdict(lease))
 
@@ -322,8 +423,10 @@ class Pool:
             return ledger.reopen(self.slot, unfinished)
 
     def empty(self) -> bool:
+        """No member holds rows and none are free: this shard leaves (idle, so that rows adopted
+        later reopen it)."""
         with self.ledger() as ledger:
-            return not ledger.held
+            return _retire(ledger, self.slot)
 
     def counted(self) -> list[tuple[int, int]]:
         return self.counted_for(self.slot)
@@ -355,8 +458,12 @@ class Pool:
                     asked = None
                     choice = ledger.victim(self.slot, self.alive)
                     if choice is None:
+                        _retire(ledger, self.slot)
                         return None
                     what, victim = choice
+                    if what == "free":
+                        move = ledger.take_free(self.slot)
+                        return Lease(**asdict(ledger.held[self.slot])), move
                     if what == "dead":
                         move = ledger.take_over(self.slot, victim)
                         return Lease(**asdict(ledger.held[self.slot])), move

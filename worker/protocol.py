@@ -17,6 +17,8 @@ Who writes what::
     hostctl act      StopRequested  the intent (stop, restart, give up), before the first signal;
                      Launch         for a restart, once the old process group is gone
     hostctl reopen   Reopened       `fleet verify --repair` dropped some of its samples
+    worker.relocate  Relocated      rows of a lost host adopted here, or (back) moved away from
+                     Reopened       here; a finished shard of the pool that adopted rows has work
     the agent        Exited(vanished=True)   the lock is free and the launch has no end record
                                     (the runner itself was killed); written under the lock
                      SlurmEnded     Slurm's final state of a launch's task (once, when first seen),
@@ -140,6 +142,7 @@ class Started(Record):
     job: Optional[str] = None          # Slurm: "<array job id>_<index>"
     gpus: Optional[list] = None        # Slurm: the node's GPU indices allocated to the task
     total_tokens: Optional[int] = None  # the shard's tokens to extract, when already known
+    num_rows: Optional[int] = None     # the dataset's rows (every shard's range follows from it)
 
 
 @event
@@ -327,8 +330,9 @@ class Reopened(Record):
 @dataclass
 class Leased(Record):
     """The shard holds rows [start, stop) of its host's pool (worker/leases.py): its planned
-    range (`how` "plan"), a dead slot's lease taken over ("dead", `from_shard`) or the second half
-    of a live one's remainder ("stolen"). `rows`: those not yet finished; `epoch`: the lease's."""
+    range (`how` "plan"), a dead slot's lease taken over ("dead", `from_shard`), the second half
+    of a live one's remainder ("stolen") or rows of a lost host ("adopted", `from_host`). `rows`:
+    those not yet finished; `epoch`: the lease's."""
     KIND: ClassVar[str] = "leased"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
@@ -338,6 +342,7 @@ class Leased(Record):
     epoch: int = 0
     how: str = "plan"
     from_shard: Optional[int] = None
+    from_host: Optional[str] = None       # "adopted": rows of this lost host (fleet/relocate.py)
 
 
 @event
@@ -360,6 +365,27 @@ class LeaseMoved(Record):
     done: Optional[int] = None
     skipped: Optional[int] = None
     holds: bool = False
+
+
+@event
+@dataclass
+class Relocated(Record):
+    """Rows [start, stop) moved from the host `from_host`, lost for `[supervise] host_lost_after`,
+    to the host `to_host` (fleet/relocate.py, through `hostctl adopt`/`revoke`). Written on the
+    receiving host into its pool's first shard (`side` "in", when they are adopted) and, once the
+    lost host is back, into each of its pool's shards (`side` "out": it holds them no more, and
+    the copies it wrote of them are removed by `fleet verify --repair`). `redone`: the rows the
+    lost host had reported finished, done again. The supervisor reads from both sides which moves
+    the lost host has still to be told of."""
+    KIND: ClassVar[str] = "relocated"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    start: int = 0
+    stop: int = 0
+    from_host: str = ""
+    to_host: str = ""
+    side: str = "in"
+    redone: int = 0
 
 
 @event
@@ -722,8 +748,10 @@ class Reply:
 
 @dataclass
 class Status(Reply):
-    """What a host command that only does one thing did (`hostctl reopen`: reopened | running)."""
+    """What a host command that only does one thing did (`hostctl reopen`: reopened | running;
+    `worker.relocate`: adopted | already | revoked | error, with `detail`)."""
     status: str = ""
+    detail: str = ""
 
 
 @dataclass
@@ -820,6 +848,7 @@ class Repair(Reply):
     deduplicated: list[int] = field(default_factory=list)
     removed_files: int = 0
     retried_skips: list[int] = field(default_factory=list)
+    moved_away: list[int] = field(default_factory=list)   # copies of rows another host holds now
 
 
 @dataclass

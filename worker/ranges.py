@@ -45,6 +45,15 @@ def runs_text(runs: Iterable[Iterable[int]], sep: str = ",") -> str:
     return sep.join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in runs)
 
 
+def parse_runs_text(text: str) -> list[tuple[int, int]]:
+    """"0-2,5,7-8" -> [(0, 3), (5, 6), (7, 9)]: the inverse of runs_text. Raises ValueError."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        a, _, b = part.partition("-")
+        out.append((int(a), int(b or a) + 1))
+    return out
+
+
 def ranges_text(indices: Iterable[int], sep: str = ",") -> str:
     """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
     return runs_text(to_runs(indices), sep)

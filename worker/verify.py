@@ -8,6 +8,8 @@ global index 0..N-1 is present exactly once across the fleet.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import os
 import sys
@@ -15,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import protocol
-from .files import manifest_records
 from .formats import FORMATS, FormatError, Layout
 from .layers import LayerPlan
-from .ranges import to_runs
+from .leases import Ledger
+from .ranges import ranges_text, to_runs
 
 
 def layout_of(meta: dict) -> Layout:
@@ -78,6 +80,10 @@ def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = F
     if repair:
         report.repaired = _repair(out, layout, found)
     unrecorded = set(layout.scan(out)) - {r["index"] for r in found.written}
+    if repair and (stray := _moved_strays(out, layout, unrecorded, found)):
+        report.repaired = report.repaired or protocol.Repair()
+        report.repaired.removed_files += len(stray)
+        unrecorded -= stray
     report.written = to_runs(r["index"] for r in found.written)
     report.skipped = {str(i): why for i, why in sorted(found.skipped.items())}
     report.unrecorded_files, report.problems = len(unrecorded), found.problems
@@ -97,6 +103,8 @@ class _Findings:
     twice: set[int]
     problems: list[str]
     broken: dict[int, str] = field(default_factory=dict)
+    away: dict[int, str] = field(default_factory=dict)       # index -> the host its rows moved to
+    gone: dict[str, list[list]] = field(default_factory=dict)  # manifest name -> its pool's moved rows
 
 
 def _read_meta(out: str) -> dict:
@@ -107,13 +115,37 @@ def _read_meta(out: str) -> dict:
         return {}
 
 
+def moved_away(out: str) -> dict[str, list[list]]:
+    """Manifest file name -> the rows its shard's pool gave to another host while this one was
+    lost ([a, b, that host]: the pool ledgers' `gone`, worker/leases.py)."""
+    gone: dict[str, list[list]] = {}
+    for path in glob.glob(os.path.join(out, ".fleet", "leases-*.json")):
+        try:
+            with open(path) as f:
+                ledger = Ledger.from_json(f.read())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for k in ledger.ranges:
+            gone[f"{k}.jsonl"] = ledger.gone
+    return gone
+
+
 def _read_manifests(out: str) -> _Findings:
-    """Every index's first manifest entry; a second one for the same index is a problem."""
+    """Every index's first manifest entry; a second one for the same index is a problem. An entry
+    of rows that moved to another host (its copy is the one that counts) is set aside in `away`."""
     seen: dict[int, dict] = {}
     twice: set[int] = set()
     problems: list[str] = []
-    for rec in manifest_records(out):
+    gone = moved_away(out)
+    away: dict[int, str] = {}
+    folder = os.path.join(out, protocol.MANIFEST_DIR)
+    for name, rec in ((n, r) for n in (sorted(os.listdir(folder)) if os.path.isdir(folder) else [])
+                      if n.endswith(".jsonl") for r in protocol.iter_jsonl(os.path.join(folder, n))
+                      if isinstance(r.get("index"), int)):
         i = rec["index"]
+        if (to := next((h for a, b, h in gone.get(name, ()) if a <= i < b), None)) is not None:
+            away[i] = to
+            continue
         if i in seen:
             problems.append(f"sample {i}: recorded twice in the manifests")
             twice.add(i)
@@ -121,7 +153,12 @@ def _read_manifests(out: str) -> _Findings:
         seen[i] = rec
     written = [r for r in seen.values() if "skipped" not in r]
     skipped = {i: r["skipped"] for i, r in seen.items() if "skipped" in r}
-    return _Findings(written, skipped, twice, problems)
+    found = _Findings(written, skipped, twice, problems, away=away, gone=gone)
+    for to in sorted(set(away.values())):
+        mine = [i for i, h in away.items() if h == to]
+        found.problems.append(f"{len(mine)} sample(s) here ({ranges_text(mine)}) moved to {to} "
+                              f"while this host was lost: that copy counts; `fleet verify --repair` removes this one")
+    return found
 
 
 def _check_files(layout: Layout, out: str, written: list[dict], hidden: int | None,
@@ -140,15 +177,27 @@ def _repair(out: str, layout: Layout, found: _Findings) -> protocol.Repair | Non
     """Drop the broken and twice-recorded entries and the retryable skips (repair_folder), and take
     them out of the findings: what is dropped is no longer a problem but work for the next launch."""
     retry = {i for i, why in found.skipped.items() if retryable(why)}
-    if not (found.broken or found.twice or retry):
+    if not (found.broken or found.twice or retry or found.away):
         return None
     folder = os.path.join(out, protocol.MANIFEST_DIR)
-    repaired = repair_folder(out, layout, found.broken, found.twice, folder, retry)
+    repaired = repair_folder(out, layout, found.broken, found.twice, folder, retry, found.gone, set(found.away))
     dropped = set(found.broken) | found.twice
     found.skipped = {i: why for i, why in found.skipped.items() if i not in retry}
-    found.problems = [p for p in found.problems if not any(p.startswith(f"sample {i}:") for i in dropped)]
+    found.problems = [p for p in found.problems if not any(p.startswith(f"sample {i}:") for i in dropped)
+                      and "moved to" not in p]
     found.written = [r for r in found.written if r["index"] not in found.broken]
     return repaired
+
+
+def _moved_strays(out: str, layout: Layout, unrecorded: set[int], found: _Findings) -> set[int]:
+    """Files no manifest records, of rows that moved to another host (a file written as the host
+    was lost, before its manifest line): nobody here will ever finish them. Removed; returned."""
+    gone = [(a, b) for runs in found.gone.values() for a, b, _ in runs]
+    stray = {i for i in unrecorded if any(a <= i < b for a, b in gone)}
+    for i in stray:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(layout.path(out, i))
+    return stray
 
 
 # Skip reasons of failures that may pass (worker.extract: a row that failed alone after the rest,
@@ -162,24 +211,33 @@ def retryable(reason: str) -> bool:
 
 
 def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[int], folder: str,
-                  retry: set[int] = frozenset()) -> protocol.Repair:
-    """Rewrite each manifest without the broken entries and the retryable skips (and with one entry
-    per index), atomically; remove the broken files. What is dropped is redone by the next launch
-    of its shard."""
+                  retry: set[int] = frozenset(), gone: dict[str, list[list]] | None = None,
+                  away: set[int] = frozenset()) -> protocol.Repair:
+    """Rewrite each manifest without the broken entries, the retryable skips and the entries of
+    rows that moved to another host (`gone`: manifest name -> its pool's moved rows), with one
+    entry per index, atomically; remove the broken files and the moved rows' (unless another
+    manifest still records one). What is dropped is redone by the next launch of its shard; what
+    moved away is the other host's."""
     from .writer import write_lines_atomic
     kept: set[int] = set()
+    gone = gone or {}
     for name in sorted(n for n in os.listdir(folder) if n.endswith(".jsonl")):
         path = os.path.join(folder, name)
         lines = []
         for rec in protocol.iter_jsonl(path):
             i = rec.get("index")
             if isinstance(i, int):
-                if i in broken or i in kept or (i in retry and "skipped" in rec):
+                if i in broken or i in kept or (i in retry and "skipped" in rec) or \
+                        any(a <= i < b for a, b, _ in gone.get(name, ())):
                     continue
                 kept.add(i)
             lines.append(json.dumps(rec, separators=(",", ":")))
         write_lines_atomic(path, lines)
     removed = 0
+    for i in sorted(set(away) - kept):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(layout.path(out, i))
+            removed += 1
     for i in broken:
         try:
             os.unlink(layout.path(out, i))
@@ -187,7 +245,7 @@ def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[i
         except FileNotFoundError:
             pass
     return protocol.Repair(dropped=sorted(set(broken) | set(retry)), deduplicated=sorted(twice),
-                           removed_files=removed, retried_skips=sorted(retry))
+                           removed_files=removed, retried_skips=sorted(retry), moved_away=sorted(away))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,3 +68,44 @@ def fleet(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess
 def fleet_popen(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fleet.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+
+
+def hosts_toml(tmp_path, servers: dict, *, model: str, data: str, gpus: dict, run: str = "t",
+               output: str | None = None, extra_run: str = "", supervise: str = "") -> str:
+    """One [[hosts]] per name -> sshd; each host has its own root (`root-<name>`), all share one
+    output folder (a shared file system, as on a cluster) unless `output` names one per host
+    ("{host}"); `supervise`: more [supervise] keys."""
+    out = output or str(tmp_path / "out")
+    text = f"""
+[run]
+name = "{run}"
+model = {json.dumps(model)}
+data = {json.dumps(data)}
+output = {json.dumps(out)}
+max_tokens_per_batch = 512
+device = "cpu"
+env = {{ OMP_NUM_THREADS = "1" }}
+{extra_run}
+
+[supervise]
+backoff_base = "0.3s"
+max_restarts = 2
+connect_timeout = "3s"
+{supervise}
+"""
+    for name, server in servers.items():
+        text += f"""
+[[hosts]]
+name = "{name}"
+address = "127.0.0.1"
+port = {server.port}
+user = "root"
+identity_file = {json.dumps(server.client_key)}
+known_hosts = {json.dumps(server.known_hosts)}
+python = {json.dumps(host_python())}
+gpus = {json.dumps(gpus[name])}
+root = {json.dumps(str(tmp_path / ('root-' + name)))}
+"""
+    path = tmp_path / "fleet.toml"
+    path.write_text(text)
+    return str(path)

@@ -11,50 +11,11 @@ import os
 
 import pytest
 
-from tests.conftest import host_python, run_worker
-from tests.fleet.conftest import fleet, fleet_popen
+from tests.conftest import run_worker
+from tests.fleet.conftest import fleet, fleet_popen, hosts_toml
 from tests.sshd_server import start_sshd
 
 pytestmark = pytest.mark.ssh
-
-
-def hosts_toml(tmp_path, servers: dict, *, model: str, data: str, gpus: dict, run: str = "t",
-               output: str | None = None, extra_run: str = "") -> str:
-    """One [[hosts]] per name -> sshd; each host has its own root, all share one output folder
-    (a shared file system, as on a cluster)."""
-    out = output or str(tmp_path / "out")
-    text = f"""
-[run]
-name = "{run}"
-model = {json.dumps(model)}
-data = {json.dumps(data)}
-output = {json.dumps(out)}
-max_tokens_per_batch = 512
-device = "cpu"
-env = {{ OMP_NUM_THREADS = "1" }}
-{extra_run}
-
-[supervise]
-backoff_base = "0.3s"
-max_restarts = 2
-connect_timeout = "3s"
-"""
-    for name, server in servers.items():
-        text += f"""
-[[hosts]]
-name = "{name}"
-address = "127.0.0.1"
-port = {server.port}
-user = "root"
-identity_file = {json.dumps(server.client_key)}
-known_hosts = {json.dumps(server.known_hosts)}
-python = {json.dumps(host_python())}
-gpus = {json.dumps(gpus[name])}
-root = {json.dumps(str(tmp_path / ('root-' + name)))}
-"""
-    path = tmp_path / "fleet.toml"
-    path.write_text(text)
-    return str(path)
 
 
 def launches(tmp_path, host: str, run: str, shard: int) -> list[dict]:

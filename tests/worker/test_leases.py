@@ -4,6 +4,7 @@ rows — a dead GPU's finished by the others, a slow GPU's tail split — every 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -13,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.leases import Ledger
+from worker.ranges import to_runs
 from worker.verify import verify
-from tests.conftest import REPO, read_events
+from tests.conftest import REPO, read_events, wait_for
 
 INJECT = os.path.join(REPO, "tests", "faults", "inject")
 
@@ -29,8 +31,9 @@ def planned(sizes: list[int]) -> dict[int, tuple[int, int]]:
     return out
 
 
-steps = st.lists(st.tuples(st.sampled_from(["finish", "die", "revive", "read", "act", "answer", "reload", "repair"]),
-                           st.integers(0, 5), st.integers(0, 60)), max_size=60)
+steps = st.lists(st.tuples(st.sampled_from(["finish", "die", "revive", "read", "act", "answer", "reload", "repair",
+                                            "adopt", "revoke"]),
+                           st.integers(0, 5), st.integers(0, 60), st.integers(0, 30)), max_size=60)
 
 
 @settings(max_examples=300, deadline=None)
@@ -38,14 +41,18 @@ steps = st.lists(st.tuples(st.sampled_from(["finish", "die", "revive", "read", "
 def test_every_row_is_held_once_and_no_done_row_is_held_again(sizes, script):
     """The ledger against a model kept beside it from the moves it returns alone: after every
     step, each shard's rows in the ledger are the rows the model says it was given, every row is
-    held by at most one shard, held and done cover the pool, and done rows only grow."""
+    held by at most one shard, held, done, free (adopted from a lost host) and gone (moved to
+    another host) cover the pool's rows and the adopted ones, and no done row is held again."""
     ranges = planned(sizes)
     slots = sorted(ranges)
     ledger = Ledger.planned(ranges)
     model = {k: set(range(*ranges[k])) for k in slots if ranges[k][1] > ranges[k][0]}   # shard -> rows
     done: set[int] = set()
+    free: set[int] = set()
+    gone: set[int] = set()
+    accounted = {i for a, b in ranges.values() for i in range(a, b)}
     alive = set(slots)
-    for op, k, n in script:
+    for op, k, n, m in script:
         k = slots[k % len(slots)]
         if op == "finish" and k in ledger.held and k in alive:
             ledger.finish(k)
@@ -65,6 +72,11 @@ def test_every_row_is_held_once_and_no_done_row_is_held_again(sizes, script):
                 assert (move.start, move.stop) == (min(model[k]), max(model[k]) + 1)
             elif choice is not None and choice[0] == "steal":
                 ledger.ask(k, choice[1], 0.0)
+            elif choice is not None and choice[0] == "free":
+                move = ledger.take_free(k)
+                model[k] = set(range(move.start, move.stop))
+                assert model[k] <= free and move.how == "adopted" and move.origin in ("lost", "revoked")
+                free -= model[k]
         elif op == "answer" and k in ledger.steals and k in alive:
             lease = ledger.held[k]
             move = ledger.answer(k, lease.start + n)
@@ -81,11 +93,30 @@ def test_every_row_is_held_once_and_no_done_row_is_held_again(sizes, script):
                 done -= model[k]
         elif op == "reload":                         # a supervisor or worker restart reads it back
             ledger = Ledger.from_json(ledger.to_json())
-        assert ledger.problems([ranges[s] for s in slots]) == []
+        elif op == "adopt":                          # rows of a lost host (some maybe ours already)
+            rows = set(range(n, n + m))
+            ledger.adopt([(n, n + m)], "lost")
+            new = rows - done - free - {i for r in model.values() for i in r}
+            free |= new
+            gone -= new
+            accounted |= rows
+        elif op == "revoke":                         # this host was lost: rows n..n+m went elsewhere
+            rows = set(range(n, n + m))
+            stopped = ledger.revoke([(n, n + m)], "other")
+            assert set(stopped) == {s for s, r in model.items() if r & rows}
+            for s in stopped:
+                free |= model.pop(s) - rows
+            done -= rows
+            free -= rows
+            gone |= rows
+            accounted |= rows
+        assert ledger.problems(to_runs(accounted)) == []
         held = {s: set(range(l.start, l.stop)) for s, l in ledger.held.items()}
         assert {s: r for s, r in held.items() if r} == {s: r for s, r in model.items() if r}
         assert not any(r & done for r in held.values())
         assert {i for a, b, _ in ledger.done for i in range(a, b)} == done
+        assert {i for a, b, _ in ledger.free for i in range(a, b)} == free
+        assert {i for a, b, _ in ledger.gone for i in range(a, b)} == gone
 
 
 # --- real workers sharing one host's rows ------------------------------------------------------
@@ -154,3 +185,71 @@ def test_a_slow_gpus_last_rows_are_split_off_and_done_once(tmp_path, dense_model
     done = {k: next(e for e in shard_events(tmp_path, k) if e["event"] == "done") for k in range(3)}
     assert done[2]["total"] == 200 - sum(e["stop"] - e["start"] for e in given)
     assert sum(d["done"] for d in done.values()) == 600
+
+
+# --- rows moved between hosts, carried out on real workers (worker/relocate.py) ----------------
+
+def start_pool(tmp_path, model: str, data: str, members: list[int], num_shards: int) -> dict[int, subprocess.Popen]:
+    return {k: subprocess.Popen(
+        [sys.executable, "-m", "worker.extract", "--model", model, "--data", data,
+         "--out", str(tmp_path / "out"), "--state", str(tmp_path / "run" / "shards" / str(k)),
+         "--shard-index", str(k), "--num-shards", str(num_shards), "--pool", ",".join(map(str, members)),
+         "--model-dtype", "fp32", "--max-tokens-per-batch", "256", "--device", "cpu", "--progress-interval", "0.2"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": str(k), "OMP_NUM_THREADS": "1"}) for k in members}
+
+
+def relocate(tmp_path, cmd: str, rows: str, num_shards: int, pool: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "worker.relocate", cmd, "--out", str(tmp_path / "out"),
+                        "--run-dir", str(tmp_path / "run"), "--num-shards", str(num_shards), "--pool", pool,
+                        "--rows", rows, "--from-host", "lost" if cmd == "adopt" else "here",
+                        "--to-host", "here" if cmd == "adopt" else "other"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_rows_adopted_while_the_pool_runs_are_done_by_it_once(tmp_path, dense_model):
+    """Shards 0 and 1 of 3 on this host; shard 2's host is lost and its rows adopted mid-run: the
+    two finish all 600 rows, each once, and say where the adopted ones came from."""
+    from worker.demo import make_token_dataset
+    data = make_token_dataset(str(tmp_path / "d.jsonl"), 600, vocab_size=500, mean_tokens=30, seed=12)
+    procs = start_pool(tmp_path, dense_model, data, [0, 1], 3)
+    wait_for(lambda: os.path.exists(tmp_path / "out" / "meta.json"), 180, what="the model loaded")
+    assert relocate(tmp_path, "adopt", "400-599", 3, "0,1")["status"] == "adopted"
+    assert relocate(tmp_path, "adopt", "400-599", 3, "0,1")["status"] == "already"      # a retry adds nothing
+    assert {k: p.wait(timeout=600) for k, p in procs.items()} == {0: 0, 1: 0}
+    assert manifest_counts(str(tmp_path / "out")) == {i: 1 for i in range(600)}
+    assert verify(str(tmp_path / "out"))["problems"] == []
+    adopted = [e for k in (0, 1) for e in shard_events(tmp_path, k) if e["event"] == "leased" and e["how"] == "adopted"]
+    assert adopted and all(e["from_host"] == "lost" for e in adopted) and adopted[0]["start"] == 400
+    told = [e for e in shard_events(tmp_path, 0) if e["event"] == "relocated"]
+    assert [(e["start"], e["stop"], e["side"]) for e in told] == [(400, 600, "in")]
+    done = [next(e for e in shard_events(tmp_path, k) if e["event"] == "done") for k in (0, 1)]
+    assert sum(d["done"] for d in done) == 600 and sum(d["total"] for d in done) == 600
+
+
+def test_rows_revoked_from_a_host_back_from_lost_stop_its_running_shards_and_its_copies_go(tmp_path, dense_model):
+    """The host was lost and its rows moved on; it comes back with its shards still running: they
+    stop those rows at their next look (exit 0, holding none), and `--repair` removes what they
+    wrote, so the folder holds none of them."""
+    from worker.demo import make_token_dataset
+    data = make_token_dataset(str(tmp_path / "d.jsonl"), 3000, vocab_size=500, mean_tokens=40, seed=13)
+    procs = start_pool(tmp_path, dense_model, data, [0, 1], 2)
+    wait_for(lambda: sum(manifest_counts(str(tmp_path / "out")).values()) >= 30 if (tmp_path / "out" / "manifest").exists()
+             else False, 180, what="rows written")
+    assert relocate(tmp_path, "revoke", "0-2999", 2, "0,1")["status"] == "revoked"
+    assert {k: p.wait(timeout=600) for k, p in procs.items()} == {0: 0, 1: 0}
+    written = len(manifest_counts(str(tmp_path / "out")))
+    assert 0 < written < 3000                              # stopped short, not run to the end
+    for k in (0, 1):
+        events = shard_events(tmp_path, k)
+        assert any(e["event"] == "warning" and "no longer this shard's" in e["message"] for e in events)
+        assert next(e for e in events if e["event"] == "done")["total"] == 0
+        assert [(e["start"], e["stop"], e["to_host"]) for e in events if e["event"] == "relocated"] == [(0, 3000, "other")]
+    report = verify(str(tmp_path / "out"))
+    assert report["written"] == [] and any("moved to other while this host was lost" in p for p in report["problems"])
+    repaired = verify(str(tmp_path / "out"), repair=True)
+    assert repaired["problems"] == [] and repaired["repaired"]["moved_away"] and repaired["unrecorded_files"] == 0
+    assert manifest_counts(str(tmp_path / "out")) == {}
+    assert not glob.glob(str(tmp_path / "out" / "*.safetensors"))

@@ -1,0 +1,107 @@
+"""Rows moved between hosts, on the host: `python -m worker.relocate adopt|revoke ...` (issue 33).
+
+The supervisor (fleet/relocate.py) decides; this carries it out in the host's pool ledger
+(worker/leases.py, through its one door `open_ledger`) and says so in the shards' records:
+
+    adopt   the rows of a lost host become free rows of this host's pool: its running shards take
+            them before stealing from each other, and each of its shards that ran dry and left
+            (the ledger's `idle`) is reopened so that the supervisor launches it again; a `relocated` record (side "in") in the pool's
+            first shard says where they came from
+    revoke  on the lost host, back: those rows are gone from its pool (a holder stops them at its
+            next tick) and a `relocated` record (side "out") in each of its shards says where
+            they went: the supervisor knows it need not tell this host again
+
+Both are safe to repeat (a command retried after a timeout): rows already adopted are not added
+twice, rows already gone stay gone. One JSON object on stdout (protocol.Status). Standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import protocol
+from .leases import ledger_path, open_ledger
+from .ranges import parse_runs_text, shard_range
+
+
+def pool_ranges(out_dir: str, num_shards: int, pool: list[int]) -> dict[int, tuple[int, int]]:
+    """The planned rows of the pool's shards, from the dataset's rows in the folder's meta.json.
+    Raises FileNotFoundError when no shard has written there yet."""
+    with open(os.path.join(out_dir, protocol.META_FILE)) as f:
+        num_rows = int(json.load(f)["num_samples"])
+    return {k: shard_range(num_rows, num_shards, k) for k in pool}
+
+
+def adopt(out_dir: str, run_dir: str, num_shards: int, pool: list[int], runs: list[tuple[int, int]],
+          from_host: str, to_host: str, redone: int) -> protocol.Status:
+    ranges = pool_ranges(out_dir, num_shards, pool)
+    with open_ledger(ledger_path(out_dir, ranges), ranges) as ledger:
+        before = {(a, b) for a, b, _ in ledger.free}
+        added = ledger.adopt(runs, from_host)
+        new = [(a, b) for a, b, _ in ledger.free if (a, b) not in before]
+        first = protocol.shard_dir(run_dir, min(pool))
+        os.makedirs(first, exist_ok=True)
+        for a, b in new:
+            protocol.append_jsonl(os.path.join(first, protocol.EVENTS_FILE),
+                                  protocol.Relocated(start=a, stop=b, from_host=from_host, to_host=to_host,
+                                                     side="in", redone=redone))
+        if added:                               # a shard of the pool that ran dry and left has work again
+            for k in ledger.idle:
+                d = protocol.shard_dir(run_dir, k)
+                os.makedirs(d, exist_ok=True)
+                protocol.append_jsonl(os.path.join(d, protocol.EVENTS_FILE),
+                                      protocol.Reopened(samples=added, reason=f"rows of lost host {from_host}"))
+    return protocol.Status("adopted" if added else "already", f"{added} row(s)")
+
+
+def revoke(out_dir: str, run_dir: str, num_shards: int, pool: list[int], runs: list[tuple[int, int]],
+           from_host: str, to_host: str) -> protocol.Status:
+    try:
+        ranges = pool_ranges(out_dir, num_shards, pool)
+    except (OSError, ValueError, KeyError):      # nothing was ever written here: nothing to take back
+        ranges = None
+    lost: list[int] = []
+    if ranges is not None:
+        with open_ledger(ledger_path(out_dir, ranges), ranges) as ledger:
+            lost = ledger.revoke(runs, to_host)
+    for k in pool:
+        d = protocol.shard_dir(run_dir, k)
+        os.makedirs(d, exist_ok=True)
+        for a, b in runs:
+            protocol.append_jsonl(os.path.join(d, protocol.EVENTS_FILE),
+                                  protocol.Relocated(start=a, stop=b, from_host=from_host, to_host=to_host,
+                                                     side="out"))
+    return protocol.Status("revoked", f"{len(lost)} lease(s) stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m worker.relocate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("cmd", choices=("adopt", "revoke"))
+    ap.add_argument("--out", required=True, help="the host's output folder (its pool ledger is in .fleet/)")
+    ap.add_argument("--run-dir", required=True, help="the run's state folder on the host (shards/<k>/)")
+    ap.add_argument("--num-shards", type=int, required=True)
+    ap.add_argument("--pool", required=True, help="this host's shards, comma-separated")
+    ap.add_argument("--rows", required=True, help="the rows moved, as people and Slurm write them: 0-99,250-299")
+    ap.add_argument("--from-host", required=True, help="the host that was lost")
+    ap.add_argument("--to-host", required=True, help="the host the rows go to")
+    ap.add_argument("--redone", type=int, default=0, help="rows the lost host had reported finished")
+    args = ap.parse_args(argv)
+    pool = sorted(int(k) for k in args.pool.split(",") if k.strip())
+    runs = parse_runs_text(args.rows)
+    try:
+        if args.cmd == "adopt":
+            result = adopt(args.out, args.run_dir, args.num_shards, pool, runs, args.from_host, args.to_host,
+                           args.redone)
+        else:
+            result = revoke(args.out, args.run_dir, args.num_shards, pool, runs, args.from_host, args.to_host)
+    except (OSError, ValueError, KeyError) as e:
+        result = protocol.Status("error", f"{args.cmd} rows {args.rows} in {args.out}: {type(e).__name__}: {e}")
+    print(result.to_json(), flush=True)          # an error is said in the reply, which the caller reads
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
