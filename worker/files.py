@@ -61,9 +61,14 @@ def manifest_records(out_dir: str) -> Iterator[dict]:
     """Every manifest record with an integer `index`, manifest by manifest (sorted by name), each
     in file order; a torn or foreign line is passed over. A repeat of an index is yielded again
     (verify reports it)."""
+    return (rec for _, rec in manifest_entries(out_dir))
+
+
+def manifest_entries(out_dir: str) -> Iterator[tuple[str, dict]]:
+    """`manifest_records`, each with the name of the manifest it is in (`<shard>.jsonl`)."""
     folder = os.path.join(out_dir, MANIFEST_DIR)
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         if name.endswith(".jsonl"):
             for rec in iter_jsonl(os.path.join(folder, name)):
                 if isinstance(rec.get("index"), int):
-                    yield rec
+                    yield name, rec

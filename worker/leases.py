@@ -139,15 +139,15 @@ class Ledger:
         self.held[thief] = Lease(a, b, self.epoch, a)
         return Move(a, b, -1, thief, "adopted", self.epoch, origin)
 
-    def adopt(self, runs: list[tuple[int, int]], origin: str) -> int:
+    def adopt(self, runs: list[tuple[int, int]], origin: str) -> list[tuple[int, int]]:
         """Rows of the lost host `origin` become free rows of this pool; rows it already has
-        (a retried command) are not added twice. Returns the rows added."""
+        (a retried command) are not added twice. Returns the runs added."""
         have = merge([(l.start, l.stop) for l in self.held.values()] + [(a, b) for a, b, _ in self.done] +
                      [(a, b) for a, b, _ in self.free])
         new = subtract(merge(runs), have)
         self.gone = [[a, b, h] for a, b, h in _cut(self.gone, new)]
         self.free += [[a, b, origin] for a, b in new]
-        return sum(b - a for a, b in new)
+        return new
 
     def revoke(self, runs: list[tuple[int, int]], target: str) -> list[int]:
         """Rows moved to the host `target` while this one was lost are no longer this pool's: a

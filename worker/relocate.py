@@ -5,8 +5,8 @@ The supervisor (fleet/relocate.py) decides; this carries it out in the host's po
 
     adopt   the rows of a lost host become free rows of this host's pool: its running shards take
             them before stealing from each other, and each of its shards that ran dry and left
-            (the ledger's `idle`) is reopened so that the supervisor launches it again; a `relocated` record (side "in") in the pool's
-            first shard says where they came from
+            (the ledger's `idle`) is reopened so that the supervisor launches it again; a
+            `relocated` record (side "in") in the pool's first shard says where they came from
     revoke  on the lost host, back: those rows are gone from its pool (a holder stops them at its
             next tick) and a `relocated` record (side "out") in each of its shards says where
             they went: the supervisor knows it need not tell this host again
@@ -39,9 +39,8 @@ def adopt(out_dir: str, run_dir: str, num_shards: int, pool: list[int], runs: li
           from_host: str, to_host: str, redone: int) -> protocol.Status:
     ranges = pool_ranges(out_dir, num_shards, pool)
     with open_ledger(ledger_path(out_dir, ranges), ranges) as ledger:
-        before = {(a, b) for a, b, _ in ledger.free}
-        added = ledger.adopt(runs, from_host)
-        new = [(a, b) for a, b, _ in ledger.free if (a, b) not in before]
+        new = ledger.adopt(runs, from_host)
+        added = sum(b - a for a, b in new)
         first = protocol.shard_dir(run_dir, min(pool))
         os.makedirs(first, exist_ok=True)
         for a, b in new:

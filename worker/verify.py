@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import protocol
+from .files import manifest_entries
 from .formats import FORMATS, FormatError, Layout
 from .layers import LayerPlan
 from .leases import Ledger
@@ -86,7 +87,7 @@ def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = F
         unrecorded -= stray
     report.written = to_runs(r["index"] for r in found.written)
     report.skipped = {str(i): why for i, why in sorted(found.skipped.items())}
-    report.unrecorded_files, report.problems = len(unrecorded), found.problems
+    report.unrecorded_files, report.problems = len(unrecorded), found.problems + away_problems(found.away)
     from .trainers import trainer_problems, training_command      # issue 22: what trains on it
     more, report.notes = trainer_problems(out, meta)
     report.problems += more
@@ -138,12 +139,9 @@ def _read_manifests(out: str) -> _Findings:
     problems: list[str] = []
     gone = moved_away(out)
     away: dict[int, str] = {}
-    folder = os.path.join(out, protocol.MANIFEST_DIR)
-    for name, rec in ((n, r) for n in (sorted(os.listdir(folder)) if os.path.isdir(folder) else [])
-                      if n.endswith(".jsonl") for r in protocol.iter_jsonl(os.path.join(folder, n))
-                      if isinstance(r.get("index"), int)):
+    for name, rec in manifest_entries(out):
         i = rec["index"]
-        if (to := next((h for a, b, h in gone.get(name, ()) if a <= i < b), None)) is not None:
+        if (to := gone_to(gone, name, i)) is not None:
             away[i] = to
             continue
         if i in seen:
@@ -153,12 +151,22 @@ def _read_manifests(out: str) -> _Findings:
         seen[i] = rec
     written = [r for r in seen.values() if "skipped" not in r]
     skipped = {i: r["skipped"] for i, r in seen.items() if "skipped" in r}
-    found = _Findings(written, skipped, twice, problems, away=away, gone=gone)
+    return _Findings(written, skipped, twice, problems, away=away, gone=gone)
+
+
+def gone_to(gone: dict[str, list[list]], manifest: str, index: int) -> str | None:
+    """The host that row `index` of `manifest`'s shard moved to (`moved_away`), if it moved."""
+    return next((host for a, b, host in gone.get(manifest, ()) if a <= index < b), None)
+
+
+def away_problems(away: dict[int, str]) -> list[str]:
+    """One problem per host that rows written here moved to (left until --repair removes them)."""
+    out = []
     for to in sorted(set(away.values())):
         mine = [i for i, h in away.items() if h == to]
-        found.problems.append(f"{len(mine)} sample(s) here ({ranges_text(mine)}) moved to {to} "
-                              f"while this host was lost: that copy counts; `fleet verify --repair` removes this one")
-    return found
+        out.append(f"{len(mine)} sample(s) here ({ranges_text(mine)}) moved to {to} "
+                   f"while this host was lost: that copy counts; `fleet verify --repair` removes this one")
+    return out
 
 
 def _check_files(layout: Layout, out: str, written: list[dict], hidden: int | None,
@@ -183,8 +191,8 @@ def _repair(out: str, layout: Layout, found: _Findings) -> protocol.Repair | Non
     repaired = repair_folder(out, layout, found.broken, found.twice, folder, retry, found.gone, set(found.away))
     dropped = set(found.broken) | found.twice
     found.skipped = {i: why for i, why in found.skipped.items() if i not in retry}
-    found.problems = [p for p in found.problems if not any(p.startswith(f"sample {i}:") for i in dropped)
-                      and "moved to" not in p]
+    found.problems = [p for p in found.problems if not any(p.startswith(f"sample {i}:") for i in dropped)]
+    found.away = {}                             # removed: the other host's copy is the one
     found.written = [r for r in found.written if r["index"] not in found.broken]
     return repaired
 
@@ -228,7 +236,7 @@ def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[i
             i = rec.get("index")
             if isinstance(i, int):
                 if i in broken or i in kept or (i in retry and "skipped" in rec) or \
-                        any(a <= i < b for a, b, _ in gone.get(name, ())):
+                        gone_to(gone, name, i) is not None:
                     continue
                 kept.add(i)
             lines.append(json.dumps(rec, separators=(",", ":")))
