@@ -27,7 +27,8 @@ else:                                     # pragma: no cover
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 PLACEHOLDERS = {"python", "shard", "num_shards", "gpu", "gpus", "host", "output", "run", "model", "data",
-                "shard_dir"}
+                "shard_dir", "start", "end"}
+ROW_PLACEHOLDERS = {"start", "end"}       # a [job] taking these gets its rows in leases (worker/ranged.py)
 
 
 class ConfigError(Exception):
@@ -185,6 +186,8 @@ class JobSpec(Strict):
     progress: str | None = None          # regex with (?P<done>\d+) and optionally (?P<total>\d+)
     progress_glob: str | None = None     # output files counted as progress; {shard} allowed
     total: int | None = Field(None, gt=0)  # samples per shard, when progress gives no total
+    rows: int | None = Field(None, gt=0)   # the run's rows, for a command taking {start}/{end}
+    min_chunk: int | None = Field(None, gt=0)   # the fewest rows one run of it is given (None: 1% of a shard's)
 
     @field_validator("command")
     @classmethod
@@ -195,6 +198,24 @@ class JobSpec(Strict):
                     raise ValueError(f"unknown placeholder {{{field}}}; known: "
                                      f"{', '.join(sorted(PLACEHOLDERS))}")
         return v
+
+    @property
+    def takes_rows(self) -> bool:
+        """The command names its rows ({start}/{end}): it is run once per chunk of its leases."""
+        return any(field in ROW_PLACEHOLDERS for token in split_command(self.command)
+                   for _, field, _, _ in string.Formatter().parse(token))
+
+    @model_validator(mode="after")
+    def _rows(self):
+        if self.takes_rows and self.rows is None:
+            raise ValueError("command takes {start}/{end}: give rows = the run's number of rows "
+                             "(each run of the command gets rows [start, end) of them)")
+        if self.rows is not None and not self.takes_rows:
+            raise ValueError("rows is for a command taking {start}/{end}, and this one takes neither")
+        if self.takes_rows and (self.progress_glob or self.total):
+            raise ValueError("a command taking {start}/{end} is counted by the rows it finishes: "
+                             "leave out progress_glob and total (a progress line still counts within a run)")
+        return self
 
     @field_validator("done", "fail", "progress")
     @classmethod

@@ -10,6 +10,8 @@ import os
 import shlex
 from dataclasses import dataclass
 
+from worker import protocol
+
 from .config import Config, HostSpec
 
 AGENT_SENTINEL_KEYS = ("done", "fail", "progress", "progress_glob", "total")
@@ -32,6 +34,7 @@ class ShardCommand:
     argv: list[str]
     env: dict[str, str]
     cwd: str | None
+    rows: dict | None = None       # a [job] taking {start}/{end}: its protocol.RowShare (worker/ranged.py)
 
 
 def place_shards(config: Config, gpus_by_host: dict[str, list[int]]) -> list[Placement]:
@@ -58,7 +61,8 @@ def shard_dir(config: Config, host: HostSpec, shard: int) -> str:
 def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: int,
                   pool: list[int] | tuple[int, ...] = ()) -> ShardCommand:
     """The shard's command line and environment; `pool`: the shards of its host that share their
-    rows with it (the built-in worker's --pool; a [job] keeps its fixed shard)."""
+    rows with it (the built-in worker's --pool; a [job]'s runner when its command takes its rows,
+    `{start}`/`{end}`, which the runner fills in for each chunk; any other [job] keeps its shard)."""
     run = config.run
     python = config.python(host)
     values = {"python": python, "shard": place.shard, "num_shards": num_shards, "gpu": place.gpu,
@@ -71,9 +75,12 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
     env = {**gpus, "PYTHONUNBUFFERED": "1", **run.env}      # under Slurm, Slurm sets CUDA_VISIBLE_DEVICES
     job = config.spec.job
     if job is not None:
-        argv = [token.format(**values) for token in shlex.split(job.command)]
+        argv = [token.format(**values, start="{start}", end="{end}") for token in shlex.split(job.command)]
         cwd = config.host_path(host, job.cwd) if job.cwd else None
-        return ShardCommand(argv, env, cwd)
+        rows = protocol.RowShare(num_rows=job.rows, num_shards=num_shards,
+                                 min_chunk=job.min_chunk or max(1, job.rows // num_shards // 100),
+                                 pool=sorted(pool) if len(pool) > 1 else None).to_dict() if job.rows else None
+        return ShardCommand(argv, env, cwd, rows)
     if "PYTHONPATH" in env:          # the user's own paths, after the deployed worker (not instead)
         from .deploy import code_dir
         env["PYTHONPATH"] = f"{code_dir(config, host)}:{env['PYTHONPATH']}"

@@ -64,7 +64,7 @@ class HostLauncher(_Engine):
         finish a dead one's rows without a supervisor."""
         cmd = shard_command(self.config, host, place, num_shards, pool)
         return {"argv": cmd.argv, "env": cmd.env, "cwd": cmd.cwd, "gpu": place.gpu,
-                "sentinels": sentinel_spec(self.config, host)}
+                "sentinels": sentinel_spec(self.config, host), "rows": cmd.rows}
 
     async def act(self, t: Transport, host: HostSpec, actions: list[protocol.ShardAction],
                   places: dict[int, Placement], num_shards: int,

@@ -328,14 +328,16 @@ class ShardRecord:
         self.rows_in += ev.rows
         self.lease = where + (f" (took {ev.rows:,} from dead shard {ev.from_shard})" if ev.how == "dead" else
                               f" (took {ev.rows:,} of lost host {ev.from_host})" if ev.how == "adopted" else
-                              f" (stole {ev.rows:,} from shard {ev.from_shard})")
+                              f" (took {ev.rows:,} of a lease stopped when its host came back)"
+                              if ev.how == "freed" else f" (stole {ev.rows:,} from shard {ev.from_shard})")
 
     def _relocated(self, ev: protocol.Relocated) -> None:
         """Its host was lost and its rows went to another host: once it is back, it holds none."""
         if ev.side != "out":
             return
         self.holds_rows = False
-        self.rows_out += ev.stop - ev.start
+        if self.planned is not None:          # every shard of the host is told; each counts its own rows
+            self.rows_out += max(0, min(ev.stop, self.planned[1]) - max(ev.start, self.planned[0]))
         self.lease = f"none: rows {ev.start:,}–{ev.stop:,} went to {ev.to_host} (this host was lost)"
         self.last_event, self.last_event_t = ev.KIND, ev.t
 

@@ -34,7 +34,7 @@ def submission(config: Config, host: HostSpec, places: list[Placement], num_shar
     for place in places:
         cmd = shard_command(config, host, place, num_shards)
         tasks[str(place.shard)] = {"argv": cmd.argv, "env": cmd.env, "cwd": cmd.cwd,
-                                   "sentinels": sentinel_spec(config, host)}
+                                   "sentinels": sentinel_spec(config, host), "rows": cmd.rows}
     return {"job_name": config.job_name, "by": by, "sbatch": sbatch_options(spec, config.run.gpus_per_shard),
             "max_parallel": spec.max_parallel, "python": config.python(host),
             "pythonpath": code_dir(config, host), "tasks": tasks}

@@ -173,10 +173,11 @@ class Supervisor:
 
     def relocate(self, verdicts: dict[int, Verdict], now: float) -> None:
         """Rows of lost hosts to the live ones, and hosts that are back told of it (fleet/relocate.py
-        decides; `worker.relocate` carries it out). The built-in worker over SSH only: a [job]
-        keeps its fixed shards, and Slurm places its tasks itself."""
-        if self.sup.host_lost_after is None or self.config.spec.job is not None or self.config.slurm is not None \
-                or not self.store.replayed:
+        decides; `worker.relocate` carries it out). The built-in worker, or a [job] taking its
+        rows, over SSH: any other [job] keeps its fixed shards, and Slurm places its tasks itself."""
+        job = self.config.spec.job
+        if self.sup.host_lost_after is None or (job is not None and not job.takes_rows) or \
+                self.config.slurm is not None or not self.store.replayed:
             return
         if not self.store.moves.moves and all(h.reachable is not False for h in self.store.hosts.values()):
             return                                      # the common pass: nothing lost, nothing moved
@@ -193,7 +194,10 @@ class Supervisor:
 
     async def _carry_move(self, order: relocate.Order) -> None:
         link = self.links[order.host]
-        args = [order.kind, "--out", self.config.output_dir(link.spec),
+        job = self.config.spec.job
+        where = ["--out", self.config.run_dir(link.spec), "--num-rows", str(job.rows)] if job is not None \
+            else ["--out", self.config.output_dir(link.spec)]          # where the pool's ledger is
+        args = [order.kind, *where,
                 "--run-dir", self.config.run_dir(link.spec), "--num-shards", str(self.store.num_shards),
                 "--pool", ",".join(str(p.shard) for p in self.store.on(order.host)),
                 "--rows", runs_text(order.runs), "--from-host", order.from_host,

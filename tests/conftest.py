@@ -60,6 +60,8 @@ SLOW_MODULES = {
     "tests/worker/test_speed_paths.py": "the compiled and eager paths compared over whole runs",
 }
 SLOW_TESTS = {
+    "tests/fleet/test_job_rows.py::test_a_lost_hosts_rows_are_finished_by_the_other_host_and_it_stops_them_once_back":
+        "two hosts over two sshds, one cut off and back, a [job] run per chunk",
     "tests/worker/test_leases.py::test_rows_adopted_while_the_pool_runs_are_done_by_it_once":
         "two worker processes adopting a lost host's rows",
     "tests/worker/test_leases.py::test_rows_revoked_from_a_host_back_from_lost_stop_its_running_shards_and_its_copies_go":

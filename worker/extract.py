@@ -10,7 +10,6 @@ layers, copies to the host on a side stream, a bounded background writer.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -38,7 +37,7 @@ from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, L
 from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
                        upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers, yaml_max_length
-from .leases import Cell, Lease, Move, Pool
+from .leases import Cell, Lease, Move, Pool, tell_taken
 from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, compute_dtype, find_decoder,
                     is_hybrid, load_model, missing_fast_kernels, model_devices, move, text_config,
                     uncompile_layers, unpacked_rows, use_fla_conv)
@@ -673,20 +672,15 @@ class Holding:
 
 
 def _tell_source(args: argparse.Namespace, move: Move, counted: list[tuple[int, int]]) -> None:
-    """A dead shard's lease taken over: said in that shard's own record (its state folder beside
-    ours), so that fleet shows where its rows went and that it holds none; `counted`: the leases
-    that still count for it."""
+    """A dead shard's lease taken over: said in its own record (leases.tell_taken), with the
+    counts of the leases that still count for it."""
     if not args.state or os.path.basename(os.path.dirname(os.path.abspath(args.state))) != "shards":
         return
     finished = load_finished(args.out)
     stats = resumed_stats(finished, counted)
-    event = protocol.LeaseMoved(start=move.start, stop=move.stop, to_shard=move.target, why="dead",
-                                rows=sum(1 for i in range(move.start, move.stop) if i not in finished),
-                                total=sum(b - a for a, b in counted), done=stats.done, skipped=stats.skipped,
-                                holds=False)
-    path = os.path.join(os.path.dirname(os.path.abspath(args.state)), str(move.source), protocol.EVENTS_FILE)
-    with contextlib.suppress(OSError):
-        protocol.append_jsonl(path, event)
+    tell_taken(os.path.dirname(os.path.abspath(args.state)), move,
+               sum(1 for i in range(move.start, move.stop) if i not in finished),
+               sum(b - a for a, b in counted), stats.done, stats.skipped)
 
 
 def _pool_done(args: argparse.Namespace, log: EventLog, pool: Pool) -> int:

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 
-from . import protocol
+from . import protocol, ranged
 from .files import write_atomic
 from .launches import LaunchState
 from .sentinels import LogWatcher, SentinelSpec, log_size
@@ -88,7 +88,7 @@ def _write_int(path: str, value: int) -> None:
 
 
 def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None, by: str,
-           gpu: int | None = None, sentinels: dict | None = None) -> dict:
+           gpu: int | None = None, sentinels: dict | None = None, rows: dict | None = None) -> dict:
     os.makedirs(shard_dir, mode=0o755, exist_ok=True)
     p = _paths(shard_dir)
     fd = os.open(p["lock"], os.O_RDWR | os.O_CREAT, 0o644)
@@ -104,7 +104,8 @@ def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None
         [sys.executable, "-m", "worker.hostctl", "run", "--shard-dir", shard_dir,
          "--lock-fd", str(fd), "--launch", str(n), "--log-offset", str(offset),
          *(["--cwd", cwd] if cwd else []),
-         *(["--sentinels", json.dumps(sentinels)] if sentinels else []), "--", *argv],
+         *(["--sentinels", json.dumps(sentinels)] if sentinels else []),
+         *(["--rows", json.dumps(rows)] if rows else []), "--", *argv],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,),
         start_new_session=True, env={**os.environ, **env, protocol.LAUNCH_ENV: str(n),
                                      SHARD_ENV: os.path.abspath(shard_dir)})
@@ -161,9 +162,11 @@ def _log_marker(path: str, text: str) -> None:
 
 
 def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n: int,
-        log_offset: int, sentinels: dict | None, started: dict | None = None) -> int:
+        log_offset: int, sentinels: dict | None, started: dict | None = None,
+        rows: protocol.RowShare | None = None) -> int:
     """The detached runner: start the process, record its pid, follow its log for sentinels,
-    record how it ended. `started`: more fields for the `started` event (a Slurm task's node)."""
+    record how it ended. `started`: more fields for the `started` event (a Slurm task's node).
+    `rows`: a [job] that takes its rows, run once per chunk of its leases (worker/ranged.py)."""
     p = _paths(shard_dir)
     stopping: list[int] = []
     children: list[subprocess.Popen] = []
@@ -172,6 +175,9 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
     def append(ev: protocol.Record) -> None:
         protocol.append_jsonl(p["events"], ev)
 
+    if rows is not None:
+        return _run_rows(shard_dir, lock_fd, argv, cwd, launch_n, sentinels, rows, append, stopping, children,
+                         started)
     child = _start(argv, p["log"], lock_fd, cwd)
     if isinstance(child, OSError):
         append(protocol.Failed(launch=launch_n, reason=f"cannot start {argv[0]}: {child.strerror}",
@@ -188,6 +194,11 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
     append(protocol.Exited(launch=launch_n, code=code, pid=child.pid, stopped=bool(stopping)))
     if leftovers:
         _log_marker(p["log"], f"launch {launch_n}: {leftovers} process(es) it left behind were killed")
+    return _ended(p, launch_n, code)
+
+
+def _ended(p: dict[str, str], launch_n: int, code: int) -> int:
+    """The launch's last log line; its pid files go."""
     _log_marker(p["log"], f"launch {launch_n} {exit_words(code)}{_stop_words(p['events'], launch_n)}")
     for path in (p["pid"], p["runner"]):
         try:
@@ -195,6 +206,49 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
         except OSError:
             pass
     return 0
+
+
+def _run_rows(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n: int,
+              sentinels: dict | None, rows: protocol.RowShare, append, stopping: list[int],
+              children: list[subprocess.Popen], started: dict | None) -> int:
+    """A [job] that takes its rows: the command once per chunk of the leases it holds
+    (worker/ranged.py), each chunk's log read for its sentinels, each chunk's leftovers killed."""
+    p = _paths(shard_dir)
+    spec = SentinelSpec.from_dict(sentinels or {})
+
+    def run_chunk(chunk_argv: list[str], a: int, b: int, translate) -> ranged.Chunk:
+        _log_marker(p["log"], f"launch {launch_n}: rows {a:,}–{b:,}")
+        offset = log_size(p["log"])
+        child = _start(chunk_argv, p["log"], lock_fd, cwd)
+        if isinstance(child, OSError):
+            append(protocol.Failed(launch=launch_n, reason=f"cannot start {chunk_argv[0]}: {child.strerror}",
+                                   exit_code=127))
+            return ranged.Chunk(127, False, False)
+        children[:] = [child]
+        _write_int(p["pid"], child.pid)
+        seen = {"done": False, "fail": False}
+
+        def record(ev: protocol.Record) -> None:
+            if isinstance(ev, protocol.Sentinel):
+                seen[ev.match] = True
+            out = translate(ev)
+            if out is not None:
+                append(out)
+        watcher = LogWatcher(spec, p["log"], offset, launch_n, _shard_number(shard_dir)) if sentinels else None
+        code = _wait(child, watcher, record)
+        if leftovers := _reap_leftovers(shard_dir, child.pid):
+            _log_marker(p["log"], f"launch {launch_n}: {leftovers} process(es) it left behind were killed")
+        return ranged.Chunk(code, seen["done"], seen["fail"])
+
+    try:
+        code = ranged.run_rows(rows, shard_dir, launch_n, argv, run_chunk, append, lambda: bool(stopping),
+                               needs_done_line=spec.done is not None, started=started)
+    except (OSError, ValueError) as e:           # the pool's ledger unusable: said, and the launch fails
+        append(protocol.Failed(launch=launch_n, reason=f"leases in {os.path.dirname(os.path.dirname(shard_dir))}: "
+                                                       f"{type(e).__name__}: {e}"))
+        code = 1
+    append(protocol.Exited(launch=launch_n, code=code, pid=os.getpid(), stopped=bool(stopping)))
+    return _ended(p, launch_n, code)
 
 
 def _forward_stops(stopping: list[int], children: list[subprocess.Popen]) -> None:
@@ -314,7 +368,8 @@ def task(submission_path: str) -> int:
     reporter.start()
     try:
         return run(shard_dir, fd, list(spec["argv"]), spec.get("cwd"), n, log_size(p["log"]),
-                   spec.get("sentinels"), started={"node": node, "job": job, "gpus": slurm.allocated_gpus()})
+                   spec.get("sentinels"), started={"node": node, "job": job, "gpus": slurm.allocated_gpus()},
+                   rows=protocol.RowShare.from_dict(spec["rows"]) if spec.get("rows") else None)
     finally:
         stop.set()
 
@@ -445,7 +500,8 @@ def _launch_spec(a: protocol.ShardAction, shard_dir: str) -> dict:
     if not spec.get("argv"):
         raise ValueError(f"shard {a.shard}: a {a.kind} needs the shard's command")
     return {"shard_dir": shard_dir, "argv": list(spec["argv"]), "env": dict(spec.get("env") or {}),
-            "cwd": spec.get("cwd"), "by": a.by, "gpu": spec.get("gpu"), "sentinels": spec.get("sentinels")}
+            "cwd": spec.get("cwd"), "by": a.by, "gpu": spec.get("gpu"), "sentinels": spec.get("sentinels"),
+            "rows": spec.get("rows")}
 
 
 def act(run_dir: str, action: protocol.ShardAction) -> protocol.ActResult:
@@ -595,10 +651,11 @@ def main(argv: list[str] | None = None) -> int:
         if not command:
             ap.error("launch needs a command after --")
         env = dict(kv.split("=", 1) for kv in args.env)
-        result = launch(args.shard_dir, command, env, args.cwd, args.by, args.gpu, sentinels)
+        result = launch(args.shard_dir, command, env, args.cwd, args.by, args.gpu, sentinels,
+                        json.loads(args.rows) if args.rows else None)
     elif args.cmd == "run":
         return run(args.shard_dir, args.lock_fd, command, args.cwd, args.launch, args.log_offset,
-                   sentinels)
+                   sentinels, rows=protocol.RowShare.from_dict(json.loads(args.rows)) if args.rows else None)
     elif args.cmd == "task":
         return task(args.submission)
     elif args.cmd == "stop-all":
@@ -640,6 +697,7 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--cwd", default=None)
     la.add_argument("--gpu", type=int, default=None)
     la.add_argument("--sentinels", default=None, help="JSON: done, fail, progress, progress_glob, total")
+    la.add_argument("--rows", default=None, help="JSON protocol.RowShare: a [job] taking {start}/{end}")
     la.add_argument("argv", nargs=argparse.REMAINDER)
     ru = sub.add_parser("run")
     ru.add_argument("--shard-dir", required=True)
@@ -648,6 +706,7 @@ def _parser() -> argparse.ArgumentParser:
     ru.add_argument("--log-offset", type=int, default=0)
     ru.add_argument("--cwd", default=None)
     ru.add_argument("--sentinels", default=None)
+    ru.add_argument("--rows", default=None)
     ru.add_argument("argv", nargs=argparse.REMAINDER)
     ac = sub.add_parser("act", help="carry out actions (JSON lines of protocol.ShardAction on stdin)")
     ac.add_argument("--run-dir", required=True)

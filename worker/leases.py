@@ -39,6 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
+from . import protocol
 from .files import write_atomic
 
 POLL_S = 0.5            # how often a holder reads the ledger (answers a steal, checks its epoch)
@@ -62,8 +63,9 @@ class Lease:
 
 @dataclass
 class Move:
-    """Rows [start, stop) going from `source` to `target`: `how` "dead", "stolen", "reopened" or
-    "adopted" (rows of the lost host `origin`; `source` is then -1)."""
+    """Rows [start, stop) going from `source` to `target`: `how` "dead", "stolen", "reopened",
+    "adopted" (rows of the lost host `origin`; `source` is then -1) or "freed" (the rest of a
+    lease a revoke stopped; `source` -1)."""
     start: int
     stop: int
     source: int
@@ -82,6 +84,7 @@ class Ledger:
     epoch: int = 0
     ranges: dict[int, list[int]] = field(default_factory=dict)   # the plan's: another plan, another ledger
     free: list[list] = field(default_factory=list)    # rows adopted from a lost host: [a, b, its name]
+                                                      # (None: the rest of a lease a revoke stopped)
     gone: list[list] = field(default_factory=list)    # rows moved to another host: [a, b, its name]
     idle: list[int] = field(default_factory=list)     # members that ran dry and left: rows adopted reopen them
 
@@ -129,6 +132,21 @@ class Ledger:
                 return Move(a, b, owner, slot, "reopened", self.epoch)
         return None
 
+    def complete(self, slot: int, upto: int) -> None:
+        """`slot` finished the rows of its lease below `upto` (a chunk of a [job] that takes its
+        rows): they are done and count for it, and its lease starts at `upto` (a restart or a
+        taker resumes there)."""
+        lease = self.held[slot]
+        upto = min(upto, lease.stop)
+        if upto <= lease.start:
+            return
+        joined = next((e for e in self.done if e[1] == lease.start and e[2] == slot), None)
+        if joined is not None:                  # one entry for a run of chunks
+            joined[1] = upto
+        else:
+            self.done.append([lease.start, upto, slot])
+        lease.start, lease.at = upto, max(lease.at, upto)
+
     def take_free(self, thief: int) -> Move:
         """The first run of adopted rows to `thief`, which holds none (its pool mates steal
         halves of it as they run dry, as of any lease)."""
@@ -137,7 +155,7 @@ class Ledger:
         self.withdraw(thief)
         self.epoch += 1
         self.held[thief] = Lease(a, b, self.epoch, a)
-        return Move(a, b, -1, thief, "adopted", self.epoch, origin)
+        return Move(a, b, -1, thief, "adopted" if origin is not None else "freed", self.epoch, origin)
 
     def adopt(self, runs: list[tuple[int, int]], origin: str) -> list[tuple[int, int]]:
         """Rows of the lost host `origin` become free rows of this pool; rows it already has
@@ -156,11 +174,11 @@ class Ledger:
         runs = merge(runs)
         lost = []
         for slot, lease in list(self.held.items()):
-            if subtract([(lease.start, lease.stop)], runs) != [(lease.start, lease.stop)]:
+            if lease.stop > lease.start and subtract([(lease.start, lease.stop)], runs) != [(lease.start, lease.stop)]:
                 del self.held[slot]
                 self._forget(slot)
                 lost.append(slot)
-                self.free += [[a, b, "revoked"] for a, b in subtract([(lease.start, lease.stop)], runs)]
+                self.free += [[a, b, None] for a, b in subtract([(lease.start, lease.stop)], runs)]
         self.done = [list(r) for r in _cut(self.done, runs)]
         self.free = [list(r) for r in _cut(self.free, runs)]
         self.gone = [list(r) for r in _cut(self.gone, runs)] + [[a, b, target] for a, b in runs]
@@ -231,7 +249,7 @@ class Ledger:
         spans = [(l.start, l.stop, f"held by {s}") for s, l in self.held.items()] + \
                 [(a, b, "done") for a, b, _ in self.done] + [(a, b, "free") for a, b, _ in self.free] + \
                 [(a, b, "gone") for a, b, _ in self.gone]
-        spans.sort()
+        spans = sorted(sp for sp in spans if sp[1] > sp[0])      # an empty lease (all its chunks done) holds no row
         out, end = [], None
         for a, b, what in spans:
             if end is not None and a < end:
@@ -301,9 +319,10 @@ class Cell:
     """The lease the worker's row reader is in, shared with the poller thread: the reader admits a
     row only below `stop`, and a steal cuts `stop` no lower than the rows already admitted."""
 
-    def __init__(self, start: int, stop: int, shares: int = 2):
+    def __init__(self, start: int, stop: int, shares: int = 2, floor: int = MIN_WINDOW):
         self.start, self.stop, self.frontier = start, stop, start
         self.shares = shares              # the pool's shards: more than one may steal from it
+        self.floor = floor                # the smallest window (a [job]'s min_chunk)
         self.began: float | None = None   # when the first row was admitted (monotonic)
         self.lost: str | None = None
         self.lock = threading.Lock()
@@ -313,12 +332,17 @@ class Cell:
         return self.shares > 1
 
     def admit(self, index: int) -> bool:
+        return self.claim(index, 1) is not None
+
+    def claim(self, index: int, rows: int) -> tuple[int, int] | None:
+        """Rows [index, end) read at once (up to `rows`, below `stop`); None when none is left."""
         with self.lock:
-            if index >= self.stop or self.lost:
-                return False
-            self.frontier = max(self.frontier, index + 1)
+            end = min(self.stop, index + rows)
+            if index >= end or self.lost:
+                return None
+            self.frontier = max(self.frontier, end)
             self.began = self.began or time.monotonic()
-            return True
+            return index, end
 
     def window(self, index: int, most: int) -> int:
         """Rows to read (and sort by length) from `index` before the next look at `stop`: once
@@ -332,7 +356,7 @@ class Cell:
         spent = time.monotonic() - self.began if self.began is not None else 0.0
         if spent >= 1.0:
             rows = min(rows, int((self.frontier - self.start) / spent * CHUNK_S))
-        return min(most, max(MIN_WINDOW, rows))
+        return min(most, max(self.floor, rows))
 
 
 def _retire(ledger: Ledger, slot: int) -> bool:
@@ -371,6 +395,16 @@ def open_ledger(path: str, ranges: dict[int, tuple[int, int]]) -> Iterator[Ledge
         after = ledger.to_json()
         if after != before:
             write_atomic(path, after, sync=False)
+
+
+def tell_taken(shards_dir: str, move: Move, unfinished: int, total: int, done: int, skipped: int = 0) -> None:
+    """A dead shard's lease taken over: said in that shard's own record (`shards_dir`/<source>,
+    beside the taker's), so that fleet shows where its rows went and that it holds none; `total`,
+    `done`, `skipped`: what still counts for it."""
+    event = protocol.LeaseMoved(start=move.start, stop=move.stop, to_shard=move.target, why="dead",
+                                rows=unfinished, total=total, done=done, skipped=skipped, holds=False)
+    with contextlib.suppress(OSError):
+        protocol.append_jsonl(os.path.join(shards_dir, str(move.source), protocol.EVENTS_FILE), event)
 
 
 def slot_alive(work: str, slot: int) -> bool:
@@ -473,11 +507,28 @@ class Pool:
             time.sleep(POLL_S / 2)
         return None
 
-    def hold(self, lease: Lease, on_move: Callable[[Move], None] = lambda move: None) -> Cell:
+    def complete(self, upto: int) -> None:
+        """The rows of this shard's lease below `upto` are finished (Ledger.complete), unless the
+        lease is no longer its own."""
+        with self.ledger() as ledger:
+            lease = ledger.held.get(self.slot)
+            if lease is not None and lease.epoch == self.epoch:
+                ledger.complete(self.slot, upto)
+
+    def counts(self) -> tuple[int, int]:
+        """(rows finished, rows) that count for this shard: its finished leases (and chunks), and
+        what it holds now."""
+        with self.ledger() as ledger:
+            done = sum(b - a for a, b in ledger.counted(self.slot))
+            lease = ledger.held.get(self.slot)
+            return done, done + (lease.stop - lease.start if lease is not None else 0)
+
+    def hold(self, lease: Lease, on_move: Callable[[Move], None] = lambda move: None,
+             floor: int = MIN_WINDOW) -> Cell:
         """Work on `lease`: its cell for the row reader, and the poller answering steals (told to
         `on_move` once the cut is made)."""
         self.on_move = on_move
-        self.epoch, self.cell = lease.epoch, Cell(lease.start, lease.stop, shares=len(self.ranges))
+        self.epoch, self.cell = lease.epoch, Cell(lease.start, lease.stop, shares=len(self.ranges), floor=floor)
         if self._poller is None:
             self._poller = threading.Thread(target=self._poll, name="leases", daemon=True)
             self._poller.start()

@@ -331,7 +331,8 @@ class Reopened(Record):
 class Leased(Record):
     """The shard holds rows [start, stop) of its host's pool (worker/leases.py): its planned
     range (`how` "plan"), a dead slot's lease taken over ("dead", `from_shard`), the second half
-    of a live one's remainder ("stolen") or rows of a lost host ("adopted", `from_host`). `rows`:
+    of a live one's remainder ("stolen"), rows of a lost host ("adopted", `from_host`) or the rest
+    of a lease stopped when its host came back from lost ("freed"). `rows`:
     those not yet finished; `epoch`: the lease's."""
     KIND: ClassVar[str] = "leased"
     t: float = field(default_factory=now)
@@ -585,6 +586,19 @@ class ShardAction(Record):
     grace: float = 10.0
     launch_spec: Optional[dict] = None
     policy: bool = False              # the supervisor's own decision: refused where a user's stop stands
+
+
+@dataclass
+class RowShare(Record):
+    """A [job] whose command takes its rows (`{start}`/`{end}`): what its runner needs to hold
+    leases of its host's pool instead of one fixed range (worker/ranged.py). Carried in a
+    launch's `launch_spec["rows"]`."""
+    TAG: ClassVar[str] = "rows"
+    KIND: ClassVar[str] = "share"
+    num_rows: int = 0                 # the run's rows: {start}/{end} are global indices within them
+    num_shards: int = 1
+    pool: Optional[list] = None       # the shards of its host that share their rows (itself alone: None)
+    min_chunk: int = 1                # the fewest rows one launch of the command is given
 
 
 ACT_STATUSES = ("started", "stopping", "stopped", "restarting", "stale", "busy", "running",

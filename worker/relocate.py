@@ -27,17 +27,20 @@ from .leases import ledger_path, open_ledger
 from .ranges import parse_runs_text, shard_range
 
 
-def pool_ranges(out_dir: str, num_shards: int, pool: list[int]) -> dict[int, tuple[int, int]]:
-    """The planned rows of the pool's shards, from the dataset's rows in the folder's meta.json.
-    Raises FileNotFoundError when no shard has written there yet."""
-    with open(os.path.join(out_dir, protocol.META_FILE)) as f:
-        num_rows = int(json.load(f)["num_samples"])
+def pool_ranges(out_dir: str, num_shards: int, pool: list[int], num_rows: int | None = None
+                ) -> dict[int, tuple[int, int]]:
+    """The planned rows of the pool's shards, from the run's rows (a [job]'s `rows`), else the
+    dataset's rows in the folder's meta.json. Raises FileNotFoundError when no shard has written
+    there yet."""
+    if num_rows is None:
+        with open(os.path.join(out_dir, protocol.META_FILE)) as f:
+            num_rows = int(json.load(f)["num_samples"])
     return {k: shard_range(num_rows, num_shards, k) for k in pool}
 
 
 def adopt(out_dir: str, run_dir: str, num_shards: int, pool: list[int], runs: list[tuple[int, int]],
-          from_host: str, to_host: str, redone: int) -> protocol.Status:
-    ranges = pool_ranges(out_dir, num_shards, pool)
+          from_host: str, to_host: str, redone: int, num_rows: int | None = None) -> protocol.Status:
+    ranges = pool_ranges(out_dir, num_shards, pool, num_rows)
     with open_ledger(ledger_path(out_dir, ranges), ranges) as ledger:
         new = ledger.adopt(runs, from_host)
         added = sum(b - a for a, b in new)
@@ -57,9 +60,9 @@ def adopt(out_dir: str, run_dir: str, num_shards: int, pool: list[int], runs: li
 
 
 def revoke(out_dir: str, run_dir: str, num_shards: int, pool: list[int], runs: list[tuple[int, int]],
-           from_host: str, to_host: str) -> protocol.Status:
+           from_host: str, to_host: str, num_rows: int | None = None) -> protocol.Status:
     try:
-        ranges = pool_ranges(out_dir, num_shards, pool)
+        ranges = pool_ranges(out_dir, num_shards, pool, num_rows)
     except (OSError, ValueError, KeyError):      # nothing was ever written here: nothing to take back
         ranges = None
     lost: list[int] = []
@@ -79,7 +82,10 @@ def revoke(out_dir: str, run_dir: str, num_shards: int, pool: list[int], runs: l
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m worker.relocate", description=__doc__.split("\n\n")[0])
     ap.add_argument("cmd", choices=("adopt", "revoke"))
-    ap.add_argument("--out", required=True, help="the host's output folder (its pool ledger is in .fleet/)")
+    ap.add_argument("--out", required=True, help="the host's output folder (its pool ledger is in .fleet/); "
+                    "for a [job] taking its rows, the run's state folder")
+    ap.add_argument("--num-rows", type=int, default=None,
+                    help="the run's rows (a [job]'s `rows`); default: the dataset's, from <out>/meta.json")
     ap.add_argument("--run-dir", required=True, help="the run's state folder on the host (shards/<k>/)")
     ap.add_argument("--num-shards", type=int, required=True)
     ap.add_argument("--pool", required=True, help="this host's shards, comma-separated")
@@ -93,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "adopt":
             result = adopt(args.out, args.run_dir, args.num_shards, pool, runs, args.from_host, args.to_host,
-                           args.redone)
+                           args.redone, args.num_rows)
         else:
-            result = revoke(args.out, args.run_dir, args.num_shards, pool, runs, args.from_host, args.to_host)
+            result = revoke(args.out, args.run_dir, args.num_shards, pool, runs, args.from_host, args.to_host,
+                            args.num_rows)
     except (OSError, ValueError, KeyError) as e:
         result = protocol.Status("error", f"{args.cmd} rows {args.rows} in {args.out}: {type(e).__name__}: {e}")
     print(result.to_json(), flush=True)          # an error is said in the reply, which the caller reads

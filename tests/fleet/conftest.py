@@ -3,10 +3,13 @@ to write a fleet.toml that points at it and to run the `fleet` command."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -70,18 +73,17 @@ def fleet_popen(*args: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def hosts_toml(tmp_path, servers: dict, *, model: str, data: str, gpus: dict, run: str = "t",
-               output: str | None = None, extra_run: str = "", supervise: str = "") -> str:
+def hosts_toml(tmp_path, servers: dict, *, model: str | None, data: str | None, gpus: dict, run: str = "t",
+               output: str | None = None, extra_run: str = "", supervise: str = "", job: str = "") -> str:
     """One [[hosts]] per name -> sshd; each host has its own root (`root-<name>`), all share one
     output folder (a shared file system, as on a cluster) unless `output` names one per host
-    ("{host}"); `supervise`: more [supervise] keys."""
+    ("{host}"); `supervise`: more [supervise] keys; `job`: a [job] section instead of the worker."""
     out = output or str(tmp_path / "out")
+    paths = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (("model", model), ("data", data)) if v)
     text = f"""
 [run]
 name = "{run}"
-model = {json.dumps(model)}
-data = {json.dumps(data)}
-output = {json.dumps(out)}
+{paths}output = {json.dumps(out)}
 max_tokens_per_batch = 512
 device = "cpu"
 env = {{ OMP_NUM_THREADS = "1" }}
@@ -92,6 +94,8 @@ backoff_base = "0.3s"
 max_restarts = 2
 connect_timeout = "3s"
 {supervise}
+
+{job}
 """
     for name, server in servers.items():
         text += f"""
@@ -109,3 +113,49 @@ root = {json.dumps(str(tmp_path / ('root-' + name)))}
     path = tmp_path / "fleet.toml"
     path.write_text(text)
     return str(path)
+
+
+LOST_AFTER = 'keepalive_interval = "1s"\nkeepalive_count_max = 2\nreconnect_max = "2s"\nhost_lost_after = "3s"'
+
+
+@contextlib.contextmanager
+def two_hosts(tmp_path):
+    """Hosts a and b, each behind a real sshd of its own: (servers, procs). After: every sshd cut
+    and every shard of either host stopped."""
+    from tests.sshd_server import cut, start_sshd
+    servers, procs = {}, {}
+    for name in ("a", "b"):
+        servers[name], procs[name] = start_sshd(str(tmp_path / f"sshd-{name}"))
+    try:
+        yield servers, procs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                cut(p)
+        for name in ("a", "b"):
+            run_dir = tmp_path / f"root-{name}" / "t"
+            if run_dir.exists():
+                subprocess.run([sys.executable, "-m", "worker.hostctl", "stop-all", "--run-dir", str(run_dir),
+                                "--timeout", "2"], cwd=REPO, capture_output=True, timeout=60)
+
+
+def up_headless(config: str) -> tuple[subprocess.Popen, list[str]]:
+    """`fleet up --headless` running, and the lines it prints as they come."""
+    up = subprocess.Popen([sys.executable, "-m", "fleet.cli", "up", "--headless", "-c", config], cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(line.rstrip() for line in up.stdout), daemon=True).start()
+    return up, lines
+
+
+def lose_host(tmp_path, procs: dict, name: str, shards) -> None:
+    """The box `name` is gone: its shards' processes killed with it, its sshd cut."""
+    from tests.sshd_server import cut
+    folder = tmp_path / f"root-{name}" / "t" / "shards"
+    for k in shards:
+        for pid_file in ("runner.pid", "pid"):
+            try:
+                os.kill(int(open(folder / str(k) / pid_file).read().split()[0]), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+    cut(procs[name])

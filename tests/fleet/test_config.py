@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from fleet.config import ConfigError, load_config, parse_duration
+from fleet.jobs import Placement, shard_command
+from worker import protocol
 
 GOOD = """\
 [run]
@@ -108,6 +110,23 @@ def test_custom_job_template_is_checked(tmp_path):
     assert "bad regex" in error_of(tmp_path, job)
     ok = GOOD + '\n[job]\ncommand = "{python} x.py --shard {shard} --num-shards {num_shards}"\ndone = "^DONE"\n'
     assert load_config(write(tmp_path, ok)).spec.job.done == "^DONE"
+
+
+def test_a_job_taking_its_rows_is_checked_and_filled_in_by_its_runner(tmp_path):
+    cmd = '\n[job]\ncommand = "{python} x.py --from {start} --to {end} --out {output}/{shard}"\n'
+    err = error_of(tmp_path, GOOD + cmd)
+    assert "command takes {start}/{end}: give rows" in err and "fleet.toml:" in err, err
+    assert "rows is for a command taking {start}/{end}" in \
+        error_of(tmp_path, GOOD + '\n[job]\ncommand = "{python} x.py {shard}"\nrows = 10\n')
+    assert "leave out progress_glob and total" in \
+        error_of(tmp_path, GOOD + cmd + 'rows = 10\nprogress_glob = "/x/{shard}*"\n')
+    assert "greater than 0" in error_of(tmp_path, GOOD + cmd + 'rows = 10\nmin_chunk = 0\n')
+    config = load_config(write(tmp_path, GOOD + cmd + "rows = 1000\n"))
+    host = config.hosts[0]
+    cmd = shard_command(config, host, Placement(1, host.name, 1), 4, pool=[0, 1])
+    assert cmd.argv[-5:-2] == ["{start}", "--to", "{end}"]              # the runner fills them in
+    assert protocol.RowShare.from_dict(cmd.rows) == protocol.RowShare(num_rows=1000, num_shards=4, pool=[0, 1],
+                                                                      min_chunk=2)   # 1% of a shard's rows
 
 
 def test_durations():

@@ -7,18 +7,14 @@ from __future__ import annotations
 import glob
 import json
 import os
-import signal
-import subprocess
-import sys
-import threading
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleet.relocate import HostFacts, Moves, Order, orders, split
-from tests.conftest import REPO, read_events, wait_for
-from tests.fleet.conftest import fleet, hosts_toml
-from tests.sshd_server import cut, serve, start_sshd
+from tests.conftest import read_events, wait_for
+from tests.fleet.conftest import LOST_AFTER, fleet, hosts_toml, lose_host, two_hosts, up_headless
+from tests.sshd_server import serve
 from worker import protocol
 from worker.leases import merge
 
@@ -98,29 +94,15 @@ def manifest_counts(out: str) -> dict[int, int]:
 def test_a_lost_hosts_rows_are_finished_by_the_other_and_its_copies_removed_once_it_is_back(tmp_path, dense_model):
     from worker.demo import make_token_dataset
     data = make_token_dataset(str(tmp_path / "d.jsonl"), 2400, vocab_size=500, mean_tokens=40, seed=21)
-    servers, procs = {}, {}
-    for name in ("a", "b"):
-        servers[name], procs[name] = start_sshd(str(tmp_path / f"sshd-{name}"))
-    try:
+    with two_hosts(tmp_path) as (servers, procs):
         config = hosts_toml(tmp_path, servers, model=dense_model, data=data, gpus={"a": [0, 1], "b": [0, 1]},
-                            output=str(tmp_path / "remote" / "out-{host}"),
-                            supervise='keepalive_interval = "1s"\nkeepalive_count_max = 2\nreconnect_max = "2s"\n'
-                                      'host_lost_after = "3s"')
+                            output=str(tmp_path / "remote" / "out-{host}"), supervise=LOST_AFTER)
         out = {name: str(tmp_path / "remote" / f"out-{name}") for name in ("a", "b")}
-        up = subprocess.Popen([sys.executable, "-m", "fleet.cli", "up", "--headless", "-c", config], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines: list[str] = []
-        threading.Thread(target=lambda: lines.extend(l.rstrip() for l in up.stdout), daemon=True).start()
+        up, lines = up_headless(config)
         try:
             wait_for(lambda: len(manifest_counts(out["b"])) >= 40, 240, what="host b writing")
+            lose_host(tmp_path, procs, "b", (2, 3))
             shards_b = tmp_path / "root-b" / "t" / "shards"
-            for k in (2, 3):                        # the box is gone: its processes with it
-                for name in ("runner.pid", "pid"):
-                    try:
-                        os.kill(int(open(shards_b / str(k) / name).read().split()[0]), signal.SIGKILL)
-                    except (OSError, ValueError):
-                        pass
-            cut(procs["b"])
             written_on_b = len(manifest_counts(out["b"]))
             assert up.wait(400) == 0, "\n".join(lines)
         finally:
@@ -158,12 +140,3 @@ def test_a_lost_hosts_rows_are_finished_by_the_other_and_its_copies_removed_once
         assert v.returncode == 0 and "2400 written" in v.stdout, v.stdout + v.stderr
         assert manifest_counts(out["b"]) == {}
         assert not [p for p in glob.glob(os.path.join(out["b"], "**", "*.safetensors"), recursive=True)]
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                cut(p)
-        for name in ("a", "b"):
-            run_dir = tmp_path / f"root-{name}" / "t"
-            if run_dir.exists():
-                subprocess.run([sys.executable, "-m", "worker.hostctl", "stop-all", "--run-dir", str(run_dir),
-                                "--timeout", "2"], cwd=REPO, capture_output=True, timeout=60)

@@ -27,17 +27,18 @@ from worker import protocol
 
 pytestmark = pytest.mark.slurm
 
+ROWS_JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "rows_job.py")
 SCRIPTED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "scripted_job.py")
 
 
 def slurm_toml(tmp_path, *, script: dict | None = None, model: str | None = None, data: str | None = None,
-               shards: int = 2, login: str = "local", ssh=None, expected: str = "") -> str:
-    """A [slurm] run whose root and output are under tmp_path/shared (the "shared filesystem")."""
+               shards: int = 2, login: str = "local", ssh=None, expected: str = "", job: str = "") -> str:
+    """A [slurm] run whose root and output are under tmp_path/shared (the "shared filesystem");
+    `job`: a [job] section of the test's own."""
     shared = tmp_path / "shared"
     run = ""
     if model:
         run = f'model = {json.dumps(model)}\ndata = {json.dumps(data)}\nlayers = "speculators"\n'
-    job = ""
     if script is not None:
         (tmp_path / "script.json").write_text(json.dumps(script))
         job = f"""
@@ -155,6 +156,31 @@ def test_the_tiny_model_runs_as_a_two_task_array_to_done_through_ssh_to_the_logi
     finally:
         sshd.terminate()
         sshd.wait(10)
+
+
+def test_a_job_taking_its_rows_runs_each_tasks_planned_range_once(tmp_path, slurm):
+    """Under Slurm a [job] taking {start}/{end} keeps each task's planned rows (rows do not move
+    between tasks: README): each task runs the command once over its range, on the node Slurm
+    gave it, and the run ends DONE with every row written once."""
+    out = tmp_path / "shared" / "out"
+    job = f"""
+[job]
+command = "{{python}} {ROWS_JOB} {out} {{start}} {{end}} {{shard}} --sleep 0.01"
+done = "ALL DONE"
+progress = "processed (?P<done>\\\\d+)/(?P<total>\\\\d+)"
+rows = 200
+"""
+    config = slurm_toml(tmp_path, job=job)
+    r = fleet("up", "--headless", "-c", config, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [(int(i), int(k)) for i, k, _ in (line.split() for line in (out / "rows.txt").read_text().splitlines())]
+    assert sorted(i for i, _ in rows) == list(range(200))
+    assert all((k == 0) == (i < 100) for i, k in rows)                  # each task its own range
+    for k, planned in ((0, (0, 100)), (1, (100, 200))):
+        evs = events(tmp_path, k)
+        assert [(e.start, e.stop, e.how) for e in of(protocol.Leased, evs)] == [(*planned, "plan")]
+        assert of(protocol.Started, evs)[0].node == "localhost"
+    assert [s["state"] for s in status(config)["shards"]] == ["DONE", "DONE"]
 
 
 def test_scancel_of_a_task_is_a_failure_with_slurms_reason_and_the_shard_resumes_to_done(

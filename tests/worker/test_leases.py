@@ -32,7 +32,7 @@ def planned(sizes: list[int]) -> dict[int, tuple[int, int]]:
 
 
 steps = st.lists(st.tuples(st.sampled_from(["finish", "die", "revive", "read", "act", "answer", "reload", "repair",
-                                            "adopt", "revoke"]),
+                                            "adopt", "revoke", "complete"]),
                            st.integers(0, 5), st.integers(0, 60), st.integers(0, 30)), max_size=60)
 
 
@@ -64,18 +64,26 @@ def test_every_row_is_held_once_and_no_done_row_is_held_again(sizes, script):
         elif op == "read" and k in ledger.held:
             lease = ledger.held[k]
             ledger.read_up_to(k, lease.start + n)
+        elif op == "complete" and k in ledger.held and k in alive:    # a [job]'s chunk of n rows finished
+            lease = ledger.held[k]
+            first = set(range(lease.start, min(lease.start + n, lease.stop)))
+            ledger.complete(k, lease.start + n)
+            assert first <= model[k]
+            model[k] -= first
+            done |= first
         elif op == "act" and k not in ledger.held and k in alive:
             choice = ledger.victim(k, lambda s: s in alive)
             if choice is not None and choice[0] == "dead":
                 move = ledger.take_over(k, choice[1])
                 model[k] = model.pop(move.source)
-                assert (move.start, move.stop) == (min(model[k]), max(model[k]) + 1)
+                assert (move.start, move.stop) == ((min(model[k]), max(model[k]) + 1) if model[k] else
+                                                   (move.start, move.start))
             elif choice is not None and choice[0] == "steal":
                 ledger.ask(k, choice[1], 0.0)
             elif choice is not None and choice[0] == "free":
                 move = ledger.take_free(k)
                 model[k] = set(range(move.start, move.stop))
-                assert model[k] <= free and move.how == "adopted" and move.origin in ("lost", "revoked")
+                assert model[k] <= free and (move.how, move.origin) in (("adopted", "lost"), ("freed", None))
                 free -= model[k]
         elif op == "answer" and k in ledger.steals and k in alive:
             lease = ledger.held[k]

@@ -1,0 +1,173 @@
+"""A [job] whose command takes its rows ({start}/{end}) shares its host's rows like the built-in
+worker (worker/ranged.py, issue 33): the real supervisor, agent and runner on this machine, over
+three local "GPUs", running tests/jobs/rows_job.py, which writes each row it finishes (with its
+shard and time) to one file — what the tests read back: every row exactly once, by whom, when."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+from fleet.state import State
+from tests.conftest import wait_for
+from tests.fleet.conftest import LOST_AFTER, fleet, hosts_toml, lose_host, two_hosts, up_headless
+from tests.sshd_server import serve
+from worker import protocol
+
+from .test_records import shard, started, until
+
+ROWS_JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "rows_job.py")
+MARK = re.compile(r"launch \d+: rows ([\d,]+)–([\d,]+)")
+
+
+def rows_toml(tmp_path, rows: int, job_args: str, gpus=(0, 1, 2), min_chunk: int = 2) -> str:
+    out = tmp_path / "out"
+    (tmp_path / "fleet.toml").write_text(f"""
+[run]
+name = "rows"
+output = "{out}"
+
+[supervise]
+max_restarts = 1
+backoff_base = "0.3s"
+stop_grace = "1s"
+
+[job]
+command = "{sys.executable} {ROWS_JOB} {out} {{start}} {{end}} {{shard}} {job_args}"
+done = "ALL DONE"
+fail = "ERROR"
+progress = "processed (?P<done>\\\\d+)/(?P<total>\\\\d+)"
+rows = {rows}
+min_chunk = {min_chunk}
+
+[[hosts]]
+name = "local"
+address = "local"
+gpus = {json.dumps(list(gpus))}
+root = "{tmp_path / 'fleet'}"
+""")
+    return str(tmp_path / "fleet.toml")
+
+
+def written(tmp_path) -> list[tuple[int, int, float]]:
+    """(row, shard, time) of every row the job finished, in the order written."""
+    path = tmp_path / "out" / "rows.txt"
+    if not path.exists():
+        return []
+    return [(int(i), int(s), float(t)) for i, s, t in (line.split() for line in path.read_text().splitlines())]
+
+
+def chunks(tmp_path, k: int) -> list[tuple[int, int]]:
+    """The rows of each run of the command on shard k, from the runner's marks in its log."""
+    log = (tmp_path / "fleet" / "rows" / "shards" / str(k) / "log").read_text()
+    return [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b in MARK.findall(log)]
+
+
+def events(tmp_path, k: int) -> list:
+    path = tmp_path / "fleet" / "rows" / "shards" / str(k) / protocol.EVENTS_FILE
+    return [protocol.parse_event(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+async def test_a_slow_slot_and_a_dead_one_finish_together_with_every_row_once(tmp_path):
+    """Slot 1 three times slower than slot 0, slot 2's command always failing: the run finishes with
+    every row written once, slot 2 FATAL holding none (its rows done by the others), the slow slot
+    doing fewer rows than the fast one, and the two ending within one run of the command of each
+    other (the longest time between two chunks ending on one slot, in the same run)."""
+    sup = await started(rows_toml(tmp_path, 480, "--sleep 0.02 --slow 1=3 --crash 2"))
+    try:
+        await until(lambda: sup.snapshot().totals.finished, timeout=240, what="the run finished")
+        snap = sup.snapshot()
+        assert [snap.shards[k].state for k in range(3)] == [State.DONE, State.DONE, State.FATAL]
+        assert not snap.shards[2].holds_rows and snap.shards[2].lease.startswith("none: rows")
+        assert snap.totals.rows_moved >= 160
+    finally:
+        await sup.close()
+    rows = written(tmp_path)
+    assert sorted(i for i, _, _ in rows) == list(range(480))           # each row exactly once
+    by = {k: [t for _, s, t in rows if s == k] for k in range(3)}
+    assert not by[2] and 0 < len(by[1]) < len(by[0])
+    ends = {k: max(by[k]) for k in (0, 1)}
+    longest = 0.0                           # one "lease's time": the longest wait between chunk ends
+    for k in (0, 1):
+        row_t = {i: t for i, s, t in rows if s == k}
+        marks = [row_t[b - 1] for a, b in chunks(tmp_path, k) if b - 1 in row_t]
+        start = min(t for _, s, t in rows)
+        longest = max([longest] + [b - a for a, b in zip([start] + marks, marks)])
+    assert abs(ends[0] - ends[1]) <= longest, (ends, longest)
+    assert {b - a for k in (0, 1) for a, b in chunks(tmp_path, k)} != {160}       # leased, not fixed
+
+
+async def test_restart_of_a_fatal_slot_relaunches_it_into_the_pool(tmp_path):
+    """`r` (the user's restart) on a FATAL slot whose lease another slot took over: it comes back
+    with no lease of its own, steals half of a live holder's unread rows and finishes them; every
+    row once, every slot DONE. Rows from 160 on wait behind a gate for slots 0 and 1, so rows are
+    still unread when the restart comes, whatever the machine's pace."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "gate").touch()
+    sup = await started(rows_toml(tmp_path, 480, "--sleep 0.005 --crash 2 --gate-from 160 --ungated 2"))
+    try:
+        await until(lambda: shard(sup, 2).state == State.FATAL, timeout=120, what="slot 2 FATAL")
+        await until(lambda: any(isinstance(e, protocol.LeaseMoved) and e.why == "dead" for e in events(tmp_path, 2)),
+                    timeout=120, what="slot 2's lease taken over")
+        (tmp_path / "out" / "heal-2").touch()
+        result = await sup.request([2], "restart")
+        assert result[2].status in ("started", "restarting"), result
+        await until(lambda: [i for i, s, _ in written(tmp_path) if s == 2], timeout=120, what="slot 2 writing rows")
+        (tmp_path / "out" / "gate").unlink()
+        await until(lambda: sup.snapshot().totals.finished, timeout=240, what="the run finished")
+        snap = sup.snapshot()
+        assert [snap.shards[k].state for k in range(3)] == [State.DONE] * 3
+    finally:
+        await sup.close()
+    rows = written(tmp_path)
+    assert sorted(i for i, _, _ in rows) == list(range(480))
+    leases = [e for e in events(tmp_path, 2) if isinstance(e, protocol.Leased)]
+    assert leases[-1].how == "stolen" and leases[-1].start >= 160
+    assert {i for i, s, _ in rows if s == 2} <= {i for e in leases for i in range(e.start, e.stop)}
+
+
+def test_a_lost_hosts_rows_are_finished_by_the_other_host_and_it_stops_them_once_back(tmp_path):
+    """Two hosts over two real sshds, each with two slots of the job: host b's box is gone (its
+    processes killed, its sshd cut) for longer than host_lost_after: its rows are adopted by a,
+    whose slots finish them (every row on a, once) and the run ends; b back: it is told first,
+    its shards stop holding rows, and nothing more is written on b."""
+    out = {name: tmp_path / "remote" / f"out-{name}" for name in ("a", "b")}
+    job = f"""[job]
+command = "{{python}} {ROWS_JOB} {{output}} {{start}} {{end}} {{shard}} --sleep 0.05"
+done = "ALL DONE"
+progress = "processed (?P<done>\\\\d+)/(?P<total>\\\\d+)"
+rows = 400
+min_chunk = 4
+"""
+    with two_hosts(tmp_path) as (servers, procs):
+        config = hosts_toml(tmp_path, servers, model=None, data=None, gpus={"a": [0, 1], "b": [0, 1]},
+                            output=str(tmp_path / "remote" / "out-{host}"), job=job, supervise=LOST_AFTER)
+        up, lines = up_headless(config)
+        try:
+            wait_for(lambda: (out["b"] / "rows.txt").exists() and
+                     len((out["b"] / "rows.txt").read_text().splitlines()) > 10, 120, what="host b writing")
+            lose_host(tmp_path, procs, "b", (2, 3))
+            on_b = len((out["b"] / "rows.txt").read_text().splitlines())
+            assert up.wait(300) == 0, "\n".join(lines)
+        finally:
+            if up.poll() is None:
+                up.kill()
+        text = "\n".join(lines)
+        assert "rows 200–400 of b (lost) → a (200 rows)" in text, text
+        rows_a = [int(line.split()[0]) for line in (out["a"] / "rows.txt").read_text().splitlines()]
+        assert sorted(rows_a) == list(range(400)), text          # every row on a, once
+        r = fleet("status", "--json", "-c", config)
+        snap = json.loads(r.stdout)
+        assert snap["totals"]["finished"] is True and snap["totals"]["rows_relocated"] == 200, r.stdout
+        assert 0 < snap["totals"]["rows_redone"] <= on_b
+
+        procs["b"] = serve(servers["b"])              # b is back
+        r = fleet("up", "--headless", "-c", config, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "b: back; its rows 200–400 went to a" in r.stderr + r.stdout
+        snap = json.loads(fleet("status", "--json", "-c", config).stdout)
+        assert [s["state"] for s in snap["shards"]] == ["DONE"] * 4 and snap["totals"]["finished"]
+        assert not any(s["holds_rows"] for s in snap["shards"][2:])
+        assert len((out["b"] / "rows.txt").read_text().splitlines()) == on_b    # nothing redone on b
