@@ -22,7 +22,8 @@ def finished_summary(snap: FleetSnapshot, sep: str = ", ") -> str:
              + (f" ({t.rows_moved:,} rows moved between GPUs)" if t.rows_moved else "")]
     if t.avg_tokens_per_s_per_gpu:
         parts.append(f"avg {t.avg_tokens_per_s_per_gpu:,.0f} tok/s/GPU")
-    parts.append(bytes_text(t.bytes_written))
+    if t.bytes_written is not None:
+        parts.append(bytes_text(t.bytes_written))
     if t.usd_spent is not None:
         parts.append(f"${t.usd_spent:,.2f}")
     return sep.join(parts)
@@ -45,11 +46,12 @@ def format_status(snap: FleetSnapshot) -> str:
                  f"exact training command: fleet verify"]
     else:
         lines = [f"run {snap.run}: {t.done}/{t.total} samples, "
-                 f"{number(t.tokens_per_s, 0)} tokens/s, {number(t.samples_per_s)} samples/s"
+                 + (f"{number(t.tokens_per_s, 0)} tokens/s, " if t.tokens is not None else "")
+                 + f"{number(t.samples_per_s)} samples/s"
                  + (f" ({t.ratio:.0%} of expected in {t.ratio_unit})" if t.ratio is not None else "")
                  + (f", ETA {duration(t.eta_s)}" + (f" ({t.eta_unit})" if t.eta_unit else "")
                     if not t.settled else ", nothing running")
-                 + f", written {bytes_text(t.bytes_written)}{cost}"]
+                 + (f", written {bytes_text(t.bytes_written)}" if t.bytes_written is not None else "") + cost]
     if t.by_state:
         lines.append("states: " + ", ".join(f"{k} {v}" for k, v in t.by_state.items()))
     for h in snap.hosts:

@@ -119,12 +119,13 @@ class ShardStatus(BaseModel):
     progress: Optional[float] = Field(None, description="the share of the shard's work done: in tokens "
                                                         "once total_tokens is known (as its ETA), else "
                                                         "(done + skipped) / total; 1 when DONE")
-    tokens: int = 0
+    tokens: Optional[int] = Field(None, description="tokens extracted so far; null for a shard that "
+                                                    "counts samples only (a [job]) or has counted none yet")
     total_tokens: Optional[int] = Field(None, description="tokens of every row of the shard the worker "
                                                           "will extract (done or not), sent once it has "
                                                           "read their lengths; null until then and for "
                                                           "a [job]")
-    bytes: int = 0
+    bytes: Optional[int] = Field(None, description="bytes written so far; null where not measured (a [job])")
     samples_per_s: Optional[float] = Field(None, description="over the last 30 s of host time up to "
                                                              "now (falling to 0 when progress stops); "
                                                              "null unless RUNNING or STALLED: a restarted "
@@ -174,7 +175,8 @@ class Totals(BaseModel):
     total: int
     samples_per_s: Optional[float] = None
     tokens_per_s: Optional[float] = None
-    tokens: int = Field(0, description="tokens extracted so far")
+    tokens: Optional[int] = Field(None, description="tokens extracted so far; null when no shard counts "
+                                                    "tokens (a [job] reports samples)")
     total_tokens: Optional[int] = Field(None, description="the run's tokens, once every shard's "
                                                           "total_tokens is known")
     gpus_planned: int = Field(0, description="GPUs in the run's plan (a shard may span several)")
@@ -220,7 +222,7 @@ class Totals(BaseModel):
     avg_samples_per_s: Optional[float] = Field(None, description="samples done / elapsed_s")
     avg_tokens_per_s: Optional[float] = Field(None, description="tokens / elapsed_s")
     avg_tokens_per_s_per_gpu: Optional[float] = Field(None, description="avg_tokens_per_s / gpus_planned")
-    bytes_written: int = 0
+    bytes_written: Optional[int] = Field(None, description="null when no shard measures bytes (a [job])")
     disk_full_eta_s: Optional[float] = None
     usd_per_hour: Optional[float] = Field(None, description="sum of the hosts' usd_per_hour (hosts "
                                                             "without one count nothing); null when no "
@@ -417,7 +419,8 @@ def shard_row(v: ShardView, host: Host, now: float) -> tuple[ShardStatus, Rates 
                 else v.verdict.reason),
         faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
         progress=shard_progress(r, state),
-        tokens=r.tokens, total_tokens=r.total_tokens, bytes=r.bytes,
+        tokens=r.tokens if counts_tokens(r) else None, total_tokens=r.total_tokens,
+        bytes=r.bytes if counts_tokens(r) or r.bytes else None,
         samples_per_s=_finite(rate.samples_per_s) if rate else None,
         tokens_per_s=_finite(rate.tokens_per_s, 1) if rate and counts_tokens(r) else None,
         **shard_eta_fields(r, state, rate, hn),
@@ -583,10 +586,12 @@ def counts(views: list[ShardView], rows: list[ShardStatus]) -> dict:
         by_state[row.state.value] = by_state.get(row.state.value, 0) + 1
     records = [v.record for v in views]
     sized = bool(records) and all(r.total_tokens is not None for r in records)
+    tokens = [r.tokens for r in records if counts_tokens(r)]
+    measured = [r.bytes for r in records if counts_tokens(r) or r.bytes]
     return dict(shards=len(rows), by_state=by_state, done=sum(r.done + r.skipped for r in records),
-                total=sum(r.total for r in records), tokens=sum(r.tokens for r in records),
+                total=sum(r.total for r in records), tokens=sum(tokens) if tokens else None,
                 total_tokens=sum(r.total_tokens for r in records) if sized else None,
-                bytes_written=sum(r.bytes for r in records), gpus_planned=sum(gpus_of(v) for v in views),
+                bytes_written=sum(measured) if measured else None, gpus_planned=sum(gpus_of(v) for v in views),
                 gpus_expected=sum(gpus_of(v) for v, row in zip(views, rows) if row.state not in NOT_EXPECTED))
 
 
@@ -609,15 +614,17 @@ def eta_fields(rows: list[ShardStatus], eta: float | None, unit: str | None, set
                 eta_left_out=[r.id for r in rows if r.state in (State.FATAL, State.STOPPED)])
 
 
-def averages(done: int, tokens: int, gpus: int, elapsed: float | None) -> dict:
-    """Over the run's elapsed time: what a finished run is summed up by."""
+def averages(done: int, tokens: int | None, gpus: int, elapsed: float | None) -> dict:
+    """Over the run's elapsed time: what a finished run is summed up by (tokens: null for a run
+    that counts none)."""
     if not elapsed:
         return {}
-    return dict(avg_samples_per_s=_finite(done / elapsed), avg_tokens_per_s=_finite(tokens / elapsed, 1),
-                avg_tokens_per_s_per_gpu=_finite(tokens / elapsed / gpus, 1) if gpus else None)
+    return dict(avg_samples_per_s=_finite(done / elapsed),
+                avg_tokens_per_s=_finite(tokens / elapsed, 1) if tokens is not None else None,
+                avg_tokens_per_s_per_gpu=_finite(tokens / elapsed / gpus, 1) if gpus and tokens is not None else None)
 
 
-def costs(hosts: dict[str, Host], hours: float | None, settled: bool, eta: float | None, tokens: int) -> dict:
+def costs(hosts: dict[str, Host], hours: float | None, settled: bool, eta: float | None, tokens: int | None) -> dict:
     rate, spent, projected = money(hosts, hours, settled, eta)
     return dict(usd_per_hour=_finite(rate), usd_spent=_finite(spent), usd_projected=_finite(projected),
                 usd_per_million_tokens=_finite(spent / tokens * 1e6, 3) if spent is not None and tokens else None)

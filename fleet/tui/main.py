@@ -118,7 +118,7 @@ class MainScreen(Screen):
                     # The past at the resolution the chart will draw it: a run shorter than the
                     # chart's width in 10 s columns is rebuilt in finer steps (and no longer).
                     step = min(BUCKET_S, max((snap.totals.elapsed_s or 0.0) / width, 0.25))
-                    chart.fill(history(step, width), "tokens" if snap.totals.tokens else "samples")
+                    chart.fill(history(step, width), "tokens" if snap.totals.tokens is not None else "samples")
         self.query_one(ThroughputChart).add(snap)
         self.query_one(GpuTable).observe(snap)
         self.redraw()

@@ -10,7 +10,9 @@ import os
 import re
 import sys
 
+from fleet.render import finished_summary, format_status
 from fleet.state import State
+from fleet.tui.panes.shards import detail
 from tests.conftest import wait_for
 from tests.fleet.conftest import LOST_AFTER, fleet, hosts_toml, lose_host, two_hosts, up_headless
 from tests.sshd_server import serve
@@ -82,6 +84,13 @@ async def test_a_slow_slot_and_a_dead_one_finish_together_with_every_row_once(tm
         assert [snap.shards[k].state for k in range(3)] == [State.DONE, State.DONE, State.FATAL]
         assert not snap.shards[2].holds_rows and snap.shards[2].lease.startswith("none: rows")
         assert snap.totals.rows_moved >= 160
+        # a [job] counts samples: no token or byte figure anywhere, null in the JSON (issue 39)
+        assert snap.totals.tokens is None and snap.totals.avg_tokens_per_s is None
+        assert snap.totals.bytes_written is None and snap.totals.usd_per_million_tokens is None
+        assert all(s.tokens is None and s.bytes is None and s.tokens_per_s is None for s in snap.shards)
+        summary = finished_summary(snap)
+        assert "2/3 shards DONE" in summary and " B" not in summary and "tok" not in summary, summary
+        assert "tok" not in detail(snap.shards[0]).plain and "tok" not in format_status(snap)
     finally:
         await sup.close()
     rows = written(tmp_path)
@@ -115,6 +124,8 @@ async def test_restart_of_a_fatal_slot_relaunches_it_into_the_pool(tmp_path):
         result = await sup.request([2], "restart")
         assert result[2].status in ("started", "restarting"), result
         await until(lambda: [i for i, s, _ in written(tmp_path) if s == 2], timeout=120, what="slot 2 writing rows")
+        running = format_status(sup.snapshot()).splitlines()[0]          # mid-run: samples only
+        assert "samples/s" in running and "tokens" not in running and "written" not in running, running
         (tmp_path / "out" / "gate").unlink()
         await until(lambda: sup.snapshot().totals.finished, timeout=240, what="the run finished")
         snap = sup.snapshot()

@@ -150,7 +150,7 @@ def shard_cells(s: ShardStatus, marked: bool, no_color: bool = False, replaying:
                 blank, blank, blank, blank, blank, blank, blank, blank, blank)
     pct = f"{s.progress:4.0%}" if s.progress is not None else "   ?"
     unmeasured = "?" if s.state in MEASURED else "—"      # not yet measured / not applicable
-    no_tokens = "—" if not (s.tokens or s.total_tokens is not None) else unmeasured   # a [job] of samples
+    no_tokens = "—" if s.tokens is None and s.total_tokens is None else unmeasured   # a [job] of samples
     progress = f"{bar(s.progress or 0.0, 8)} {pct}"
     event = f"{s.last_event or '—'} {duration(s.last_event_age_s)}" if s.last_event_age_s is not None \
         else (s.last_event or "—")
@@ -187,7 +187,7 @@ class ShardTable(LineTable):
     def show(self, snap: FleetSnapshot, view: View, no_color: bool = False) -> None:
         waiting = {h.name for h in snap.hosts if not h.replayed and h.reachable is not False}
         rows = {str(s.id): s for s in visible_shards(snap, view)}
-        columns = COLUMNS if snap.totals.tokens or snap.totals.total_tokens is not None else SAMPLE_COLUMNS
+        columns = COLUMNS if snap.totals.tokens is not None or snap.totals.total_tokens is not None else SAMPLE_COLUMNS
         if columns is not self.columns:
             self.columns, self._layout = columns, None
         self.sort_column, self.sort_reverse = view.sort, view.reverse
@@ -211,7 +211,8 @@ def detail(s: ShardStatus | None, no_color: bool = False, marked: bool = False) 
     t.append(f"shard {s.id} ", "bold")
     t.append(f"{where(s)}  ")
     t.append(f"{GLYPH.get(s.state.value, '')} {s.state.value}", state_style(s.state.value, no_color))
-    tokens = f"  {si(s.tokens)}/{si(s.total_tokens)} tok" if s.total_tokens else f"  {si(s.tokens)} tok"
+    tokens = f"  {si(s.tokens or 0)}/{si(s.total_tokens)} tok" if s.total_tokens else \
+        f"  {si(s.tokens)} tok" if s.tokens is not None else ""          # a [job] reports samples only
     t.append(f"  {s.done + s.skipped:,}/{s.total:,} samples" + (f" ({s.skipped} skipped)" if s.skipped else "")
              + tokens)
     if s.tokens_per_s is not None:

@@ -74,8 +74,8 @@ def replaying_lines(snap: FleetSnapshot, head: list[tuple[int, Text]], width: in
 def fact_parts(t) -> list[tuple[int, Text]]:
     """Progress, elapsed time, bytes, disk and money: the third line, kept in a banner's company."""
     facts = [(0, Text(f"{t.done:,}/{t.total:,} samples"))]
-    if t.tokens or t.total_tokens:                # a [job] that reports samples shows no tokens
-        facts.append((2, Text(f"{si(t.tokens)}/{si(t.total_tokens)} tokens" if t.total_tokens
+    if t.tokens is not None or t.total_tokens:    # a [job] that reports samples shows no tokens
+        facts.append((2, Text(f"{si(t.tokens or 0)}/{si(t.total_tokens)} tokens" if t.total_tokens
                               else f"{si(t.tokens)} tokens")))
     facts.append((1, Text(f"elapsed {duration(t.elapsed_s)}")))
     if t.bytes_written:
