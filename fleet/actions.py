@@ -25,15 +25,17 @@ UNDER_WAY = frozenset({"started", "submitted", "refused", "stopping", "restartin
 KINDS = ("restart", "stop")
 
 
-def refusal(kind: str, state: State, shard: int) -> str | None:
-    """Why the user's `kind` (restart | stop) cannot apply to a shard in `state`; None if it can."""
+def refusal(kind: str, state: State, shard: int, verifiable: bool = True) -> str | None:
+    """Why the user's `kind` (restart | stop) cannot apply to a shard in `state`; None if it can
+    (`verifiable`: the built-in worker's, whose files `fleet verify` checks; not a [job]'s)."""
     if state == State.UNKNOWN:
         return f"shard {shard}: its host is unreachable"
     if state == State.STOPPING:
         return f"shard {shard} is already stopping"
     if kind == "restart" and state == State.DONE:
-        return (f"shard {shard} is DONE: nothing to redo (`fleet verify` checks its files, "
-                f"`fleet verify --repair` reopens the samples that are bad)")
+        return f"shard {shard} is DONE: nothing to redo" + (
+            " (`fleet verify` checks its files, `fleet verify --repair` reopens the samples that are bad)"
+            if verifiable else "")
     if kind == "stop" and state in (State.DONE, State.STOPPED):
         return f"shard {shard} is {state.value}: nothing to stop"
     return None

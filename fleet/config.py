@@ -186,8 +186,9 @@ class JobSpec(Strict):
     progress: str | None = None          # regex with (?P<done>\d+) and optionally (?P<total>\d+)
     progress_glob: str | None = None     # output files counted as progress; {shard} allowed
     total: int | None = Field(None, gt=0)  # samples per shard, when progress gives no total
-    rows: int | None = Field(None, gt=0)   # the run's rows, for a command taking {start}/{end}
-    min_chunk: int | None = Field(None, gt=0)   # the fewest rows one run of it is given (None: 1% of a shard's)
+    rows: int | None = Field(None, gt=0, strict=True)   # the run's rows, for a command taking {start}/{end}
+    min_chunk: int | None = Field(None, gt=0, strict=True)   # the fewest rows one run of it is given
+                                                             # (None: 1% of a shard's)
 
     @field_validator("command")
     @classmethod
@@ -200,13 +201,25 @@ class JobSpec(Strict):
         return v
 
     @property
+    def row_placeholders(self) -> set[str]:
+        return {field for token in split_command(self.command)
+                for _, field, _, _ in string.Formatter().parse(token) if field in ROW_PLACEHOLDERS}
+
+    @property
     def takes_rows(self) -> bool:
         """The command names its rows ({start}/{end}): it is run once per chunk of its leases."""
-        return any(field in ROW_PLACEHOLDERS for token in split_command(self.command)
-                   for _, field, _, _ in string.Formatter().parse(token))
+        return bool(self.row_placeholders)
 
     @model_validator(mode="after")
     def _rows(self):
+        if self.takes_rows and self.row_placeholders != ROW_PLACEHOLDERS:
+            missing = (ROW_PLACEHOLDERS - self.row_placeholders).pop()
+            raise ValueError(f"command takes {{{(self.row_placeholders).pop()}}} but not {{{missing}}}: "
+                             "a run of it is given rows [start, end) and must be told both")
+        if self.min_chunk is not None and not self.takes_rows:
+            raise ValueError("min_chunk is for a command taking {start}/{end}, and this one takes neither")
+        if self.min_chunk is not None and self.rows is not None and self.min_chunk > self.rows:
+            raise ValueError(f"min_chunk = {self.min_chunk} is more than rows = {self.rows}")
         if self.takes_rows and self.rows is None:
             raise ValueError("command takes {start}/{end}: give rows = the run's number of rows "
                              "(each run of the command gets rows [start, end) of them)")

@@ -81,7 +81,7 @@ class HostLink:
             return None
         ev = self.store.apply(self.name, msg, discover)
         if isinstance(ev, protocol.Leased) and self.host.replayed and \
-                (line := render.lease_line(ev, msg.shard, self.store.where)) is not None:
+                (line := render.lease_line(ev, msg.shard, self.store.where, self.store.published_state)) is not None:
             self.on_log(line)                   # a move as it happens (not the replay's history)
         if isinstance(msg, protocol.Replayed):
             self.on_change()

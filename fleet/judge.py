@@ -32,6 +32,7 @@ from .record import Outcome, Phase, ShardRecord, awaiting_slurm, outcome
 from .state import MEASURED, State
 
 RATE_WINDOW_S = 30.0
+STALE_BATCHES = 4          # a rate is 0 once no batch ended for this many of its usual intervals
 SLURM_WORD_WAIT_S = 30.0  # a restart waits this long (at most) for Slurm's account of an end
 WARMING_UP = "model loaded; reading its rows and running the first batch"
 RECORD_LOST = ("a process holds the shard's lock but its record has no launch (events.jsonl truncated "
@@ -230,20 +231,42 @@ class Rates:
 
 
 def rates(record: ShardRecord, state: State, host_now: float, window: float = RATE_WINDOW_S) -> Rates | None:
-    """Rates of the current attempt over the last `window` s up to now: they fall to zero when
-    progress stops. The counters at the window's start are interpolated between the progress
-    points around it, so sparse points (a replay keeps one a minute) never count work done before
-    the window. None (not measured) unless RUNNING/STALLED with two progress points, so a
-    restarted shard starts from no rate rather than its last process's."""
+    """Rates of the current attempt from its completed batches (issue 39): the work between the
+    last batch and the last one that ended at least `window` s before it (else the attempt's first
+    progress), over the time between them — so a shard whose batches take longer than the window
+    never reads 0 between two of them. Once the next batch is later than the shard's usual
+    interval between batches, the rate decays as usual / time since the last one, and it is 0 once
+    none has ended for `window` s and STALE_BATCHES usual intervals. Times are the rows' count times
+    (`counted_t`), not the progress ticks'. None (not measured) unless RUNNING/STALLED with two
+    progress points, so a restarted shard starts from no rate rather than its last process's."""
     a = record.attempt
     if a is None or state not in MEASURED or len(a.history) < 2:
         return None
-    start = max(host_now - window, a.history[0][0])
-    span = host_now - start
+    ends = batch_ends(a.history)
+    last = ends[-1]
+    since = host_now - last[0]
+    tail = ends[-9:]
+    gaps = sorted(b[0] - x[0] for x, b in zip(tail, tail[1:]))
+    usual = gaps[len(gaps) // 2] if gaps else 0.0
+    if len(ends) < 2 or since >= max(window, STALE_BATCHES * usual):
+        return Rates(0.0, 0.0, 0.0)
+    ref = next((e for e in reversed(ends[:-1]) if e[0] <= last[0] - window), ends[0])
+    span = last[0] - ref[0]
     if span <= 0:
-        return None
-    last = a.history[-1]                  # the counters at `start`, between the points around it
-    return Rates(*((last[i] - _at(a.history, start, i)) / span for i in (1, 2, 3)))
+        return Rates(0.0, 0.0, 0.0)
+    late = usual / since if since > usual else 1.0
+    return Rates(*((last[i] - ref[i]) / span * late for i in (1, 2, 3)))
+
+
+def batch_ends(history) -> list[tuple]:
+    """(time, samples, tokens, bytes) of the attempt's first progress point and of every point
+    where its counters moved (a batch written), at the time its rows were counted."""
+    out: list[tuple] = []
+    for t, samples, tokens, nbytes, _sq, counted in history:
+        point = (counted, samples, tokens, nbytes)
+        if not out or point[1:] != out[-1][1:]:
+            out.append(point)
+    return out
 
 
 def _at(history, t: float, column: int) -> float:

@@ -75,7 +75,7 @@ def notices(changes: list[Transition], snap: FleetSnapshot) -> list[Notice]:
         notice(event, f"{snap.run}: shard {s.id} ({s.host}:{s.gpu}) {c.before.value} -> {c.after.value}"
                       + (f": {why}" if why else ""), s, c.before.value)
     if snap.totals.finished and any(c.before is not None and c.after == State.DONE for c in changes):
-        notice("finished", f"{snap.run}: {finished_summary(snap, ' · ')} → fleet verify")
+        notice("finished", f"{snap.run}: {finished_summary(snap, ' · ')}" + (" → fleet verify" if snap.verifiable else ""))
     return out
 
 

@@ -42,8 +42,7 @@ def format_status(snap: FleetSnapshot) -> str:
                                               if t.usd_projected is not None and not t.settled else "")
             if t.usd_spent is not None else "")
     if t.finished:
-        lines = [f"run {snap.run}: finished, {finished_summary(snap)}; check the output and get the "
-                 f"exact training command: fleet verify"]
+        lines = [f"run {snap.run}: finished, {finished_summary(snap)}" + VERIFY_NEXT.get(snap.verifiable, "")]
     else:
         lines = [f"run {snap.run}: {t.done}/{t.total} samples, "
                  + (f"{number(t.tokens_per_s, 0)} tokens/s, " if t.tokens is not None else "")
@@ -90,10 +89,14 @@ def transition_lines(changes: list[Transition], snap: FleetSnapshot) -> list[str
     return out
 
 
-def lease_line(ev, shard: int, where) -> str | None:
-    """A move of rows onto `shard` as the log view says it (`where`: shard -> "host:gpu"):
-    'rows 41,200–45,000 of gpubox3:5 (dead) → gpubox1:2'; None for a shard's planned rows."""
-    why = {"dead": "dead", "stolen": "slower", "reopened": "repaired"}.get(ev.how)
+def lease_line(ev, shard: int, where, state_of=lambda k: None) -> str | None:
+    """A move of rows onto `shard` as the log view says it (`where`: shard -> "host:gpu";
+    `state_of`: shard -> its state now): 'rows 41,200–45,000 of gpubox3:5 (FATAL) → gpubox1:2';
+    None for a shard's planned rows. A lease taken over is its holder's whose process was not
+    running: crashed, given up, or not started yet — its state says which."""
+    gone = state_of(ev.from_shard) if ev.how == "dead" and ev.from_shard is not None else None
+    why = {"dead": gone.value if gone is not None else "not running", "stolen": "slower",
+           "reopened": "repaired"}.get(ev.how)
     if ev.how == "adopted":
         source = f"{ev.from_host} (lost)"
     elif why is not None and ev.from_shard is not None:
@@ -102,6 +105,8 @@ def lease_line(ev, shard: int, where) -> str | None:
         return None
     return f"rows {ev.start:,}–{ev.stop:,} of {source} → {where(shard)} ({ev.rows:,} to do)"
 
+
+VERIFY_NEXT = {True: "; check the output and get the exact training command: fleet verify"}   # not for a [job]
 
 QUIT_MESSAGE = ("fleet: the workers keep running. `fleet up` re-attaches to them, `fleet status` "
                 "shows them, `fleet down` stops them.")
@@ -114,8 +119,7 @@ def quit_message(snap: FleetSnapshot | None) -> str:
         return QUIT_MESSAGE + needing_a_look(snap)
     t = snap.totals
     if t.finished:
-        return (f"fleet: run {snap.run} is finished: {finished_summary(snap)}. Check the output and get the "
-                f"exact training command: fleet verify")
+        return f"fleet: run {snap.run} is finished: {finished_summary(snap)}" + VERIFY_NEXT.get(snap.verifiable, "")
     counts = ", ".join(f"{n} {s}" for s, n in t.by_state.items())
     return (f"fleet: nothing of run {snap.run} is running ({counts}). `fleet up` launches every shard "
             f"that is not DONE; `fleet status` shows them." + needing_a_look(snap))

@@ -126,10 +126,12 @@ class ShardStatus(BaseModel):
                                                           "read their lengths; null until then and for "
                                                           "a [job]")
     bytes: Optional[int] = Field(None, description="bytes written so far; null where not measured (a [job])")
-    samples_per_s: Optional[float] = Field(None, description="over the last 30 s of host time up to "
-                                                             "now (falling to 0 when progress stops); "
-                                                             "null unless RUNNING or STALLED: a restarted "
-                                                             "shard starts from no rate")
+    samples_per_s: Optional[float] = Field(None, description="over the attempt's completed batches "
+                                                             "of the last 30 s or more (never 0 between "
+                                                             "two slow batches; decaying once the next is "
+                                                             "later than usual, 0 after 30 s and 4 usual "
+                                                             "intervals with none); null unless RUNNING or "
+                                                             "STALLED: a restarted shard starts from no rate")
     tokens_per_s: Optional[float] = None
     eta_s: Optional[float] = Field(None, description="this shard's remaining work at its own pace: a "
                                                      "per-sample and a per-token cost fitted over its "
@@ -204,7 +206,8 @@ class Totals(BaseModel):
                                                                 "critical: under half of it")
     eta_rough: bool = Field(False, description="the ETA rests on a pace of under 3 minutes (shown '~')")
     eta_left_out: list[int] = Field(default_factory=list, description="shards the ETA leaves out: FATAL "
-                                                                       "and STOPPED ones will not finish")
+                                                                       "and STOPPED ones holding rows will "
+                                                                       "not finish them")
     eta_s: Optional[float] = Field(None, description="when the last shard that will finish does: each "
                                                      "at its own rate (one not measured now at the "
                                                      "mean rate of those that are), in eta_unit; 0 "
@@ -245,6 +248,8 @@ class FleetSnapshot(BaseModel):
     hosts: list[HostStatus]
     shards: list[ShardStatus]
     totals: Totals
+    verifiable: bool = Field(True, description="the shards run the built-in worker, whose output "
+                                               "`fleet verify` checks (false for a [job])")
 
     def to_json(self, indent: int | None = 2) -> str:
         return self.model_dump_json(by_alias=True, indent=indent)
@@ -611,7 +616,7 @@ def eta_fields(rows: list[ShardStatus], eta: float | None, unit: str | None, set
     """The run's ETA, whether it is rough, and the shards it leaves out."""
     return dict(eta_s=_finite(eta, 0), eta_unit=unit,
                 eta_rough=eta is not None and not settled and any(r.eta_rough for r in rows if r.state not in SETTLED),
-                eta_left_out=[r.id for r in rows if r.state in (State.FATAL, State.STOPPED)])
+                eta_left_out=[r.id for r in rows if r.state in (State.FATAL, State.STOPPED) and r.holds_rows])
 
 
 def averages(done: int, tokens: int | None, gpus: int, elapsed: float | None) -> dict:
@@ -631,10 +636,10 @@ def costs(hosts: dict[str, Host], hours: float | None, settled: bool, eta: float
 
 
 def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now: float,
-                   expected, relocated: tuple[int, int] = (0, 0)) -> FleetSnapshot:
+                   expected, relocated: tuple[int, int] = (0, 0), verifiable: bool = True) -> FleetSnapshot:
     """`views`: every shard of the run's plan; `expected` the config's ExpectedSpec; `now` the
-    supervisor's clock; `relocated`: rows moved from lost hosts, and of them redone. Each figure
-    is one of the small functions above."""
+    supervisor's clock; `relocated`: rows moved from lost hosts, and of them redone; `verifiable`:
+    the built-in worker's run (not a [job]). Each figure is one of the small functions above."""
     rows, measured = [], []
     for v in views:
         row, rate = shard_row(v, hosts[v.host], now)
@@ -650,7 +655,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
     hosts_out, disk_eta = host_rows(hosts, views, measured, hours, now)
     n = counts(views, rows)
     return FleetSnapshot(
-        run=run, time=round(now, 3), hosts=hosts_out, shards=rows,
+        run=run, time=round(now, 3), hosts=hosts_out, shards=rows, verifiable=verifiable,
         totals=Totals(**n, **throughput(expected, views, measured, n["gpus_expected"]),
                       **eta_fields(rows, eta, eta_unit if views else None, settled),
                       **averages(n["done"], n["tokens"], n["gpus_planned"], elapsed),
@@ -662,9 +667,11 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
 
 
 def status_exit_code(snap: FleetSnapshot) -> int:
-    """0 healthy, done or stopped; 1 a shard STALLED/FAILED/BACKOFF/FATAL; 3 a host unreachable."""
+    """0 healthy, done or stopped, or finished (a FATAL shard whose rows the others did is no
+    fault of the run's, as `fleet up --headless` says too); 1 a shard STALLED/FAILED/BACKOFF/FATAL;
+    3 a host unreachable."""
     if any(h.reachable is False for h in snap.hosts):
         return 3
-    if any(s.faulty for s in snap.shards):
+    if not snap.totals.finished and any(s.faulty for s in snap.shards):
         return 1
     return 0

@@ -326,6 +326,10 @@ class Store:
         s = self.shards.get(shard_id)
         return f"{s.placement.host}:{s.placement.gpu}" if s is not None else "?"
 
+    def published_state(self, shard_id: int) -> State | None:
+        """The state last published for the shard (None before any)."""
+        return self.shown.get(shard_id, (None,))[0]
+
     # --- reading -------------------------------------------------------------------------------------
     @property
     def replayed(self) -> bool:
@@ -366,7 +370,7 @@ class Store:
         if self.slurm is not None:
             hosts.update(self._nodes())
         return build_snapshot(self.config.run.name, views, hosts, now, self.config.spec.expected,
-                              (self.moves.rows, self.moves.redone))
+                              (self.moves.rows, self.moves.redone), verifiable=self.config.spec.job is None)
 
     def _view(self, s: Shard, now: float) -> ShardView:
         p, a = s.placement, s.record.attempt

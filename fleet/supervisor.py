@@ -278,7 +278,7 @@ class Supervisor:
         s = self.shards.get(shard_id)
         if s is None:
             return f"no shard {shard_id}"
-        return action_refusal(kind, self.verdict(s).state, shard_id)
+        return action_refusal(kind, self.verdict(s).state, shard_id, verifiable=self.config.spec.job is None)
 
     async def request(self, shard_ids: list[int], kind: str,
                       wait: float = 0.0) -> dict[int, protocol.ActResult]:

@@ -216,6 +216,15 @@ def _run_rows(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, la
     p = _paths(shard_dir)
     spec = SentinelSpec.from_dict(sentinels or {})
 
+    def record_and_say(ev: protocol.Record) -> None:
+        append(ev)
+        if isinstance(ev, protocol.Leased):           # the log says where the next chunks come from
+            source = {"dead": f" (taken over from shard {ev.from_shard})", "stolen": f" (stolen from shard {ev.from_shard})",
+                      "adopted": f" (of lost host {ev.from_host})", "freed": " (freed)"}.get(ev.how, "")
+            _log_marker(p["log"], f"launch {launch_n}: leased rows {ev.start:,}–{ev.stop:,}{source}")
+        elif isinstance(ev, protocol.LeaseMoved):
+            _log_marker(p["log"], f"launch {launch_n}: gave rows {ev.start:,}–{ev.stop:,} to shard {ev.to_shard}")
+
     def run_chunk(chunk_argv: list[str], a: int, b: int, translate) -> ranged.Chunk:
         _log_marker(p["log"], f"launch {launch_n}: rows {a:,}–{b:,}")
         offset = log_size(p["log"])
@@ -241,7 +250,7 @@ def _run_rows(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, la
         return ranged.Chunk(code, seen["done"], seen["fail"])
 
     try:
-        code = ranged.run_rows(rows, shard_dir, launch_n, argv, run_chunk, append, lambda: bool(stopping),
+        code = ranged.run_rows(rows, shard_dir, launch_n, argv, run_chunk, record_and_say, lambda: bool(stopping),
                                needs_done_line=spec.done is not None, started=started)
     except (OSError, ValueError) as e:           # the pool's ledger unusable: said, and the launch fails
         append(protocol.Failed(launch=launch_n, reason=f"leases in {os.path.dirname(os.path.dirname(shard_dir))}: "

@@ -108,7 +108,7 @@ def _hold(pool: Pool, lease: Lease, move: Move | None, share: protocol.RowShare,
         if chunk.fail_line:
             return 1
         if needs_done_line and not chunk.done_line:
-            append(protocol.Failed(launch=launch, reason=f"rows {a}-{b}: exited 0 without the done line"))
+            append(protocol.Failed(launch=launch, reason=f"rows {a:,}–{b:,}: exited 0 without the done line"))
             return 0
         pool.complete(b)
         done, total = pool.counts()

@@ -121,6 +121,13 @@ def test_a_job_taking_its_rows_is_checked_and_filled_in_by_its_runner(tmp_path):
     assert "leave out progress_glob and total" in \
         error_of(tmp_path, GOOD + cmd + 'rows = 10\nprogress_glob = "/x/{shard}*"\n')
     assert "greater than 0" in error_of(tmp_path, GOOD + cmd + 'rows = 10\nmin_chunk = 0\n')
+    assert "more than rows = 10" in error_of(tmp_path, GOOD + cmd + 'rows = 10\nmin_chunk = 11\n')
+    assert "valid integer" in error_of(tmp_path, GOOD + cmd + 'rows = true\n')
+    assert "min_chunk is for a command taking" in \
+        error_of(tmp_path, GOOD + '\n[job]\ncommand = "{python} x.py {shard}"\nmin_chunk = 5\n')
+    for one, other in (("start", "end"), ("end", "start")):       # one alone: a run cannot know its rows
+        err = error_of(tmp_path, GOOD + f'\n[job]\ncommand = "{{python}} x.py {{{one}}}"\nrows = 10\n')
+        assert f"command takes {{{one}}} but not {{{other}}}" in err, err
     config = load_config(write(tmp_path, GOOD + cmd + "rows = 1000\n"))
     host = config.hosts[0]
     cmd = shard_command(config, host, Placement(1, host.name, 1), 4, pool=[0, 1])

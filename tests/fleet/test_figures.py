@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from fleet.config import ExpectedSpec
 from fleet.figures import batches, fit_cost, nnls_toward, pace, pace_eta, progress_age
-from fleet.judge import Policy, judge, rates
+from fleet.judge import Policy, Rates, _at, batch_ends, judge, rates
 from fleet.record import ShardRecord, fold
 from fleet.snapshot import ShardView, build_snapshot, shard_eta
 from fleet.state import State
@@ -62,6 +62,14 @@ def checkpoints(events: list[protocol.Record]):
         yield t, [e for e in events if e.t <= t], end - t
 
 
+def window_rates(record: ShardRecord, now: float, window: float = 30.0) -> Rates:
+    """The issue's 30 s window, as rates were measured before they counted batches: the work of the
+    last `window` s up to now (interpolated between progress points), over the window."""
+    h = record.attempt.history
+    start = max(now - window, h[0][0])
+    return Rates(*((h[-1][i] - _at(h, start, i)) / (now - start) for i in (1, 2, 3)))
+
+
 def test_the_eta_of_recorded_runs_holds_steadier_and_nearer_than_the_30s_window():
     """Replayed every 5% from 15% on: the predicted end never moves by half the time left between
     two checkpoints (the 30 s window's did: 5m35s -> 26m19s at a steady rate in the issue) and is
@@ -72,7 +80,7 @@ def test_the_eta_of_recorded_runs_holds_steadier_and_nearer_than_the_30s_window(
             record = fold(prefix)
             eta = pace_eta(record, pace(record, t))
             assert eta is not None, (name, t)
-            old = shard_eta(record, State.RUNNING, rates(record, State.RUNNING, t))
+            old = shard_eta(record, State.RUNNING, window_rates(record, t))
             ends.append((t, t + eta))
             errors.append(abs(eta - left) / left)
             window_errors.append(abs(old - left) / left if old is not None else 10.0)
@@ -273,3 +281,34 @@ def test_the_run_eta_of_a_host_sharing_its_rows_is_the_pools_not_its_slowest_sha
     assert all(s.lease is not None for s in snap.shards)
     assert snap.totals.eta_s is not None and snap.totals.eta_s < slowest
     assert abs(snap.totals.eta_s - (end - t)) < abs(slowest - (end - t))
+
+
+def slowed(events: list[protocol.Record], factor: float) -> list[protocol.Record]:
+    """A recorded run played `factor` times slower: every time in it stretched (batches of ~4 s
+    become batches of ~40 s, longer than the rate's window, as on a busy CPU host)."""
+    out = []
+    for e in events:
+        d = e.to_dict()
+        for key in ("t", "counted_t", "batches_from"):
+            if d.get(key) is not None:
+                d[key] = d[key] * factor
+        out.append(protocol.parse_event(d))
+    return out
+
+
+@pytest.mark.parametrize("name", ["demo-0.jsonl", "demo-cost-b-1.jsonl", LONG])
+def test_a_shard_whose_batches_outlast_the_window_never_reads_zero_between_them(name):
+    """A real run's record ten times slower (batches of 20-100 s against the 30 s window): from its
+    second batch to its last, every second, the shard's token rate is within a factor 4 of its pace
+    over the whole run, where the 30 s window's read 0 between batches (issue 39: '0 tok/s' at 23%)."""
+    events = slowed(recorded(name), 10.0)
+    ends = batch_ends(fold(events).attempt.history)
+    (t0, _, k0, _), (t1, _, k1, _) = ends[1], ends[-1]
+    overall = (k1 - k0) / (t1 - t0)
+    seen, window_seen = [], []
+    for t in (t0 + i for i in range(int(t1 - t0))):
+        record = fold([e for e in events if e.t <= t])
+        seen.append(rates(record, State.RUNNING, t).tokens_per_s)
+        window_seen.append(window_rates(record, t).tokens_per_s)
+    assert overall / 4 < min(seen) and max(seen) < overall * 4, (name, min(seen), max(seen), overall)
+    assert min(window_seen) == 0.0                       # what the window said between the same batches

@@ -11,6 +11,7 @@ import re
 import sys
 
 from fleet.render import finished_summary, format_status
+from fleet.snapshot import status_exit_code
 from fleet.state import State
 from fleet.tui.panes.shards import detail
 from tests.conftest import wait_for
@@ -77,13 +78,17 @@ async def test_a_slow_slot_and_a_dead_one_finish_together_with_every_row_once(tm
     every row written once, slot 2 FATAL holding none (its rows done by the others), the slow slot
     doing fewer rows than the fast one, and the two ending within one run of the command of each
     other (the longest time between two chunks ending on one slot, in the same run)."""
-    sup = await started(rows_toml(tmp_path, 480, "--sleep 0.02 --slow 1=3 --crash 2"))
+    logs: list[str] = []
+    sup = await started(rows_toml(tmp_path, 480, "--sleep 0.02 --slow 1=3 --crash 2"), logs)
     try:
         await until(lambda: sup.snapshot().totals.finished, timeout=240, what="the run finished")
         snap = sup.snapshot()
         assert [snap.shards[k].state for k in range(3)] == [State.DONE, State.DONE, State.FATAL]
         assert not snap.shards[2].holds_rows and snap.shards[2].lease.startswith("none: rows")
         assert snap.totals.rows_moved >= 160
+        moves = [line for line in logs if line.startswith("rows 320–480 of local:2 (")]   # the log view's line
+        assert moves and re.match(r"rows 320–480 of local:2 \((FATAL|BACKOFF|FAILED|PENDING|STARTING)\) → local:[01] "
+                                  r"\(160 to do\)$", moves[0]), logs
         # a [job] counts samples: no token or byte figure anywhere, null in the JSON (issue 39)
         assert snap.totals.tokens is None and snap.totals.avg_tokens_per_s is None
         assert snap.totals.bytes_written is None and snap.totals.usd_per_million_tokens is None
@@ -91,6 +96,10 @@ async def test_a_slow_slot_and_a_dead_one_finish_together_with_every_row_once(tm
         summary = finished_summary(snap)
         assert "2/3 shards DONE" in summary and " B" not in summary and "tok" not in summary, summary
         assert "tok" not in detail(snap.shards[0]).plain and "tok" not in format_status(snap)
+        assert "verify" not in format_status(snap) and not snap.verifiable     # a [job]'s output is its own
+        assert sup.refusal(0, "restart") == "shard 0 is DONE: nothing to redo"
+        assert status_exit_code(snap) == 0                 # finished: the FATAL slot's rows were done
+        assert snap.totals.eta_left_out == []             # ...so the ETA leaves nothing out
     finally:
         await sup.close()
     rows = written(tmp_path)
@@ -136,6 +145,8 @@ async def test_restart_of_a_fatal_slot_relaunches_it_into_the_pool(tmp_path):
     assert sorted(i for i, _, _ in rows) == list(range(480))
     leases = [e for e in events(tmp_path, 2) if isinstance(e, protocol.Leased)]
     assert leases[-1].how == "stolen" and leases[-1].start >= 160
+    log = (tmp_path / "fleet" / "rows" / "shards" / "2" / "log").read_text()     # and its log says so
+    assert f"leased rows {leases[-1].start:,}–{leases[-1].stop:,} (stolen from shard {leases[-1].from_shard})" in log
     assert {i for i, s, _ in rows if s == 2} <= {i for e in leases for i in range(e.start, e.stop)}
 
 

@@ -158,16 +158,17 @@ def test_stall_is_detected_on_host_time_shown_then_restarted_and_clears():
     assert verdict(evs, 133, True).state == State.RUNNING
 
 
-def test_rates_are_measured_to_now_and_fall_when_progress_stops():
+def test_rates_are_measured_over_batches_and_fall_when_the_next_is_late():
     evs = [launch(0), p.Loaded(t=1, launch=1)]
     assert rates(fold(evs), State.RUNNING, 1) is None                  # not measured, never zero
     for t in range(2, 12, 2):
         evs.append(p.Progress(t=t, launch=1, done=t * 5, tokens=t * 500, bytes=t * 1000, total=1000))
     r = rates(fold(evs), State.RUNNING, 10)
     assert (round(r.samples_per_s, 6), round(r.tokens_per_s, 6), round(r.bytes_per_s, 6)) == (5.0, 500.0, 1000.0)
-    assert rates(fold(evs), State.RUNNING, 25).samples_per_s == (50 - 10) / 23   # decaying to now
-    assert rates(fold(evs), State.RUNNING, 35).samples_per_s == (50 - 25) / 30   # 25 at t=5, between points
-    assert rates(fold(evs), State.RUNNING, 40).samples_per_s == 0.0
+    assert rates(fold(evs), State.RUNNING, 12).samples_per_s == 5.0      # the next batch is not late yet
+    assert rates(fold(evs), State.RUNNING, 25).samples_per_s == 5.0 * 2 / 15   # late: usual 2 s over 15 s
+    assert rates(fold(evs), State.RUNNING, 35).samples_per_s == 5.0 * 2 / 25
+    assert rates(fold(evs), State.RUNNING, 40).samples_per_s == 0.0      # a window with no batch
     assert rates(fold(evs), State.LOADING, 10) is None
     evs.append(launch(12, n=2, by="auto"))                               # a restart starts from no rate
     assert rates(fold(evs), State.RUNNING, 13) is None

@@ -229,7 +229,7 @@ def test_an_alert_is_told_only_once_it_has_held():
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from fleet.judge import RATE_WINDOW_S  # noqa: E402
+from fleet.judge import RATE_WINDOW_S, STALE_BATCHES  # noqa: E402
 
 
 @st.composite
@@ -252,8 +252,14 @@ def test_a_rate_is_never_negative_and_only_falls_once_progress_stops(history, wa
     a, b = (rates(r, State.RUNNING, last + w) for w in (first, later))
     assert a.samples_per_s >= 0 and a.tokens_per_s == pytest.approx(7 * a.samples_per_s)
     assert b.samples_per_s <= a.samples_per_s + 1e-9                    # decays, never rises
-    if later >= RATE_WINDOW_S:
-        assert b.samples_per_s == 0.0                                   # a window with no progress
+    times = [e.t for e in evs[2:]]
+    moved = [t for t, e, before in zip(times[1:], evs[3:], evs[2:]) if e.done != before.done]
+    ends = [times[0]] + moved                                           # the batches, as written
+    gaps = [y - x for x, y in zip(ends, ends[1:])]
+    if gaps and later >= max(RATE_WINDOW_S, STALE_BATCHES * max(gaps)):
+        assert b.samples_per_s == 0.0                                   # no batch for the window and 4 usual
+    if gaps and first <= min(gaps) and ends[-1] == last:
+        assert a.samples_per_s > 0                                      # the next batch is not late: never 0
     for state in (State.PENDING, State.STARTING, State.LOADING, State.DONE, State.FAILED, State.STOPPED):
         assert rates(r, state, last + first) is None                    # counted only while RUNNING
 
