@@ -25,7 +25,7 @@ from .record import ShardRecord
 PACE_WINDOW_S = 120.0        # the pace looks back this far at most (it drifts as rows get shorter)
 SETTLED_S = 180.0            # a fit over this much progress is shown as it is, else as "~"
 LATE_FACTOR = 3.0            # progress later than this many usual intervals is shown amber
-LATE_MIN_S = 10.0            # ...and never for less than this
+LATE_MIN_S = 3.0             # ...and never for less than this (a fast shard's jitter)
 RESTART_SETTLE_S = 60.0      # after a restart (caches cold, the host busy) batches are left out this long
 REFIT_S = 30.0               # the fit is redone at most this often once the attempt has 40 points
 GROUP_S = 10.0               # progress intervals are fitted in groups of at least this many seconds

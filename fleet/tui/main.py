@@ -25,7 +25,7 @@ from .commands import COMMANDS, CommandError, parse
 from .panes.gpus import GpuPane, GpuTable
 from .panes.lines import LineTable, show_text
 from .panes.log import LogView
-from .panes.shards import regex_problem, COLUMN_KEYS, COLUMNS as SHARD_COLUMNS, ShardDetail, ShardTable, View
+from .panes.shards import regex_problem, COLUMN_KEYS, COLUMNS as SHARD_COLUMNS, ShardDetail, ShardTable, View, replaying_hosts
 from .panes.throughput import BUCKET_S, ThroughputChart
 from .panes.topbar import TopBar
 from .screens import ConfirmScreen, LogScreen
@@ -36,6 +36,9 @@ def gpus_of(s) -> tuple[str, tuple[int, ...]] | None:
 
 
 TOLD = {"FAILED", "FATAL", "STALLED", "finished"}   # what a toast (and the bell) tells while you watch
+
+
+SHORT_LOG_MIN = 3            # lines of log worth showing on a terminal under 30 rows
 
 
 class MainScreen(Screen):
@@ -141,7 +144,7 @@ class MainScreen(Screen):
             table = self.query_one(ShardTable)
             table.show(snap, self.view, self.no_color)
             selected = self.selected_status()
-            self.query_one(ShardDetail).show(selected, self.no_color, self._marked(selected))
+            self._show_detail(selected)
             self.query_one(GpuPane).show(snap, gpus_of(selected),
                                          self.no_color)
             self.query_one("#middle").set_class(not any(h.gpus for h in snap.hosts), "-no-telemetry")
@@ -166,21 +169,17 @@ class MainScreen(Screen):
 
     def fit_middle(self) -> None:
         """Give the shards (and the GPU pane) the rows they need and the log the rest: a run of 2
-        shards at 120x40 left 15 blank rows under its table. Up to what the top bar, the chart and
-        the log's minimum leave; below 30 rows (chart and log hidden) the middle takes it all."""
+        shards at 120x40 left 15 blank rows under its table, 4 shards at 80x24 eleven. Up to what the
+        top bar, the chart and the log's minimum leave; below 30 rows there is no chart, and the log
+        is shown only where the shards leave it SHORT_LOG_MIN rows (else the middle takes them all)."""
         middle = self.query_one("#middle")
+        want = self._wanted_rows()
         if self.has_class("-short"):
-            height = None
+            spare = self.size.height - 3 - want - 1                  # top bar, footer
+            self.set_class(spare < 1 + SHORT_LOG_MIN, "-no-log")
+            height = want if spare >= 1 + SHORT_LOG_MIN else None
         else:
-            table = self.query_one(ShardTable)
-            right = 1 + table.row_count + 1 + 2              # title, header + rows, detail
-            gpu_keys = len(self.query_one(GpuTable).keys)
-            if middle.has_class("-no-telemetry"):
-                want = right + 1                              # the GPU pane is one line
-            elif self.has_class("-narrow"):                   # above the shards: app.tcss's caps
-                want = right + min(1 + min(gpu_keys + 1, 12), int(self.size.height * 0.35))
-            else:
-                want = max(right, 1 + gpu_keys + 1)
+            self.set_class(False, "-no-log")
             chart = self.query_one(ThroughputChart).outer_size.height
             log_min = 10 if self.has_class("-taller") else 6
             room = self.size.height - 3 - chart - 1 - log_min - 1     # top bar, chart, log title, log, footer
@@ -192,6 +191,19 @@ class MainScreen(Screen):
             middle.styles.height = "1fr"
         elif current is None or current.unit.name != "CELLS" or current.value != height:
             middle.styles.height = height
+
+    def _wanted_rows(self) -> int:
+        """The rows the middle needs: the shards' title, header, rows and detail, and the GPU pane
+        beside them or (narrow) above them."""
+        middle = self.query_one("#middle")
+        table = self.query_one(ShardTable)
+        right = 1 + table.row_count + 1 + 2              # title, header + rows, detail
+        gpu_keys = len(self.query_one(GpuTable).keys)
+        if middle.has_class("-no-telemetry"):
+            return right + 1                              # the GPU pane is one line
+        if self.has_class("-narrow"):                     # above the shards: app.tcss's caps
+            return right + min(1 + min(gpu_keys + 1, 12), int(self.size.height * 0.35))
+        return max(right, 1 + gpu_keys + 1)
 
     def on_resize(self) -> None:
         if self.snap is not None:
@@ -206,11 +218,15 @@ class MainScreen(Screen):
             return None
         return next((s for s in self.snap.shards if s.id == k), None)
 
+    def _show_detail(self, selected) -> None:
+        waiting = selected is not None and self.snap is not None and selected.host in replaying_hosts(self.snap)
+        self.query_one(ShardDetail).show(selected, self.no_color, self._marked(selected), waiting)
+
     @on(LineTable.CursorMoved, "#shards")
     def _cursor_moved(self) -> None:
         if self.snap is not None:
             selected = self.selected_status()
-            self.query_one(ShardDetail).show(selected, self.no_color, self._marked(selected))
+            self._show_detail(selected)
             self.query_one(GpuPane).show(self.snap, gpus_of(selected),
                                          self.no_color)
             self.query_one("#log", LogView).follow(self.app.source, self.query_one(ShardTable).selected_shard)

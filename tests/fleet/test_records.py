@@ -292,3 +292,21 @@ def test_a_broken_host_python_is_said_as_such_not_unreachable(tmp_path):
     js = subprocess.run([sys.executable, "-m", "fleet", "status", "--json", "-c", config], capture_output=True, text=True)
     host = json.loads(js.stdout)["hosts"][0]
     assert host["reachable"] is False and host["error"].startswith("upload to ")
+
+
+async def test_a_shard_that_stops_is_amber_at_three_of_its_intervals_long_before_its_stall(tmp_path):
+    """A [job] printing progress every second, then hanging, under a stall_timeout of 30 s: the
+    real runner and agent, the supervisor's snapshot polled as the live view draws it — its
+    progress is late (amber) within 5 s of its last progress line, and it is not yet STALLED."""
+    script = {"0": [[["ticks", 8, 1.0], ["hang"]]]}
+    sup = await started(job_toml(tmp_path, script, gpus=(0,), stall="30s"))
+    try:
+        await until(lambda: shard(sup, 0).done == 8, timeout=60, what="8 ticks")
+        seen = []                                  # (age the snapshot says, late) as the view polls
+        late = await until(lambda: (seen.append((shard(sup, 0).progress_age_s, shard(sup, 0).progress_late))
+                                    or shard(sup, 0).progress_late) and shard(sup, 0), timeout=20, what="amber")
+        assert late.state == State.RUNNING and late.progress_interval_s == pytest.approx(1.0, abs=0.3)
+        assert 3.0 <= late.progress_age_s <= 5.0, late          # 3 intervals (and 3 s), not the 30 s stall
+        assert not any(is_late for age, is_late in seen if age is not None and age <= 2.9), seen
+    finally:
+        await sup.close()

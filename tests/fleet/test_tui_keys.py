@@ -3,6 +3,8 @@ records, the real judge and snapshot; events recorded from real runs): what each
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from bench.synthetic_fleet import SyntheticFleet
@@ -13,7 +15,7 @@ from fleet.tui.main import MainScreen
 from fleet.tui.panes.gpus import GpuTable
 from fleet.tui.panes.lines import cell_text, fit_columns
 from fleet.tui.panes.log import LogView, shape
-from fleet.tui.panes.shards import COLUMN_KEYS, COLUMNS, ShardTable
+from fleet.tui.panes.shards import COLUMN_KEYS, COLUMNS, ShardDetail, ShardTable
 from fleet.tui.screens import HelpScreen, LogScreen, help_text
 
 
@@ -391,7 +393,6 @@ def test_columns_fit_the_width_by_priority_and_the_reason_takes_the_rest():
 async def test_a_toast_never_covers_the_selected_shards_detail_line(size):
     """At 80x24 the line under the table is the only place a shard's whole reason shows: a toast
     (a failure told while watching, a `:` command's error) sits elsewhere, at any height."""
-    from fleet.tui.panes.shards import ShardDetail
     app = FleetApp(fleet(), interval=3600)
     async with app.run_test(size=size, notifications=True) as pilot:
         await pilot.pause(0.3)
@@ -445,12 +446,31 @@ async def test_reattach_first_frame_says_reading_not_pending():
         assert "samples/s" not in top and "ETA ?" not in top and "ETA ~" not in top, top
         table = app.main.query_one(ShardTable)
         assert all(cell(table, k, "state") == "… replaying" for k in table.keys)
+        shown = str(app.main.query_one(ShardDetail).render())            # the detail line says it too
+        assert "replaying" in shown and "PENDING" not in shown and "0/0" not in shown, shown
         for host in f.hosts.values():
             host.replayed = True
         app.post_message(Refresh())
         await pilot.pause(0.3)
         top = str(app.main.query_one("#top").render())
         assert "reading hosts" not in top and "RUNNING" in top, top
+        shown = str(app.main.query_one(ShardDetail).render())
+        assert "replaying" not in shown and "samples" in shown, shown
+
+
+@contextlib.asynccontextmanager
+async def laid_out(hosts: int, gpus: int, size: tuple[int, int]):
+    """The live view of a synthetic fleet at `size`, settled: (main screen, shard table, log),
+    with nothing off screen."""
+    f = SyntheticFleet(hosts=hosts, gpus=gpus, seed=1)
+    f.tick(1.0)
+    app = FleetApp(f, interval=3600)
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause(0.3)
+        await pilot.pause(0.3)
+        main = app.main
+        assert main.virtual_size.height == size[1]                            # nothing off screen
+        yield main, main.query_one(ShardTable), main.query_one("#log", LogView)
 
 
 @pytest.mark.parametrize("size", [(120, 40), (160, 50), (200, 60)])
@@ -458,15 +478,7 @@ async def test_no_blank_rows_under_a_short_shard_table(size):
     """Issue 25: 15 blank rows at 120x40 under a 2-shard table. The shards take the rows they need
     and the log the rest; a long table takes what the chart and the log's minimum leave."""
     for hosts, gpus in ((1, 2), (8, 8)):
-        f = SyntheticFleet(hosts=hosts, gpus=gpus, seed=1)
-        f.tick(1.0)
-        app = FleetApp(f, interval=3600)
-        async with app.run_test(size=size) as pilot:
-            await pilot.pause(0.3)
-            await pilot.pause(0.3)
-            main = app.main
-            table, log = main.query_one(ShardTable), main.query_one("#log", LogView)
-            assert main.virtual_size.height == size[1]                        # nothing off screen
+        async with laid_out(hosts, gpus, size) as (main, table, log):
             if hosts == 1:
                 assert table.region.height == table.row_count + 1, (size, table.region)
                 assert log.region.height > (10 if size[1] >= 50 else 6)        # the rows went to the log
@@ -474,6 +486,22 @@ async def test_no_blank_rows_under_a_short_shard_table(size):
                 assert table.region.height < table.row_count + 1                # scrolls
                 assert log.region.height == (10 if size[1] >= 50 else 6)       # the log at its minimum
             assert main.query_one("#detail").region.bottom <= main.query_one("#throughput").region.y
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 29)])
+async def test_under_30_rows_the_log_takes_the_rows_a_short_table_leaves(size):
+    """Issue 39: 11 blank rows at 80x24 under a 4-row shard table. Below 30 rows there is no chart;
+    the shards take the rows they need and the log what they leave, shown only where that is at
+    least 3 lines (a long table keeps every row, as before)."""
+    for hosts, gpus in ((1, 4), (3, 4)):
+        async with laid_out(hosts, gpus, size) as (main, table, log):
+            assert not main.query_one("#throughput").display
+            if hosts == 1:
+                assert table.region.height == table.row_count + 1, (size, table.region)
+                assert log.display and log.region.height >= 3                  # the rows went to the log
+                assert main.query_one("#detail").region.bottom <= main.query_one("#log-title").region.y
+            else:
+                assert not log.display and table.region.height >= 6            # the shards keep them
 
 
 @pytest.mark.parametrize("seconds", [39, 630])

@@ -185,7 +185,7 @@ class ShardTable(LineTable):
         self.empty_text = "  no shard matches (esc clears the filter)"
 
     def show(self, snap: FleetSnapshot, view: View, no_color: bool = False) -> None:
-        waiting = {h.name for h in snap.hosts if not h.replayed and h.reachable is not False}
+        waiting = replaying_hosts(snap)
         rows = {str(s.id): s for s in visible_shards(snap, view)}
         columns = COLUMNS if snap.totals.tokens is not None or snap.totals.total_tokens is not None else SAMPLE_COLUMNS
         if columns is not self.columns:
@@ -200,9 +200,15 @@ class ShardTable(LineTable):
         return int(key) if key is not None else None
 
 
-def detail(s: ShardStatus | None, no_color: bool = False, marked: bool = False) -> Text:
+def replaying_hosts(snap: FleetSnapshot) -> set[str]:
+    """Hosts whose records are still being read: their shards have no state to show yet."""
+    return {h.name for h in snap.hosts if not h.replayed and h.reachable is not False}
+
+
+def detail(s: ShardStatus | None, no_color: bool = False, marked: bool = False, replaying: bool = False) -> Text:
     """The selected shard in full: where, state, counts, rates, ETA, restarts, and its reason;
-    "● marked" when `space` marked it (r and k then act on the marked shards)."""
+    "● marked" when `space` marked it (r and k then act on the marked shards); `replaying`: its
+    host's records are still being read (no state, no counts yet), as its row says."""
     if s is None:
         return Text("no shard selected", style="italic")
     t = Text()
@@ -210,6 +216,9 @@ def detail(s: ShardStatus | None, no_color: bool = False, marked: bool = False) 
         t.append("● marked ", "bold")
     t.append(f"shard {s.id} ", "bold")
     t.append(f"{where(s)}  ")
+    if replaying:
+        t.append("… replaying: reading its host's records", "italic")
+        return t
     t.append(f"{GLYPH.get(s.state.value, '')} {s.state.value}", state_style(s.state.value, no_color))
     tokens = f"  {si(s.tokens or 0)}/{si(s.total_tokens)} tok" if s.total_tokens else \
         f"  {si(s.tokens)} tok" if s.tokens is not None else ""          # a [job] reports samples only
@@ -235,5 +244,6 @@ def detail(s: ShardStatus | None, no_color: bool = False, marked: bool = False) 
 
 
 class ShardDetail(Static):
-    def show(self, s: ShardStatus | None, no_color: bool = False, marked: bool = False) -> None:
-        show_text(self, detail(s, no_color, marked))
+    def show(self, s: ShardStatus | None, no_color: bool = False, marked: bool = False,
+             replaying: bool = False) -> None:
+        show_text(self, detail(s, no_color, marked, replaying))
