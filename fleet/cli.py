@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import json
+import shutil
 import sys
 import time
 from typing import Awaitable, Callable
@@ -85,7 +86,8 @@ async def deploy_and_plan(sup: Supervisor, replan: bool = False, allow_partial: 
     results, failures = await setup.deploy_all(sup)
     from .deploy import format_preflight
     groups = output_needs(config, results, replan)
-    click.echo(format_preflight(results, failures, {h: g.need for g in groups for h in g.hosts}), err=True)
+    click.echo(format_preflight(results, failures, {h: g.need for g in groups for h in g.hosts},
+                                width=shutil.get_terminal_size((120, 24)).columns), err=True)
     refusals = output_verdicts(results, groups, allow_partial)
     unreachable = {h: e for h, e in failures.items() if not isinstance(e, HostUnusable)}
     if unreachable:

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import tarfile
+import textwrap
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Callable, TypeVar
@@ -232,8 +233,10 @@ async def run_demo_assets(t: Transport, config: Config, host: HostSpec, model: s
 
 
 def format_preflight(results: list[Preflight], failures: dict[str, HostError],
-                     needs: dict[str, int] | None = None) -> str:
-    """One table: host, python, torch, GPUs, free disk, what its shards will write, verdict."""
+                     needs: dict[str, int] | None = None, width: int | None = None) -> str:
+    """One table: host, python, torch, GPUs, free disk, what its shards will write, verdict; the
+    verdict wrapped by words under its own column at `width` (the terminal's), never mid-word by
+    the terminal."""
     rows = [("host", "worker", "python", "torch", "gpus", "free", "needs", "result")]
     for p in results:
         r = p.report
@@ -246,5 +249,12 @@ def format_preflight(results: list[Preflight], failures: dict[str, HostError],
         label = "REFUSED: " if isinstance(e, HostUnusable) else "UNREACHABLE: "
         rows.append((host, "-", "-", "-", "-", "-", "-", label + str(e).removeprefix(f"{host}: ")))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r[:-1], widths)) + "  " + str(r[-1])
-                     for r in rows)
+    indent = sum(widths) + 2 * len(widths)
+    room = max((width or 10**6) - indent, 24)
+    lines = []
+    for r in rows:
+        head = "  ".join(str(c).ljust(w) for c, w in zip(r[:-1], widths)) + "  "
+        verdict = textwrap.wrap(str(r[-1]), room, break_on_hyphens=False) or [""]
+        lines.append(head + verdict[0])
+        lines += [" " * indent + more for more in verdict[1:]]
+    return "\n".join(lines)

@@ -193,3 +193,20 @@ min_chunk = 4
         assert [s["state"] for s in snap["shards"]] == ["DONE"] * 4 and snap["totals"]["finished"]
         assert not any(s["holds_rows"] for s in snap["shards"][2:])
         assert len((out["b"] / "rows.txt").read_text().splitlines()) == on_b    # nothing redone on b
+
+
+def test_the_preflight_table_wraps_its_verdict_by_words_at_the_terminals_width(tmp_path):
+    """Issue 39: at 80 columns the terminal cut the table's verdict mid-word ("GPU index 0 out o /
+    f range"). `fleet up` in an 80-column terminal (COLUMNS, as a shell sets it) prints every line of
+    the table within 80 columns, the verdict's words whole under its own column."""
+    config = rows_toml(tmp_path, 6, "", gpus=(0, 1, 2))
+    r = fleet("up", "--headless", "-c", config, env={**os.environ, "COLUMNS": "80"}, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    top = next(i for i, line in enumerate(lines) if line.startswith("host ") and "result" in line)
+    table = [lines[top]] + [line for line in lines[top + 1:top + 8] if line.startswith(("local ", " " * 20))]
+    assert len(table) > 2 and all(len(line) <= 80 for line in table), table
+    column = lines[top].index("result")
+    verdict = " ".join(line[column:].strip() for line in table[1:])
+    assert "warning: GPU index 0 out of range" in verdict, table        # words whole, in order
+    assert all(line[:column].strip() == "" for line in table[2:]), table
