@@ -548,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
         sizer = sizing.Sizer(log, dataset, vocab_size, args.model, options, config, weight)
         stats = resumed_stats(load_finished(args.out), counted)
         lost = False
-        while lease is not None or (got := pool.next()) is not None:
+        def waiting() -> None:                     # a progress tick while it waits for a lease
+            log.emit(protocol.Progress(**stats.snapshot(), total=sum(b - a for a, b in counted)))
+        while lease is not None or (got := pool.next(beat=waiting)) is not None:
             if lease is None:
                 lease, move = got
                 how, source, origin = move.how, (move.source if move.source >= 0 else None), move.origin

@@ -47,6 +47,7 @@ STEAL_WAIT_S = 30.0     # a steal not answered by then (a stopped holder) is wit
 MIN_STEAL = 2           # rows: a remainder smaller than this is left to its holder
 MIN_WINDOW = 64         # rows: the smallest chunk a shared lease is read in
 CHUNK_S = 120.0         # a chunk holds at most this much of its shard's own work (its rate so far)
+WAIT_BEAT_S = 2.0       # a shard waiting for a lease says so this often (its progress, unchanged)
 
 
 @dataclass
@@ -475,11 +476,18 @@ class Pool:
                 ledger.finish(self.slot)
         self.cell = self.epoch = None
 
-    def next(self, stopping: Callable[[], bool] = lambda: False) -> tuple[Lease, Move] | None:
+    def next(self, stopping: Callable[[], bool] = lambda: False,
+             beat: Callable[[], None] = lambda: None) -> tuple[Lease, Move] | None:
         """This shard's next lease once it holds none: a dead member's, or half a live one's; None
-        when no member holds rows any more. Waits while a steal is answered or a holder finishes."""
+        when no member holds rows any more. Waits while a steal is answered or a holder finishes,
+        calling `beat` every WAIT_BEAT_S meanwhile (the shard says it is alive: a wait for a
+        holder's last chunk can outlast a stall_timeout)."""
         asked: int | None = None
+        beaten = time.monotonic()
         while not stopping():
+            if time.monotonic() - beaten >= WAIT_BEAT_S:
+                beat()
+                beaten = time.monotonic()
             with self.ledger() as ledger:
                 lease = ledger.held.get(self.slot)
                 if lease is not None and asked is not None:

@@ -14,12 +14,14 @@ records `done` and exits 0.
 
 Records written: `started` (the planned range, the run's rows), `leased` for each lease,
 `progress` after each chunk (and the chunk's own progress lines, counted on from the rows already
-finished), `lease_moved` on a steal, `done` at the end. Standard library only.
+finished; and every 2 s while it waits for a lease, so a wait for a holder's last chunk is never a
+stall), `lease_moved` on a steal, `done` at the end. Standard library only.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 from . import protocol
@@ -27,11 +29,12 @@ from .leases import Lease, Move, Pool, tell_taken
 from .ranges import shard_range
 
 
+@dataclass(frozen=True)
 class Chunk:
     """How one run of the command over rows [start, stop) ended."""
-
-    def __init__(self, code: int, done_line: bool, fail_line: bool):
-        self.code, self.done_line, self.fail_line = code, done_line, fail_line
+    code: int
+    done_line: bool
+    fail_line: bool
 
 
 def fill(argv: list[str], start: int, stop: int) -> list[str]:
@@ -56,7 +59,11 @@ def run_rows(share: protocol.RowShare, shard_dir: str, launch: int, argv: list[s
                             **(started or {})))
     try:
         lease, move = pool.own(), None
-        while lease is not None or (got := pool.next(stopping)) is not None:
+
+        def waiting() -> None:                     # a progress tick while it waits for a lease
+            done, total = pool.counts()
+            append(protocol.Progress(launch=launch, done=done, total=total))
+        while lease is not None or (got := pool.next(stopping, waiting)) is not None:
             if lease is None:
                 lease, move = got
                 if move.how == "dead":            # what counts for it now: the chunks it finished

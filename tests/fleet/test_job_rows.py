@@ -25,7 +25,7 @@ ROWS_JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 MARK = re.compile(r"launch \d+: rows ([\d,]+)–([\d,]+)")
 
 
-def rows_toml(tmp_path, rows: int, job_args: str, gpus=(0, 1, 2), min_chunk: int = 2) -> str:
+def rows_toml(tmp_path, rows: int, job_args: str, gpus=(0, 1, 2), min_chunk: int = 2, stall: str = "60s") -> str:
     out = tmp_path / "out"
     (tmp_path / "fleet.toml").write_text(f"""
 [run]
@@ -36,6 +36,7 @@ output = "{out}"
 max_restarts = 1
 backoff_base = "0.3s"
 stop_grace = "1s"
+stall_timeout = "{stall}"
 
 [job]
 command = "{sys.executable} {ROWS_JOB} {out} {{start}} {{end}} {{shard}} {job_args}"
@@ -193,6 +194,26 @@ min_chunk = 4
         assert [s["state"] for s in snap["shards"]] == ["DONE"] * 4 and snap["totals"]["finished"]
         assert not any(s["holds_rows"] for s in snap["shards"][2:])
         assert len((out["b"] / "rows.txt").read_text().splitlines()) == on_b    # nothing redone on b
+
+
+async def test_a_slot_waiting_for_a_peers_last_chunk_is_not_stalled(tmp_path):
+    """Two slots, each lease one chunk (min_chunk = its rows): slot 0 is done in a moment, slot 1's
+    chunk takes ~8 s, longer than a stall_timeout of 4 s; slot 0, with nothing to steal, waits for
+    it saying it is alive (a progress tick every 2 s) — never STALLED, never restarted — and both
+    end DONE with every row once."""
+    logs: list[str] = []
+    sup = await started(rows_toml(tmp_path, 16, "--sleep 0.01 --slow 1=100", gpus=(0, 1), min_chunk=8,
+                                  stall="4s"), logs)
+    try:
+        await until(lambda: sup.snapshot().totals.finished, timeout=120, what="the run finished")
+        assert [s.state for s in sup.snapshot().shards] == [State.DONE, State.DONE]
+    finally:
+        await sup.close()
+    assert not [line for line in logs if "STALLED" in line], logs
+    assert [e.launch for e in events(tmp_path, 0) if isinstance(e, protocol.Launch)] == [1]
+    ends = {k: max(t for _, s, t in written(tmp_path) if s == k) for k in (0, 1)}
+    assert ends[1] - ends[0] > 4.0                      # slot 0 did wait longer than the stall timeout
+    assert sorted(i for i, _, _ in written(tmp_path)) == list(range(16))
 
 
 def test_the_preflight_table_wraps_its_verdict_by_words_at_the_terminals_width(tmp_path):
