@@ -220,7 +220,7 @@ class Supervisor:
     def publish(self, verdicts: dict[int, Verdict], now: float) -> None:
         """Tell every listener what changed, once; note whether the run has settled."""
         changes = self.store.transitions(verdicts, now)
-        shown = [self.store.shown.get(k, (None,))[0] for k in self.shards]
+        shown = [self.store.published_state(k) for k in self.shards]
         if self.store.replayed and not self.store.acting and all(st in SETTLED for st in shown):
             self.settled_event.set()
         else:
