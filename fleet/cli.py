@@ -185,7 +185,8 @@ async def supervise_headless(sup: Supervisor) -> int:
             await sup.close()
             fail(f"supervising stopped: {why!r}; the workers keep running (fleet status)", EXIT_FAULT)
         try:                                      # the decide loop's event, or a look once a second
-            await asyncio.wait_for(sup.settled_event.wait(), 1.0)
+            async with asyncio.timeout(1.0):
+                await sup.settled_event.wait()
         except asyncio.TimeoutError:
             pass
     await sup.close()

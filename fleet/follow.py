@@ -5,6 +5,10 @@ A new stream replays the host's records from the start into fresh records, so th
 reconnect or a supervisor restart is the host's own record, never a guess. A host is unreachable
 after a silence longer than the supervisor's limit for it (`silence`): longer while it is busy with
 our actions or while this process is starved of CPU.
+
+Every wait here is bounded with `asyncio.timeout`, never `asyncio.wait_for`: Python 3.11's
+wait_for returns a line that lands in the same loop pass as a cancel and drops the cancel, and a
+follow loop that reads on keeps `Supervisor.close` waiting for ever (tests/fleet/test_follow.py).
 """
 
 from __future__ import annotations
@@ -114,7 +118,8 @@ class HostLink:
                 await self.drop()
             self.wake.clear()
             try:
-                await asyncio.wait_for(self.wake.wait(), self.delay)
+                async with asyncio.timeout(self.delay):
+                    await self.wake.wait()
             except asyncio.TimeoutError:
                 pass
             self.delay = min(self.delay * 2, self.store.config.spec.supervise.reconnect_max)
@@ -125,7 +130,8 @@ class HostLink:
             if not self.host.replayed:          # the agent is starting and replaying
                 silence = max(silence, AGENT_START_S)
             try:
-                line = await asyncio.wait_for(lines.__anext__(), silence)
+                async with asyncio.timeout(silence):
+                    line = await lines.__anext__()
             except StopAsyncIteration:
                 why = self.diagnostics[-1] if self.diagnostics else "no output"
                 raise HostError(f"{self.name}: agent exited: {why}") from None
@@ -141,13 +147,15 @@ class HostLink:
     async def drop(self, connection: bool = True) -> None:
         if self.stream is not None:
             try:
-                await asyncio.wait_for(self.stream.close(), 3)
+                async with asyncio.timeout(3):
+                    await self.stream.close()
             except Exception:
                 pass
             self.stream = None
         if connection:
             try:
-                await asyncio.wait_for(self.transport.close(), 3)
+                async with asyncio.timeout(3):
+                    await self.transport.close()
             except Exception:
                 pass
 

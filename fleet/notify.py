@@ -160,8 +160,8 @@ class Notifier:
             self.on_log(f"notify: cannot run {argv[0]}: {e.strerror or e}")
             return
         try:
-            err = await asyncio.wait_for(_feed_and_tail(proc, notice.to_json().encode() + b"\n"),
-                                         self.spec.timeout)
+            async with asyncio.timeout(self.spec.timeout):
+                err = await _feed_and_tail(proc, notice.to_json().encode() + b"\n")
         except asyncio.TimeoutError:
             proc.kill()
             await proc.wait()

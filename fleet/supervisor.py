@@ -34,6 +34,7 @@ from .store import Shard, Store, Transition
 from .transport import HostError, HostUnusable, make_transport
 
 ACTION_TIMEOUT_S = 60.0       # an action whose outcome never shows up in the record: judge again
+CLOSE_TIMEOUT_S = 10.0        # its tasks' end after the close's cancel (a quit must not hang)
 
 
 class Supervisor:
@@ -123,7 +124,8 @@ class Supervisor:
 
     async def wait_replayed(self, timeout: float = 60) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.replayed_event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self.replayed_event.wait()
 
     async def launch_all(self) -> None:
         """Launch every shard that is neither live nor done (what `fleet up` does on (re)attach):
@@ -339,7 +341,11 @@ class Supervisor:
             now = time.time()                           # the last changes are told
             self.publish({k: self.verdict(s, now) for k, s in self.shards.items()}, now)
             self.runner.cancel()
-            await asyncio.gather(self.runner, return_exceptions=True)
+            await asyncio.wait([self.runner], timeout=CLOSE_TIMEOUT_S)
+            if not self.runner.done():                  # a task that ignores its cancel: say so, go on
+                stuck = [l.task.get_name() for l in self.links.values() if l.task and not l.task.done()]
+                self.on_log(f"supervisor error: its tasks did not stop within {CLOSE_TIMEOUT_S:.0f}s of "
+                            f"the close ({', '.join(stuck) or 'its decide loop'}); left behind")
             self.runner = self._group = None
         if self.notifier is not None:
             await self.notifier.close()

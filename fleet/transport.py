@@ -97,7 +97,8 @@ class LocalStream(Stream):
             except ProcessLookupError:
                 pass
             try:
-                await asyncio.wait_for(self.proc.wait(), 5)
+                async with asyncio.timeout(5):
+                    await self.proc.wait()
             except asyncio.TimeoutError:
                 self.proc.kill()
 
@@ -111,7 +112,8 @@ class LocalTransport(Transport):
         except OSError as e:
             raise HostError(f"{self.host.name}: cannot run {argv[0]}: {e.strerror}") from None
         try:
-            out, err = await asyncio.wait_for(proc.communicate(input), timeout)
+            async with asyncio.timeout(timeout):
+                out, err = await proc.communicate(input)
         except asyncio.TimeoutError:
             proc.kill()
             raise HostError(f"{self.host.name}: {argv[0]} timed out after {timeout:.0f}s") from None
@@ -391,8 +393,8 @@ class SSHTransport(Transport):
                 f"set known_hosts = \"~/.ssh/known_hosts\" and accept_new = true for this host (its key "
                 f"is recorded on the first connect and checked after)")
         probe = {k: kwargs[k] for k in ("port", "tunnel", "config") if k in kwargs}
-        key = await asyncio.wait_for(asyncssh.get_server_host_key(h.address, **probe),
-                                     self.supervise.connect_timeout)
+        async with asyncio.timeout(self.supervise.connect_timeout):
+            key = await asyncssh.get_server_host_key(h.address, **probe)
         offered = f"{key.get_algorithm()} {key.get_fingerprint()}" if key is not None else "none offered"
         raise HostError(
             f"{self.where}: host key unknown (not in {r.said('known_hosts', r.known_hosts)}; it offers "
@@ -431,8 +433,8 @@ class SSHTransport(Transport):
         import asyncssh
         conn = await self._ensure()
         try:
-            r = await asyncio.wait_for(conn.run(shlex.join(argv), check=False, input=input, encoding=None),
-                                       timeout)
+            async with asyncio.timeout(timeout):
+                r = await conn.run(shlex.join(argv), check=False, input=input, encoding=None)
         except asyncio.TimeoutError:
             raise HostError(f"{self.where}: {argv[0]} timed out after {timeout:.0f}s") from None
         except (asyncssh.Error, OSError) as e:
@@ -456,7 +458,8 @@ class SSHTransport(Transport):
         if self.conn is not None:
             self.conn.close()
             try:
-                await asyncio.wait_for(self.conn.wait_closed(), 5)
+                async with asyncio.timeout(5):
+                    await self.conn.wait_closed()
             except Exception:
                 pass
             self.conn = None

@@ -267,7 +267,7 @@ root = "fleet"
 """)
     r = fleet("up", "--headless", "-c", str(path), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert re.search(r"of local:2 \((FATAL|BACKOFF|FAILED|PENDING|STARTING|LOADING)\) → local:", r.stderr), r.stderr   # the move, a line in the log view
+    assert re.search(r"of local:2 \((FATAL|BACKOFF|FAILED|PENDING|STOPPING|STARTING|LOADING)\) → local:", r.stderr), r.stderr   # the move, a line in the log view
     snap = json.loads(fleet("status", "--json", "-c", str(path)).stdout)
     shards = {s["id"]: s for s in snap["shards"]}
     # GPU 2 ends FATAL, or DONE when its last restart found its host's rows all done (no model load)

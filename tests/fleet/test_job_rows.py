@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import time
 
 from fleet.render import finished_summary, format_status
 from fleet.snapshot import status_exit_code
@@ -158,7 +159,7 @@ def test_a_lost_hosts_rows_are_finished_by_the_other_host_and_it_stops_them_once
     its shards stop holding rows, and nothing more is written on b."""
     out = {name: tmp_path / "remote" / f"out-{name}" for name in ("a", "b")}
     job = f"""[job]
-command = "{{python}} {ROWS_JOB} {{output}} {{start}} {{end}} {{shard}} --sleep 0.05"
+command = "{{python}} {ROWS_JOB} {{output}} {{start}} {{end}} {{shard}} --sleep 0.1"
 done = "ALL DONE"
 progress = "processed (?P<done>\\\\d+)/(?P<total>\\\\d+)"
 rows = 400
@@ -171,6 +172,11 @@ min_chunk = 4
         try:
             wait_for(lambda: (out["b"] / "rows.txt").exists() and
                      len((out["b"] / "rows.txt").read_text().splitlines()) > 10, 120, what="host b writing")
+            # The supervisor has heard b's shards running (its agent stream up: under load it starts
+            # after the rows do), and a few telemetry ticks of their progress, before b is gone.
+            wait_for(lambda: all(any(re.search(rf"shard {k} b:\d+ \S+ -> RUNNING", line) for line in lines)
+                                 for k in (2, 3)), 120, what="b's shards heard RUNNING")
+            time.sleep(1.0)
             lose_host(tmp_path, procs, "b", (2, 3))
             on_b = len((out["b"] / "rows.txt").read_text().splitlines())
             assert up.wait(300) == 0, "\n".join(lines)

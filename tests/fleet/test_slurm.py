@@ -280,10 +280,17 @@ def test_node_failure_and_preemption_are_failures_with_slurms_reason_restarted_u
         wait_for(lambda: all(progress(tmp_path, k, 1) == 1 for k in (0, 1)), 60, what="launch 1 running")
         slurm.run("scontrol", "update", "NodeName=localhost", "State=DOWN", "Reason=fleet-test")
         # Relaunched at once under the policy, and queued while the node is down, with Slurm's reason.
-        st = wait_for(lambda: (lambda s: s if all(x["state"] == "QUEUED" and x["restarts"] == 1 and
-                                                  "DOWN" in (x["reason"] or "") for x in s["shards"])
-                               else None)(status(config)),
-                      60, interval=0.5, what="both resubmitted and queued, the node down")
+        # (Slurm's pending reason names the node DOWN once its scheduler has looked at the job
+        # again: on a loaded machine, a minute or more.)
+        seen: list[dict] = []
+        def queued():
+            seen.append(status(config))
+            return seen[-1] if all(x["state"] == "QUEUED" and x["restarts"] == 1 and "DOWN" in (x["reason"] or "")
+                                   for x in seen[-1]["shards"]) else None
+        try:
+            st = wait_for(queued, 180, interval=0.5, what="both resubmitted and queued, the node down")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; last seen: {[(x['state'], x['restarts'], x['reason']) for x in seen[-1]['shards']]}")
         assert all(s["last_failure"] == "Slurm NODE_FAIL on localhost: its node failed (NodeDown)"
                    for s in st["shards"]), st["shards"]
         slurm.run("scontrol", "update", "NodeName=localhost", "State=RESUME")
