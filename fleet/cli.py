@@ -88,7 +88,7 @@ async def deploy_and_plan(sup: Supervisor, replan: bool = False, allow_partial: 
     groups = output_needs(config, results, replan)
     click.echo(format_preflight(results, failures, {h: g.need for g in groups for h in g.hosts},
                                 width=shutil.get_terminal_size((120, 24)).columns), err=True)
-    refusals = output_verdicts(results, groups, allow_partial)
+    refusals = output_verdicts(config, results, groups, allow_partial)
     unreachable = {h: e for h, e in failures.items() if not isinstance(e, HostUnusable)}
     if unreachable:
         fail(f"{len(unreachable)} host(s) unreachable: " + "; ".join(map(str, unreachable.values())),
@@ -118,15 +118,18 @@ def output_needs(config: Config, results: list, replan: bool) -> list:
     for p in places:
         by_host.setdefault(p.host, []).append(p.shard)
     outputs = {h.name: config.output_dir(h) for h in config.hosts}
-    return needs({r.host: r.report for r in results}, outputs, by_host, len(places))
+    return needs({r.host: r.report for r in results}, outputs, by_host, len(places), config.run.keep_local)
 
 
-def output_verdicts(results: list, groups: list, allow_partial: bool) -> list[str]:
-    """Print the whole run's projection and the warnings; return the refusals."""
-    from .footprint import describe, verdicts
+def output_verdicts(config: Config, results: list, groups: list, allow_partial: bool) -> list[str]:
+    """Print the whole run's projection (and where it ships) and the warnings; return the refusals."""
+    from .footprint import describe, shipping_line, verdicts
     fp = next((r.report.footprint for r in results if r.report.footprint), None)
     if fp:
         click.echo(describe(fp), err=True)
+        if config.run.destination is not None:
+            click.echo(shipping_line(fp, config.run.destination, config.run.keep_local, groups,
+                                     config.spec.expected.tokens_per_s_per_gpu), err=True)
     refusals, warnings = verdicts(groups, allow_partial)
     for w in warnings:
         click.echo(f"warning: {w}", err=True)

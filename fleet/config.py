@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from worker.formats import FORMATS, LOSS_MASKS, FormatError, check_dtype
 from worker.layers import LayerError, check_spec
+from worker.ship import ShipError, destination
+from worker.text import parse_bytes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -88,6 +90,10 @@ class RunSpec(Strict):
     extra_args: list[str] = []          # more flags for python -m worker.extract
     env: dict[str, str] = {}            # environment for every shard process
     demo: bool = False                  # make the tiny demo model and dataset on first use
+    # Where the output lands (worker/ship.py): s3://bucket/prefix, sftp://[user@]host/path or a path;
+    # each host ships its finished files there as the run goes on. None: the output stays on the hosts.
+    destination: str | None = None
+    keep_local: int | None = None       # with a destination: the most bytes of output a host keeps
 
     @field_validator("env")
     @classmethod
@@ -96,6 +102,32 @@ class RunSpec(Strict):
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise ValueError(f"bad environment variable name {key!r}")
         return v
+
+    @field_validator("destination")
+    @classmethod
+    def _destination(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                destination(v, environ={})
+            except ShipError as e:
+                raise ValueError(str(e).removeprefix(f"destination {v}: ")) from None
+        return v
+
+    @field_validator("keep_local", mode="before")
+    @classmethod
+    def _keep_local(cls, v):
+        if v is None:
+            return v
+        n = parse_bytes(v)
+        if n <= 0:
+            raise ValueError("a size above zero")
+        return n
+
+    @model_validator(mode="after")
+    def _keep_needs_destination(self):
+        if self.keep_local is not None and self.destination is None:
+            raise ValueError("keep_local bounds what waits to be shipped: set destination too")
+        return self
 
     @field_validator("name")
     @classmethod
@@ -421,6 +453,9 @@ class FleetSpec(Strict):
             raise ValueError(f"duplicate host name {sorted(dup)[0]!r}")
         if self.job is None and not (self.run.model and self.run.data):
             raise ValueError("[run] needs model and data (or a [job] section with a custom command)")
+        if self.job is not None and self.run.destination is not None:
+            raise ValueError("[run] destination ships the built-in worker's files; a [job] writes its own "
+                             "(copy them from its command)")
         return self
 
 
@@ -461,6 +496,13 @@ class Config:
         """[run] output as `host` sees it; "{host}" in it is the host's name (one folder a host on
         storage several hosts mount)."""
         return self.host_path(host, self.run.output.replace("{host}", host.name))
+
+    def destination(self, host: HostSpec) -> str | None:
+        """[run] destination as `host` gives it to rclone: a URL as written, a path as host_path."""
+        d = self.run.destination
+        if d is None or "://" in d:
+            return d
+        return self.host_path(host, d)
 
     def run_dir(self, host: HostSpec) -> str:
         return os.path.join(self.host_path(host, host.root), self.run.name)

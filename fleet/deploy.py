@@ -46,21 +46,24 @@ def code_dir(config: Config, host: HostSpec) -> str:
     return os.path.join(config.run_dir(host), "code", worker_hash())
 
 
-def _python_argv(config: Config, host: HostSpec, module: str, *args: str) -> list[str]:
-    """`python -m worker.<module>` with the deployed code on PYTHONPATH (no shell involved); only
-    through `worker_argv`, which makes sure that code is there."""
-    return ["env", f"PYTHONPATH={code_dir(config, host)}", config.python(host), "-m",
-            f"worker.{module}", *args]
+def _python_argv(config: Config, host: HostSpec, module: str, *args: str,
+                 env: dict[str, str] | None = None) -> list[str]:
+    """`python -m worker.<module>` with the deployed code on PYTHONPATH (no shell involved), and
+    `env` (a check that must see what the shards see: [run] env); only through `worker_argv`,
+    which makes sure that code is there."""
+    return ["env", f"PYTHONPATH={code_dir(config, host)}", *(f"{k}={v}" for k, v in (env or {}).items() if k != "PYTHONPATH"),
+            config.python(host), "-m", f"worker.{module}", *args]
 
 
-async def worker_argv(t: Transport, config: Config, host: HostSpec, module: str, *args: str) -> list[str]:
+async def worker_argv(t: Transport, config: Config, host: HostSpec, module: str, *args: str,
+                      env: dict[str, str] | None = None) -> list[str]:
     """`_python_argv`, with this fleet's worker put on the host first where it is not there yet
     (checked once a connection): `fleet status`, `down` or `verify` before any `fleet up`, or
     after fleet was upgraded here, run the worker this fleet ships — not a missing folder, and
     not whatever `worker` the host's Python happens to have installed."""
     if t.worker_at != code_dir(config, host):
         await upload_worker(t, config, host)
-    return _python_argv(config, host, module, *args)
+    return _python_argv(config, host, module, *args, env=env)
 
 
 def _python_missing(config: Config, host: HostSpec, stderr: str) -> str | None:
@@ -78,10 +81,11 @@ R = TypeVar("R", bound=protocol.Reply)
 
 
 async def run_worker_module(t: Transport, config: Config, host: HostSpec, module: str, *args: str,
-                            reply: type[R], timeout: float | None = 300, input: bytes | None = None) -> R:
+                            reply: type[R], timeout: float | None = 300, input: bytes | None = None,
+                            env: dict[str, str] | None = None) -> R:
     """Run a worker module that prints one JSON object, parsed here as `reply` (its one typed
     form: worker/protocol.py); its errors, and a reply that is not one, become a HostUnusable."""
-    r = await t.run(await worker_argv(t, config, host, module, *args), timeout=timeout, input=input)
+    r = await t.run(await worker_argv(t, config, host, module, *args, env=env), timeout=timeout, input=input)
     if r.rc != 0:
         why = _python_missing(config, host, r.stderr) or \
             f"{host.name}: worker.{module} failed (exit {r.rc}): {last_line(r.stderr)}"
@@ -204,8 +208,10 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec,
         args += ["--data", data]
     if config.spec.job is None:
         args.append("--builtin")
+    if config.run.destination is not None:
+        args += ["--destination", config.destination(host)]
     report = await run_worker_module(t, config, host, "preflight", *args, reply=protocol.PreflightReport,
-                                     timeout=300)
+                                     timeout=300, env=run.env)     # the destination with the shards' env
     result.report = report
     result.gpus = report.gpus
     if config.slurm is not None:

@@ -42,6 +42,7 @@ class Need:
     need: int = 0                # bytes still to write for these shards
     free: int | None = None      # bytes free at the output (the least any of the hosts reports)
     fp8_need: int | None = None  # the same in fp8, when the run is bf16 in a format that reads fp8
+    total: int = 0               # what these shards write in all (`need` is what stays here at most)
 
     @property
     def fits(self) -> bool:
@@ -53,9 +54,10 @@ class Need:
 
 
 def needs(reports: dict[str, PreflightReport], outputs: dict[str, str], shards_by_host: dict[str, list[int]],
-          num_shards: int) -> list[Need]:
+          num_shards: int, keep_local: int | None = None) -> list[Need]:
     """One Need per output folder, from each host's preflight report (hosts without a footprint,
-    such as a custom [job], are left out)."""
+    such as a custom [job], are left out). With `keep_local` (a destination takes the files as
+    they are written) a folder holds at most that much for each of its hosts."""
     groups: dict[str, Need] = {}
     for host, report in reports.items():
         fp = report.footprint
@@ -76,6 +78,11 @@ def needs(reports: dict[str, PreflightReport], outputs: dict[str, str], shards_b
             if fp.bytes_per_token_fp8:
                 ratio = fp.bytes_per_token_fp8 / fp.bytes_per_token
                 group.fp8_need = (group.fp8_need or 0) + round(need * ratio)
+    for group in groups.values():
+        group.total = group.need
+        if keep_local is not None:
+            group.need = min(group.need, keep_local * len(group.hosts))
+            group.fp8_need = None if group.fp8_need is None else min(group.fp8_need, group.need)
     return list(groups.values())
 
 
@@ -113,3 +120,19 @@ def verdicts(groups: list[Need], allow_partial: bool) -> tuple[list[str], list[s
         elif g.need > WARN_FRACTION * g.free:
             warnings.append(f"{g.name}: output {g.path} needs {gb(g.need)} more of {gb(g.free)} free")
     return refusals, warnings
+
+
+def shipping_line(fp: Footprint, destination: str, keep_local: int | None, groups: list[Need],
+                  tokens_per_s_per_gpu: float | None) -> str:
+    """Where the output goes, what each host keeps at its peak, and the upload each host needs to
+    keep pace with its GPUs at the expected rate (above its uplink, the uplink sets the pace)."""
+    peak = max((g.need for g in groups), default=0)
+    line = f"output: ships to {destination} as it is written"
+    line += (f"; each host keeps at most {gb(keep_local)} (peak here {gb(peak)})" if keep_local is not None
+             else "; no keep_local: a host may hold all it writes until it is shipped")
+    if tokens_per_s_per_gpu and groups:
+        gpus = max(len(g.shards) for g in groups)
+        rate = tokens_per_s_per_gpu * gpus * fp.bytes_per_token
+        line += (f"; at the expected {tokens_per_s_per_gpu:,.0f} tokens/s a GPU a host of {gpus} shard(s) "
+                 f"must upload {gb(rate)}/s, or its uplink sets the pace")
+    return line

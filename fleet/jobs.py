@@ -91,6 +91,10 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
             "--max-tokens-per-batch", str(run.max_tokens_per_batch), "--too-long", run.too_long]
     if len(place.all_gpus) > 1:
         argv += ["--gpus-per-shard", str(len(place.all_gpus))]
+    if run.destination is not None:            # keep_local is the host's: each shard keeps its share
+        argv += ["--destination", config.destination(host)]
+        if run.keep_local is not None:
+            argv += ["--keep-local", str(run.keep_local // max(1, len(pool)))]
     argv += output_args(run) + ["--plan", os.path.join(config.run_dir(host), "plan.json"),
                                 "--max-skip-fraction", str(run.max_skip_fraction),
                                 "--compile", run.compile,

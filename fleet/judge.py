@@ -168,7 +168,8 @@ def _live(a, acting: bool | None, host_now: float, policy: Policy, attempts: int
             Verdict(State.STALLED, v.reason, v.action, v.due_t, attempts)
     if phase == Phase.RUNNING and not a.worked and not policy.custom_job:
         return Verdict(State.LOADING, WARMING_UP, attempts=attempts)    # loaded, first batch not done
-    return Verdict(State(phase.value), attempts=attempts)
+    return Verdict(State(phase.value), a.shipping_note if phase == Phase.RUNNING else None,
+                   attempts=attempts)
 
 
 def _kill_first(v: Verdict) -> Verdict:

@@ -59,6 +59,7 @@ class Attempt:
     base_done: int = 0                    # samples finished (or skipped) before this launch
     worked: bool = False                  # this launch has finished a sample (warm-up is over)
     batches_from: float | None = None     # when its first batch began (the worker's `batches_from`)
+    shipping_note: str | None = None      # why it waits on shipping, or shipping's failure (retried)
 
     @property
     def ended(self) -> bool:
@@ -192,6 +193,7 @@ class ShardRecord:
     num_rows: int | None = None           # the dataset's rows, as its worker counted them
     planned: tuple[int, int] | None = None   # the plan's rows of this shard
     leased_t: float | None = None         # when it last took a lease (newer than a relocation: holds rows)
+    shipping: protocol.Shipping | None = None   # its files against the destination, as last told
 
     def apply(self, ev: protocol.Record) -> None:
         """Fold one event of the shard's record, in file order."""
@@ -251,6 +253,9 @@ class ShardRecord:
             self.warning = ev.message
         elif isinstance(ev, protocol.Leased):
             self._leased(ev)
+        elif isinstance(ev, protocol.Shipping):
+            self.shipping = ev
+            a.shipping_note = ev.waiting or (f"shipping failed, retrying: {ev.error}" if ev.error else None)
         elif isinstance(ev, (protocol.Failed, protocol.Sentinel)):
             self._said(a, ev)
         elif isinstance(ev, protocol.StopRequested):

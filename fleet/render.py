@@ -26,7 +26,24 @@ def finished_summary(snap: FleetSnapshot, sep: str = ", ") -> str:
         parts.append(bytes_text(t.bytes_written))
     if t.usd_spent is not None:
         parts.append(f"${t.usd_spent:,.2f}")
+    if t.shipping is not None:
+        parts.append(f"at {t.shipping.destination}" if t.shipping.finished
+                     else shipping_text(t.shipping))
     return sep.join(parts)
+
+
+def shipping_text(sh) -> str:
+    """'shipped 1.2 GB (340 files) to s3://b/run, 80.0 MB pending, 95.1 MB/s' (or its error)."""
+    text = f"shipped {bytes_text(sh.shipped_bytes)} ({sh.shipped_files:,} files) to {sh.destination}"
+    if sh.pending_files:
+        text += f", {bytes_text(sh.pending_bytes)} pending"
+    if sh.rate_bps:
+        text += f", {bytes_text(sh.rate_bps)}/s"
+    if sh.waiting:
+        text += ", writers waiting (keep_local)"
+    if sh.error:
+        text += f"; failing, retried: {sh.error}"
+    return text
 
 
 def restarts_text(s) -> str:
@@ -51,6 +68,8 @@ def format_status(snap: FleetSnapshot) -> str:
                  + (f", ETA {duration(t.eta_s)}" + (f" ({t.eta_unit})" if t.eta_unit else "")
                     if not t.settled else ", nothing running")
                  + (f", written {bytes_text(t.bytes_written)}" if t.bytes_written is not None else "") + cost]
+        if t.shipping is not None:
+            lines.append(f"output: {shipping_text(t.shipping)}")
     if t.by_state:
         lines.append("states: " + ", ".join(f"{k} {v}" for k, v in t.by_state.items()))
     for h in snap.hosts:
@@ -59,7 +78,8 @@ def format_status(snap: FleetSnapshot) -> str:
             continue
         tele = "no GPU telemetry" if not h.gpus else ", ".join(
             f"gpu{g.index} {gib(g.mem_used)}/{gib(g.mem_total)} GiB" for g in h.gpus)
-        lines.append(f"host {h.name}: {tele}; disk free {bytes_text(h.disk.free if h.disk else None)}")
+        lines.append(f"host {h.name}: {tele}; disk free {bytes_text(h.disk.free if h.disk else None)}"
+                     + (f"; {shipping_text(h.shipping)}" if h.shipping else ""))
     if not snap.shards:
         lines.append("shards: unknown (no reachable host holds the run's plan or records)")
         return "\n".join(lines)

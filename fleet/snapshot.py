@@ -71,6 +71,52 @@ def gpu_totals(gpus: list[Gpu]) -> GpuTotals | None:
                      temp_max=max(temps) if temps else None, power_w=sum(g.power_w or 0 for g in seen))
 
 
+class ShippingStatus(BaseModel):
+    """Output against the run's destination ([run] destination; worker/ship.py)."""
+    destination: str
+    shipped_files: int = Field(0, description="files the destination holds, checksum matched (gone from the host)")
+    shipped_bytes: int = 0
+    pending_files: int = Field(0, description="written files still on the host's disk, to be shipped")
+    pending_bytes: int = 0
+    rate_bps: Optional[float] = Field(None, description="bytes a second over the last transfer(s) of the "
+                                                        "last 30 s; null when none moved lately")
+    waiting: bool = Field(False, description="a writer waits for shipping (keep_local reached)")
+    error: Optional[str] = Field(None, description="the last transfer's failure (retried; never a failure "
+                                                   "of the shard)")
+    finished: bool = Field(False, description="every file is at the destination (the shards are DONE)")
+
+
+SHIP_RATE_FRESH_S = 30.0          # a transfer older than this no longer counts in the upload rate
+
+
+def shipping_of(r: ShardRecord, host_now: float) -> ShippingStatus | None:
+    """One shard's shipping, from its newest Shipping event."""
+    ev = r.shipping
+    if ev is None:
+        return None
+    fresh = ev.rate_bps is not None and host_now - ev.t < SHIP_RATE_FRESH_S and not ev.finished
+    return ShippingStatus(destination=ev.destination, shipped_files=ev.shipped_files,
+                          shipped_bytes=ev.shipped_bytes, pending_files=ev.pending_files,
+                          pending_bytes=ev.local_bytes, rate_bps=_finite(ev.rate_bps, 0) if fresh else None,
+                          waiting=bool(ev.waiting) and not ev.finished, error=ev.error, finished=ev.finished)
+
+
+def shipping_sum(parts: list[ShippingStatus | None]) -> ShippingStatus | None:
+    """Several shards' shipping as one (a host's, the run's)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    rates = [p.rate_bps for p in parts if p.rate_bps is not None]
+    return ShippingStatus(destination=parts[0].destination,
+                          shipped_files=sum(p.shipped_files for p in parts),
+                          shipped_bytes=sum(p.shipped_bytes for p in parts),
+                          pending_files=sum(p.pending_files for p in parts),
+                          pending_bytes=sum(p.pending_bytes for p in parts),
+                          rate_bps=sum(rates) if rates else None, waiting=any(p.waiting for p in parts),
+                          error=next((p.error for p in parts if p.error), None),
+                          finished=all(p.finished for p in parts))
+
+
 class HostStatus(BaseModel):
     name: str
     address: str
@@ -93,6 +139,8 @@ class HostStatus(BaseModel):
                                               "until then its shards' states are not yet known")
     usd_per_hour: Optional[float] = Field(None, description="[[hosts]] usd_per_hour, when given")
     usd_spent: Optional[float] = Field(None, description="usd_per_hour x the run's elapsed_s")
+    shipping: Optional[ShippingStatus] = Field(None, description="its shards' output against the "
+                                                                 "destination, summed; null without one")
 
 
 class SlurmTaskStatus(BaseModel):
@@ -168,6 +216,8 @@ class ShardStatus(BaseModel):
     rows_moved_out: int = Field(0, description="unfinished rows other shards of its host took from it")
     holds_rows: bool = Field(True, description="false once its rows went to other shards (a FATAL shard "
                                                "that holds none does not keep the run from finishing)")
+    shipping: Optional[ShippingStatus] = Field(None, description="its files against the destination; "
+                                                                 "null without one")
 
 
 class Totals(BaseModel):
@@ -237,6 +287,8 @@ class Totals(BaseModel):
     usd_per_million_tokens: Optional[float] = Field(None, description="usd_spent / tokens x 1e6")
     replayed: bool = Field(False, description="every reachable host's record has been read")
     settled: bool = Field(False, description="every shard DONE, FATAL or STOPPED")
+    shipping: Optional[ShippingStatus] = Field(None, description="the run's output against the "
+                                                                 "destination, summed; null without one")
 
 
 class FleetSnapshot(BaseModel):
@@ -435,7 +487,7 @@ def shard_row(v: ShardView, host: Host, now: float) -> tuple[ShardStatus, Rates 
         max_restarts=v.max_restarts, failures=r.failures, last_failure=r.last_failure,
         writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
         detail=a.detail if a and state == State.LOADING else None, path=r.path,
-        **lease_fields(v))
+        shipping=shipping_of(r, hn), **lease_fields(v))
     return row, rate
 
 
@@ -545,7 +597,7 @@ def elapsed_s(views: list[ShardView], hosts: dict[str, Host], settled: bool, now
 
 
 def host_rows(hosts: dict[str, Host], views: list[ShardView], measured: list, hours: float | None,
-              now: float) -> tuple[list[HostStatus], float | None]:
+              now: float, rows: list[ShardStatus] = ()) -> tuple[list[HostStatus], float | None]:
     """Each host as status shows it, and the soonest time a host's disk fills at its current rate."""
     host_tps: dict[str, float] = {}
     for v, x in measured:
@@ -568,7 +620,8 @@ def host_rows(hosts: dict[str, Host], views: list[ShardView], measured: list, ho
             last_seen_age_s=_finite(now - h.last_seen, 1) if h.last_seen else None,
             replayed=h.replayed, usd_per_hour=h.usd_per_hour,
             usd_spent=_finite(h.usd_per_hour * hours) if h.usd_per_hour is not None and hours is not None
-            else None))
+            else None,
+            shipping=shipping_sum([row.shipping for v, row in zip(views, rows) if v.host == h.name])))
     return out, disk_eta
 
 
@@ -652,7 +705,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
     eta_unit, eta = run_eta(views, rows, measured, finished)
     elapsed = elapsed_s(views, hosts, settled, now)
     hours = elapsed / 3600 if elapsed is not None else None
-    hosts_out, disk_eta = host_rows(hosts, views, measured, hours, now)
+    hosts_out, disk_eta = host_rows(hosts, views, measured, hours, now, rows)
     n = counts(views, rows)
     return FleetSnapshot(
         run=run, time=round(now, 3), hosts=hosts_out, shards=rows, verifiable=verifiable,
@@ -663,7 +716,8 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
                       elapsed_s=_finite(elapsed, 1), finished=finished, disk_full_eta_s=_finite(disk_eta, 0),
                       rows_moved=sum(r.rows_moved_in for r in rows),
                       rows_relocated=relocated[0], rows_redone=relocated[1],
-                      replayed=all_replayed(hosts.values()), settled=settled))
+                      replayed=all_replayed(hosts.values()), settled=settled,
+                      shipping=shipping_sum([row.shipping for row in rows])))
 
 
 def status_exit_code(snap: FleetSnapshot) -> int:

@@ -118,23 +118,32 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
     if config.spec.job is not None:
         raise HostError("verify checks the built-in worker's output; this run uses a custom [job]")
 
+    if config.run.destination is not None and repair:
+        raise HostError(f"--repair works on the hosts' output folders; the output is at "
+                        f"{config.run.destination} (verify it there, without --repair)")
+
     async def one(host):
         t = transports[host.name]
         await t.connect()
         await deploy.upload_worker(t, config, host)      # a newer fleet's checks, not the old ones
-        args = ["--out", config.output_dir(host)] + ([] if deep else ["--shallow"]) \
-            + (["--repair"] if repair else [])
+        where = (["--destination", config.destination(host)] if config.run.destination is not None
+                 else ["--out", config.output_dir(host)])
+        args = where + ([] if deep else ["--shallow"]) + (["--repair"] if repair else [])
         return await deploy.run_worker_module(t, config, host, "verify", *args, reply=protocol.VerifyReport,
-                                              timeout=None)
-    results = await asyncio.gather(*(one(h) for h in config.hosts), return_exceptions=True)
+                                              timeout=None, env=config.run.env)
+    # With a destination the output is in one place: checked once, from the first host (its
+    # credentials, as the shards' own), and named by the destination.
+    hosts = config.hosts[:1] if config.run.destination is not None else config.hosts
+    results = await asyncio.gather(*(one(h) for h in hosts), return_exceptions=True)
     reports, failures = {}, {}
-    for host, r in zip(config.hosts, results):
+    for host, r in zip(hosts, results):
+        name = config.destination(host) if config.run.destination is not None else host.name
         if isinstance(r, HostError):
             failures[host.name] = str(r)
         elif isinstance(r, BaseException):
             raise r
         else:
-            reports[host.name] = r
+            reports[name] = r
     return merge_reports(reports), failures
 
 

@@ -58,6 +58,8 @@ SLOW_MODULES = {
     "tests/worker/test_truthful.py": "a worker run (or two) for each refusal and repair",
     "tests/worker/test_multi_gpu.py": "several worker processes sharing the CPU as GPUs",
     "tests/worker/test_speed_paths.py": "the compiled and eager paths compared over whole runs",
+    "tests/worker/test_ship.py": "worker runs shipping into a real S3 store that is killed and restarted",
+    "tests/fleet/test_destination.py": "fleet up over two sshds into a real S3 store; refusals at preflight",
 }
 SLOW_TESTS = {
     "tests/fleet/test_job_rows.py::test_a_lost_hosts_rows_are_finished_by_the_other_host_and_it_stops_them_once_back":

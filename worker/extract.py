@@ -42,6 +42,8 @@ from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, com
                     is_hybrid, load_model, missing_fast_kernels, model_devices, move, text_config,
                     uncompile_layers, unpacked_rows, use_fla_conv)
 from .suspects import Suspects, suspects_path
+from .ship import ShipError
+from .text import parse_bytes
 from .writer import (BackgroundWriter, DiskFullError, Manifest, OwnerError, Stats, claim_output,
                      load_finished, manifest_path, remove_stale_temps, write_json_atomic)
 
@@ -90,6 +92,13 @@ def _shard_arguments(p: argparse.ArgumentParser) -> None:
                    help="the shards (comma list, this one included) that write --out on this host and "
                         "share their rows: a dead one's are finished by the others, and the last rows "
                         "of a slow one are split (worker/leases.py). Default: this shard alone")
+    p.add_argument("--destination", default=None,
+                   help="ship each finished sample file to this place as the run goes on and delete it "
+                        "here once it landed with a matching checksum: s3://bucket/prefix, "
+                        "sftp://[user@]host/path or a path (worker/ship.py; needs rclone)")
+    p.add_argument("--keep-local", type=parse_bytes, default=None, metavar="BYTES",
+                   help="with --destination: the most bytes of this shard's files kept here; the writer "
+                        "waits for shipping beyond it (e.g. 200GB)")
 
 
 def _row_arguments(p: argparse.ArgumentParser) -> None:
@@ -438,7 +447,8 @@ def feed(items: Iterable[list[Sample] | BadRow | Later], extractor: Extractor, w
 def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow | Later],
                    plan: LayerPlan, out_dir: str, shard: int, device: torch.device, options: Options,
                    log: EventLog, stats: Stats, progress_interval: float = 2.0,
-                   total: int | Callable[[], int] = 0, suspects: Suspects | None = None) -> Stats:
+                   total: int | Callable[[], int] = 0, suspects: Suspects | None = None,
+                   shipper=None) -> Stats:
     """The GPU loop: sample chunks in, files out (in `options.format`); bad rows recorded as
     skipped. Shared by the CLI and the benchmark."""
     os.makedirs(out_dir, exist_ok=True)
@@ -448,7 +458,8 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
         out_dir, Manifest(manifest_path(out_dir, shard)), layout.header(), stats,
         depth=options.writer_queue, file_threads=options.writer_threads, device=devices[-1],
         on_skip=lambda index, reason: log.emit(protocol.SampleSkipped(index=index, reason=reason)),
-        reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0, layout=layout)
+        reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0, layout=layout,
+        shipper=shipper)
     extractor = Extractor(model, plan, device, writer, options.pad_multiple,
                           options.micro_batches or len(devices), suspects)
     def emit_progress() -> None:
@@ -518,12 +529,13 @@ def main(argv: list[str] | None = None) -> int:
         identity = check_identity(args, plan)        # before any file is touched
         # `lock` is held for the process's life: one writer per output folder, one process per shard
         lock = _claim_output(args)
+        shipper = _start_shipping(args, log, layout)
         pool = Pool(args.out, args.shard_index, pool_ranges(args, dataset.num_rows))
         finished = load_finished(args.out)
         pool.reopen(lambda a, b: any(i not in finished for i in range(a, b)))   # rows a repair dropped
         lease = pool.own()
         if lease is None and pool.empty():           # its rows were done by the others: no model load
-            return _pool_done(args, log, pool)
+            return _pool_done(args, log, pool, shipper)
         log.emit(protocol.Loading(model=args.model))
         t0 = time.perf_counter()
         _check_gpus_visible(device, devices)
@@ -567,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                                suspects.rows, cell)
             held.size()
             stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
-                                   held.stats, args.progress_interval, held.total, suspects)
+                                   held.stats, args.progress_interval, held.total, suspects, shipper)
             if cell.lost:                          # moved away (its host was lost): stop them, go on
                 log.emit(protocol.WarningEvent(message=cell.lost + ": stopped them"))
                 lost = True
@@ -578,9 +590,11 @@ def main(argv: list[str] | None = None) -> int:
             stats = resumed_stats(load_finished(args.out), counted)
         if problem := too_many_skipped(args.out, counted, args.max_skip_fraction):
             raise NotRetryable(problem)
-        if args.format == "speculators":           # issue 22: speculators train reads its rows here
-            from .prepared import write_prepared
-            write_prepared(args.out)
+        if shipper is not None:
+            shipper.finish(beat=waiting)
+        if args.format == "speculators" and (shipper is None or "://" not in args.destination):
+            from .prepared import write_prepared   # issue 22: speculators train reads its rows here
+            write_prepared(args.out if shipper is None else shipper.dest.remote)   # (all hosts' rows there)
         log.emit(protocol.Done(**stats.snapshot(), total=sum(b - a for a, b in counted),
                                host_peak_bytes=host_peak_bytes(), **gpu_memory(shard_gpus)))
         lock.close()
@@ -685,13 +699,27 @@ def _tell_source(args: argparse.Namespace, move: Move, counted: list[tuple[int, 
                sum(b - a for a, b in counted), stats.done, stats.skipped)
 
 
-def _pool_done(args: argparse.Namespace, log: EventLog, pool: Pool) -> int:
-    """A launch that finds no rows left in its pool: done, with the counts of its finished leases."""
+def _pool_done(args: argparse.Namespace, log: EventLog, pool: Pool, shipper) -> int:
+    """A launch that finds no rows left in its pool: done, with the counts of its finished leases
+    (and, with a destination, once its files of earlier launches have landed)."""
     counted = pool.counted()
     pool.close()
     stats = resumed_stats(load_finished(args.out), counted)
+    if shipper is not None:
+        shipper.finish(beat=lambda: log.emit(protocol.Progress(**stats.snapshot(), total=sum(b - a for a, b in counted))))
     log.emit(protocol.Done(**stats.snapshot(), total=sum(b - a for a, b in counted)))
     return 0
+
+
+def _start_shipping(args: argparse.Namespace, log: EventLog, layout: Layout):
+    """With --destination: the shard's Shipper, its files of earlier launches counted, running."""
+    if not args.destination:
+        return None
+    from .ship import Shipper, destination
+    from .protocol import iter_jsonl
+    records = [r for r in iter_jsonl(manifest_path(args.out, args.shard_index)) if isinstance(r.get("index"), int)]
+    return Shipper(args.out, destination(args.destination), args.shard_index,
+                   lambda i: layout.path(args.out, i), args.keep_local, log.emit).resume(records)
 
 
 def _check_gpus_visible(device: torch.device, devices: list[str]) -> None:
@@ -748,7 +776,7 @@ def _failure_exit(log: EventLog, e: BaseException) -> int:
     the same way (exit 1), a user's error (exit 2), a stop (143; quiet when one was asked for)."""
     if isinstance(e, (NotRetryable, OwnerError)):
         return fail(log, str(e), EXIT_FAILED, fatal=True)
-    if isinstance(e, (DataError, ModelError, LayerError, FormatError)):
+    if isinstance(e, (DataError, ModelError, LayerError, FormatError, ShipError)):
         return fail(log, str(e), EXIT_USAGE, fatal=getattr(e, "fatal", False))
     if isinstance(e, DiskFullError):
         return fail(log, str(e), EXIT_FAILED)

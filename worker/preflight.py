@@ -295,7 +295,22 @@ def run(args: argparse.Namespace) -> protocol.PreflightReport:
     checks += _gpu_checks(args, shape, layers, gpus, report.gpus, report.gpu_count)
     if args.output:
         checks += _measure_output(args, shape, layers, report)
+    if args.destination:
+        checks += _destination_checks(args.destination)
     return report
+
+
+def _destination_checks(url: str) -> list[protocol.Check]:
+    """rclone is here and a file can be written, read and removed at the destination, with this
+    host's own credentials: a bad bucket, key or host is refused before any GPU work."""
+    from .ship import ShipError, check_reachable, destination, rclone_binary
+    try:
+        dest = destination(url)
+        rclone_binary()
+    except ShipError as e:
+        return [_error(str(e))]
+    problem = check_reachable(dest, timeout=30)
+    return [_error(problem)] if problem else []
 
 
 def _worker_packages(report: protocol.PreflightReport) -> list[protocol.Check]:
@@ -528,6 +543,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--run-dir", default=None, help="the run's folder: its plan.json is reported")
     ap.add_argument("--gpus-per-shard", type=int, default=1)
     ap.add_argument("--max-tokens-per-batch", type=int, default=16384)
+    ap.add_argument("--destination", default=None, help="where the output is shipped: checked reachable")
     ap.add_argument("--builtin", action="store_true", help="the built-in extraction worker runs here")
     ap.add_argument("--demo", action="store_true", help="model and data are made on first use")
     return ap.parse_args(argv)

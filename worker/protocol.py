@@ -328,6 +328,29 @@ class Reopened(Record):
 
 @event
 @dataclass
+class Shipping(Record):
+    """Where the shard's finished files stand against the run's destination (worker/ship.py), sent
+    every few seconds while any are moving or waiting. `shipped_*`: its files the destination holds
+    (checksum matched, gone from the local disk), over every launch; `local_bytes`/`pending_files`:
+    its written files still on the local disk; `rate_bps`: bytes a second over the last transfer;
+    `waiting`: why its writer waits (its local bytes at `keep_local`), not a stall; `error`: the last
+    transfer's failure, retried (never a failure of the shard)."""
+    KIND: ClassVar[str] = "shipping"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    destination: str = ""
+    shipped_files: int = 0
+    shipped_bytes: int = 0
+    local_bytes: int = 0
+    pending_files: int = 0
+    rate_bps: Optional[float] = None
+    waiting: Optional[str] = None
+    error: Optional[str] = None
+    finished: bool = False               # every file of the shard is at the destination
+
+
+@event
+@dataclass
 class Leased(Record):
     """The shard holds rows [start, stop) of its host's pool (worker/leases.py): its planned
     range (`how` "plan"), a dead slot's lease taken over ("dead", `from_shard`), the second half

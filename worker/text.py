@@ -34,3 +34,21 @@ def bytes_text(n: float | None, digits: int = 1) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1000
     return UNKNOWN
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'200GB' -> 200_000_000_000 (decimal kB..PB as `bytes_text` writes them, binary KiB..PiB, or
+    a plain count); ValueError naming what was given otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"{text}: a size is not negative")
+        return text
+    import re
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r}: a size such as \"200GB\", \"1.5TB\" or \"500GiB\"")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

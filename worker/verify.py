@@ -12,7 +12,9 @@ import contextlib
 import glob
 import json
 import os
+import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -93,6 +95,57 @@ def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = F
     report.problems += more
     report.command = training_command(meta, out) if meta else None
     return report
+
+
+def check_destination(url: str, deep: bool = True, threads: int = 8) -> protocol.VerifyReport:
+    """The run's destination ([run] destination) checked from here. A path is checked as an output
+    folder, every file opened; a store (s3://, sftp://) by its manifests and meta.json, read back,
+    and its listing: every recorded file there with the size the writer recorded."""
+    from .ship import ShipError, destination, download_hint, rclone, rclone_error
+    try:
+        dest = destination(url)
+    except ShipError as e:
+        return protocol.VerifyReport(problems=[str(e)])
+    if "://" not in url:
+        report = check_folder(dest.remote, deep, threads)
+        report.folder_id = url
+        return report
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            got = rclone(dest, "copy", dest.remote, tmp, "--include", f"/{protocol.META_FILE}",
+                         "--include", f"/{protocol.MANIFEST_DIR}/*.jsonl", timeout=600)
+            listed = got.returncode == 0 and rclone(dest, "lsjson", "-R", "--files-only", "--no-mimetype",
+                                                    "--no-modtime", dest.remote, timeout=3600)
+        except (ShipError, OSError, subprocess.TimeoutExpired) as e:
+            return protocol.VerifyReport(folder_id=url, problems=[f"destination {url}: {e}"])
+        failed = got if got.returncode != 0 else listed if listed.returncode != 0 else None
+        if failed is not None:
+            return protocol.VerifyReport(folder_id=url, problems=[
+                f"destination {url}: {rclone_error(failed.stderr or failed.stdout)}"])
+        sizes = {e["Path"]: e["Size"] for e in json.loads(listed.stdout or "[]")}
+        meta = _read_meta(tmp)
+        layout = layout_of(meta)
+        found = _read_manifests(tmp)
+        for rec in found.written:
+            rel = os.path.relpath(layout.path(tmp, rec["index"]), tmp)
+            size = sizes.get(rel)
+            if size is None:
+                found.problems.append(f"sample {rec['index']}: {url.rstrip('/')}/{rel} missing at the destination")
+            elif rec.get("bytes") is not None and size != rec["bytes"]:
+                found.problems.append(f"sample {rec['index']}: {url.rstrip('/')}/{rel} holds {size} bytes, "
+                                      f"{rec['bytes']} written")
+        recorded = {os.path.relpath(layout.path(tmp, r["index"]), tmp) for r in found.written}
+        samples = {p for p in sizes if os.path.basename(p).startswith(protocol.SAMPLE_PREFIX)}
+        from .trainers import training_command
+        return protocol.VerifyReport(
+            num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
+            checked=len(found.written), folder_id=url, written=to_runs(r["index"] for r in found.written),
+            skipped={str(i): why for i, why in sorted(found.skipped.items())},
+            unrecorded_files=len(samples - recorded), problems=found.problems,
+            command=training_command(meta, "DIR") if meta else None,
+            notes=[f"the trainer reads a local folder DIR: `{download_hint(url)}`"
+                   + (", then `python -m worker.prepared DIR` (speculators reads DIR/prepared)"
+                      if layout.format == "speculators" else "")])
 
 
 @dataclass
@@ -258,7 +311,9 @@ def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m worker.verify")
-    ap.add_argument("--out", required=True)
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="an output folder on this host")
+    where.add_argument("--destination", help="the run's destination (s3://, sftp:// or a path)")
     ap.add_argument("--shallow", action="store_true", help="manifests only; do not open the files")
     ap.add_argument("--repair", action="store_true",
                     help="drop manifest entries whose files are missing or broken (and those files), "
@@ -266,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repair and args.shallow:
         ap.error("--repair needs the files opened; drop --shallow")
+    if args.destination:
+        if args.repair:
+            ap.error("--repair works on a host's output folder, not on the destination")
+        print(check_destination(args.destination, deep=not args.shallow).to_json())
+        return 0
     print(check_folder(args.out, deep=not args.shallow, repair=args.repair).to_json())
     return 0
 

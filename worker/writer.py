@@ -270,14 +270,22 @@ class BatchJob:
     final: bool = False           # the rows' last try (alone): a non-finite row is skipped
 
 
+def file_bytes_at_most(job: BatchJob, row: int, tokens: int) -> int:
+    """An upper bound on the file of `row`: its hidden states (and fp8 scales), 8 bytes a token
+    for each of input_ids and loss_mask (the widest any format stores) and 4 kB of header."""
+    scales = job.scales[row, :tokens].nbytes if job.scales is not None else 0
+    return job.hidden[row, :tokens].nbytes + scales + 16 * tokens + 4096
+
+
 class BackgroundWriter:
     """One thread takes batches off a bounded queue; a small pool writes their files in parallel."""
 
     def __init__(self, out_dir: str, manifest: Manifest, metadata: dict[str, str], stats: Stats,
                  depth: int, file_threads: int, device: torch.device,
                  on_skip: Callable[[int, str], None], reserve_tokens: int = 0,
-                 layout: Layout = SPECULATORS):
+                 layout: Layout = SPECULATORS, shipper: Any = None):
         self.out_dir = out_dir
+        self.shipper = shipper                # worker/ship.py: files it records go to the destination
         self.layout = layout
         self.dtype = layout.dtype
         self.reserve_tokens = reserve_tokens
@@ -397,6 +405,8 @@ class BackgroundWriter:
             if job.ready is not None:
                 job.ready.synchronize()
             n, H = job.hidden.shape[2:]
+            if self.shipper is not None:      # keep_local: wait for room before the disk grows
+                self.shipper.room(sum(file_bytes_at_most(job, row, s.length) for row, s in enumerate(job.samples)))
             futures = []
             for row, sample in enumerate(job.samples):
                 if not bool(job.finite[row]):
@@ -426,6 +436,8 @@ class BackgroundWriter:
                     continue
                 records.append({"index": sample.index, "tokens": sample.length, "bytes": size})
             self.manifest.append(records)
+            if self.shipper is not None and records:
+                self.shipper.add(records)
             with self.stats.lock:
                 self.stats.done += len(records)
                 self.stats.tokens += sum(r["tokens"] for r in records)

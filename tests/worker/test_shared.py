@@ -1,4 +1,5 @@
-"""The stdlib-only modules both sides import (worker/ranges.py, worker/text.py, worker/files.py):
+"""The stdlib-only modules both sides import (worker/ranges.py, worker/text.py, worker/files.py,
+worker/ship.py):
 each property compares the module with an independent statement of what it must do."""
 
 from __future__ import annotations
@@ -20,14 +21,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_the_shared_modules_import_only_the_standard_library():
     """fleet installs without numpy or torch; a host may have only the stdlib beside them."""
-    code = ("import sys; before = set(sys.modules); import worker.ranges, worker.text, worker.files; "
+    code = ("import sys; before = set(sys.modules); import worker.ranges, worker.text, worker.files, worker.ship; "
             "print('\\n'.join(sorted(set(sys.modules) - before)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout.split()
     foreign = [m for m in out if m.split(".")[0] not in sys.stdlib_module_names and m.split(".")[0] != "worker"]
     ours = {m for m in out if m.split(".")[0] == "worker"}
     assert foreign == []
-    assert ours <= {"worker", "worker.protocol", "worker.ranges", "worker.text", "worker.files"}
+    assert ours <= {"worker", "worker.protocol", "worker.ranges", "worker.text", "worker.files", "worker.ship"}
+
+
+@given(st.integers(0, 10**17))
+def test_a_size_as_bytes_text_writes_it_parses_back_to_itself(n):
+    """parse_bytes reads what bytes_text writes (decimal units), to bytes_text's own rounding."""
+    shown = text.bytes_text(n, 3)
+    assert abs(text.parse_bytes(shown.replace(" ", "")) - n) <= max(n, 1) * 0.0005 + 1
+
+
+def test_sizes_in_binary_units_and_bad_ones():
+    assert text.parse_bytes("500GiB") == 500 * 2**30 and text.parse_bytes("1.5 TB") == 1_500_000_000_000
+    assert text.parse_bytes(7) == 7
+    for bad in ("lots", "-5GB", "5 XB", ""):
+        with pytest.raises(ValueError):
+            text.parse_bytes(bad)
 
 
 # --- ranges ------------------------------------------------------------------------------------

@@ -80,6 +80,13 @@ def fact_parts(t) -> list[tuple[int, Text]]:
     facts.append((1, Text(f"elapsed {duration(t.elapsed_s)}")))
     if t.bytes_written:
         facts.append((3, Text(f"written {bytes_text(t.bytes_written)}")))
+    if t.shipping is not None:                    # [run] destination: what has landed, what waits
+        sh = t.shipping
+        facts.append((3, Text(f"shipped {bytes_text(sh.shipped_bytes)}"
+                              + (f", {bytes_text(sh.pending_bytes)} pending" if sh.pending_files else "")
+                              + (f" {bytes_text(sh.rate_bps)}/s" if sh.rate_bps else "")
+                              + (" (failing, retried)" if sh.error else ""),
+                              "bold" if sh.error or sh.waiting else "")))
     if t.disk_full_eta_s:
         facts.append((3, Text(f"disk full in {duration(t.disk_full_eta_s)}",
                               "bold" if t.eta_s and t.disk_full_eta_s < t.eta_s else "")))

@@ -1,0 +1,118 @@
+"""`[run] destination` end to end: two hosts behind real sshds ship to one real S3-compatible
+store (`rclone serve s3` on 127.0.0.1) within keep_local; the run ends DONE with one dataset at the
+store, `fleet verify` checks it there, and speculators' own reader takes every sample of it,
+downloaded as a user would. A destination that cannot be used is refused at preflight, one line
+naming it, before any shard starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.faults.test_hostile_inputs import local_toml
+from tests.fleet.conftest import fleet, hosts_toml, two_hosts
+from tests.s3_store import S3Store
+
+ROWS = 120
+KEEP = 600_000
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> str:
+    from worker.demo import make_chat_dataset
+    return make_chat_dataset(str(tmp_path_factory.mktemp("dest") / "chat.jsonl"), ROWS, mean_words=30)
+
+
+def with_env(config: str, env: dict[str, str]) -> str:
+    """The config's [run] env with `env` added (the hosts' credentials: a file's path, not keys)."""
+    text = open(config).read()
+    inline = ", ".join(f"{k} = {json.dumps(v)}" for k, v in {"OMP_NUM_THREADS": "1", **env}.items())
+    open(config, "w").write(text.replace('env = { OMP_NUM_THREADS = "1" }', f"env = {{ {inline} }}"))
+    return config
+
+
+@pytest.mark.ssh
+def test_two_hosts_ship_to_one_store_within_keep_local_and_speculators_reads_it_there(tmp_path, dense_model, rows):
+    store = S3Store(str(tmp_path / "store")).start()
+    try:
+        with two_hosts(tmp_path) as (servers, _):
+            config = hosts_toml(tmp_path, servers, model=dense_model, data=rows, gpus={"a": [0], "b": [0]},
+                                output=str(tmp_path / "out-{host}"),
+                                extra_run=f'destination = "s3://bucket/run"\nkeep_local = "{KEEP}"')
+            with_env(config, store.env(credentials_file=str(tmp_path / "aws-credentials")))
+            up = fleet("up", "--headless", "-c", config, timeout=900)
+            assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+            assert "output: ships to s3://bucket/run as it is written; each host keeps at most 600.00 kB" in up.stderr
+            assert "shards DONE" in up.stdout and "at s3://bucket/run" in up.stdout
+            snap = json.loads(fleet("status", "--json", "-c", config).stdout)
+            sh = snap["totals"]["shipping"]
+            assert sh["finished"] and sh["shipped_files"] == ROWS and sh["pending_files"] == 0
+            assert sorted(h["shipping"]["shipped_files"] for h in snap["hosts"]) == [ROWS // 2, ROWS // 2]
+            from fleet.snapshot import Totals
+            from fleet.tui.panes.topbar import fact_parts
+            shown = [str(text) for _, text in fact_parts(Totals.model_validate(snap["totals"]))]
+            assert f"shipped {sh['shipped_bytes'] / 1e6:.1f} MB" in shown         # the live view's top bar
+            for name in ("a", "b"):                   # the worker's own samples of its local disk
+                events = [json.loads(line) for line in
+                          open(tmp_path / f"root-{name}" / "t" / "shards" / str("ab".index(name)) / "events.jsonl")]
+                local = [e["local_bytes"] for e in events if e["event"] == "shipping"]
+                assert local and max(local) <= KEEP
+                out = tmp_path / f"out-{name}"
+                assert not [n for n in os.listdir(out) if n.startswith("hs_")]     # all shipped
+            v = fleet("verify", "-c", config, timeout=300)
+            assert v.returncode == 0, v.stdout + v.stderr
+            assert f"{ROWS} written, 0 skipped" in v.stdout and "verify: OK" in v.stdout
+            assert "train (s3://bucket/run): speculators train" in v.stdout
+    finally:
+        store.kill()
+    # One dataset at the store: every host's files, both manifests, one meta.json; downloaded, then
+    # speculators' own ArrowDataset over the prepared rows takes every sample.
+    at = store.files("run")
+    assert sorted(k for k in at if k.startswith("manifest/")) == ["manifest/0.jsonl", "manifest/1.jsonl"]
+    assert len([k for k in at if k.startswith("hs_")]) == ROWS and "meta.json" in at
+    pytest.importorskip("speculators.train.data")
+    local = str(tmp_path / "download")
+    shutil.copytree(store.bucket_dir("run"), local)
+    r = subprocess.run([sys.executable, "-m", "worker.prepared", local], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    from speculators.train.data import ArrowDataset
+    ds = ArrowDataset(max_len=4096, datapath=os.path.join(local, "prepared"), on_missing="raise")
+    assert len(ds) == ROWS
+    assert all(ds[k]["loss_mask"].sum() > 0 for k in range(len(ds)))
+
+
+@pytest.mark.parametrize("case,says", [
+    ("bucket", "NoSuchBucket: The specified bucket does not exist"),
+    ("keys", "Forbidden: Forbidden (check the keys: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or ~/.aws)"),
+    ("down", "dial tcp 127.0.0.1:{port}: connect: connection refused"),
+])
+def test_a_destination_that_cannot_be_used_is_refused_at_preflight_naming_it(tmp_path, dense_model, rows, case, says):
+    store = S3Store(str(tmp_path / "store")).start()
+    try:
+        env = store.env()
+        url = "s3://nobucket/run" if case == "bucket" else "s3://bucket/run"
+        if case == "keys":
+            env["AWS_SECRET_ACCESS_KEY"] = "not-the-secret"
+        if case == "down":
+            store.kill()
+        config = local_toml(tmp_path, f"""[run]
+name = "r"
+model = {json.dumps(dense_model)}
+data = {json.dumps(rows)}
+output = "out"
+device = "cpu"
+destination = "{url}"
+""")
+        up = fleet("up", "--headless", "-c", config, timeout=300, env={**os.environ, **env})
+    finally:
+        store.kill()
+    assert up.returncode == 1, up.stdout + up.stderr
+    last = up.stderr.strip().splitlines()[-1]
+    assert last == f"error: preflight refused: local: destination {url}: {says.format(port=store.port)}"
+    assert not (tmp_path / "fleet" / "r" / "shards").exists()          # no shard was launched

