@@ -174,7 +174,11 @@ def test_a_dead_gpus_rows_are_finished_by_the_others_exactly_once(tmp_path, dens
     assert [(e["start"], e["stop"], e["from_shard"], e["rows"]) for _, e in takers] == [(160, 240, 2, 80)]
     taker = takers[0][0]
     done = {k: next(e for e in shard_events(tmp_path, k) if e["event"] == "done") for k in (0, 1)}
-    assert done[taker]["done"] == done[taker]["total"] == 160 and done[1 - taker]["total"] == 80
+    # The other shard, once dry, may steal back part of what the taker holds (a loaded machine
+    # times it so): whatever it stole is the taker's 160 less what the taker did.
+    stolen = sum(e["rows"] for e in shard_events(tmp_path, 1 - taker) if e["event"] == "leased" and e["how"] == "stolen")
+    assert all(d["done"] == d["total"] for d in done.values())
+    assert done[taker]["total"] == 160 - stolen and done[1 - taker]["total"] == 80 + stolen
     assert sum(d["done"] for d in done.values()) == 240
 
 
