@@ -500,7 +500,7 @@ class Config:
     def destination(self, host: HostSpec) -> str | None:
         """[run] destination as `host` gives it to rclone: a URL as written, a path as host_path."""
         d = self.run.destination
-        if d is None or "://" in d:
+        if d is None or destination(d, environ={}).is_store:
             return d
         return self.host_path(host, d)
 

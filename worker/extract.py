@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             raise NotRetryable(problem)
         if shipper is not None:
             shipper.finish(beat=waiting)
-        if args.format == "speculators" and (shipper is None or "://" not in args.destination):
+        if args.format == "speculators" and (shipper is None or not shipper.dest.is_store):
             from .prepared import write_prepared   # issue 22: speculators train reads its rows here
             write_prepared(args.out if shipper is None else shipper.dest.remote)   # (all hosts' rows there)
         log.emit(protocol.Done(**stats.snapshot(), total=sum(b - a for a, b in counted),
@@ -715,9 +715,10 @@ def _start_shipping(args: argparse.Namespace, log: EventLog, layout: Layout):
     """With --destination: the shard's Shipper, its files of earlier launches counted, running."""
     if not args.destination:
         return None
+    from .files import manifest_entries
     from .ship import Shipper, destination
-    from .protocol import iter_jsonl
-    records = [r for r in iter_jsonl(manifest_path(args.out, args.shard_index)) if isinstance(r.get("index"), int)]
+    mine = os.path.basename(manifest_path(args.out, args.shard_index))
+    records = [rec for name, rec in manifest_entries(args.out) if name == mine]
     return Shipper(args.out, destination(args.destination), args.shard_index,
                    lambda i: layout.path(args.out, i), args.keep_local, log.emit).resume(records)
 

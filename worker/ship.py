@@ -54,6 +54,11 @@ class Destination:
     remote: str                # what rclone is given: ":s3:bucket/prefix", ":sftp:/path" or a path
     env: dict                  # rclone's settings for it, from the host's own environment
 
+    @property
+    def is_store(self) -> bool:
+        """An object store or SFTP (read through rclone), not a path this host opens itself."""
+        return bool(urlsplit(self.url).scheme)
+
     def under(self, rel: str) -> str:
         return f"{self.remote.rstrip('/')}/{rel}"
 

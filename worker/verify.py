@@ -106,7 +106,7 @@ def check_destination(url: str, deep: bool = True, threads: int = 8) -> protocol
         dest = destination(url)
     except ShipError as e:
         return protocol.VerifyReport(problems=[str(e)])
-    if "://" not in url:
+    if not dest.is_store:
         report = check_folder(dest.remote, deep, threads)
         report.folder_id = url
         return report
