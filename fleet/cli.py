@@ -123,14 +123,17 @@ def output_needs(config: Config, results: list, replan: bool) -> list:
 
 def output_verdicts(config: Config, results: list, groups: list, allow_partial: bool) -> list[str]:
     """Print the whole run's projection (and where it ships) and the warnings; return the refusals."""
-    from .footprint import describe, shipping_line, verdicts
+    from .footprint import describe, shipping_lines, verdicts
     fp = next((r.report.footprint for r in results if r.report.footprint), None)
+    refusals, warnings = verdicts(groups, allow_partial)
     if fp:
         click.echo(describe(fp), err=True)
         if config.run.destination is not None:
-            click.echo(shipping_line(fp, config.run.destination, config.run.keep_local, groups,
-                                     config.spec.expected.tokens_per_s_per_gpu), err=True)
-    refusals, warnings = verdicts(groups, allow_partial)
+            line, slow = shipping_lines(fp, config.run.destination, config.run.keep_local, groups,
+                                        config.spec.expected.tokens_per_s_per_gpu,
+                                        {r.host: r.report.uplink_bps for r in results})
+            click.echo(line, err=True)
+            warnings += slow
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
     return refusals

@@ -122,17 +122,29 @@ def verdicts(groups: list[Need], allow_partial: bool) -> tuple[list[str], list[s
     return refusals, warnings
 
 
-def shipping_line(fp: Footprint, destination: str, keep_local: int | None, groups: list[Need],
-                  tokens_per_s_per_gpu: float | None) -> str:
-    """Where the output goes, what each host keeps at its peak, and the upload each host needs to
-    keep pace with its GPUs at the expected rate (above its uplink, the uplink sets the pace)."""
+def shipping_lines(fp: Footprint, destination: str, keep_local: int | None, groups: list[Need],
+                   tokens_per_s_per_gpu: float | None, uplinks: dict[str, float | None]) -> tuple[str, list[str]]:
+    """(the line: where the output goes, what each host keeps at its peak, each host's measured
+    upload; the warnings: each host whose GPUs will write faster, at the expected rate, than its
+    upload to the destination — there the uplink, not the GPU, sets the pace)."""
     peak = max((g.need for g in groups), default=0)
     line = f"output: ships to {destination} as it is written"
     line += (f"; each host keeps at most {gb(keep_local)} (peak here {gb(peak)})" if keep_local is not None
              else "; no keep_local: a host may hold all it writes until it is shipped")
-    if tokens_per_s_per_gpu and groups:
-        gpus = max(len(g.shards) for g in groups)
-        rate = tokens_per_s_per_gpu * gpus * fp.bytes_per_token
-        line += (f"; at the expected {tokens_per_s_per_gpu:,.0f} tokens/s a GPU a host of {gpus} shard(s) "
-                 f"must upload {gb(rate)}/s, or its uplink sets the pace")
-    return line
+    measured = {h: r for h, r in uplinks.items() if r}
+    if measured:
+        line += "; upload measured: " + ", ".join(f"{h} {gb(r)}/s" for h, r in sorted(measured.items()))
+    warnings = []
+    gpus_of = {h: len(g.shards) // max(1, len(g.hosts)) for g in groups for h in g.hosts}
+    for host, rate in sorted(measured.items()):
+        gpus = gpus_of.get(host)
+        if not (tokens_per_s_per_gpu and gpus):
+            continue
+        needed = tokens_per_s_per_gpu * gpus * fp.bytes_per_token
+        if needed > rate:
+            cheaper = ('; dtype = "fp8" halves the bytes' if fp.bytes_per_token_fp8 else "")
+            warnings.append(f"{host}: its {gpus} GPU(s) write {gb(needed)}/s at the expected "
+                            f"{tokens_per_s_per_gpu:,.0f} tokens/s a GPU, its upload to {destination} "
+                            f"measured {gb(rate)}/s: the uplink, not the GPU, sets the pace (about "
+                            f"{rate / needed:.0%} of expected once keep_local is full){cheaper}")
+    return line, warnings

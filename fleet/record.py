@@ -206,6 +206,8 @@ class ShardRecord:
         elif a.ended:
             if isinstance(ev, protocol.StopRequested):    # an intent for an ended attempt: a stop
                 a.stop = newer_intent(a.stop, ev)         # or restart of a shard that is not running
+            elif isinstance(ev, protocol.Shipping):       # its files, shipped by a mate after its end
+                self.shipping = ev
             # nothing else changes an attempt after its end
         else:
             self._running(a, ev)

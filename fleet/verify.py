@@ -118,33 +118,44 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
     if config.spec.job is not None:
         raise HostError("verify checks the built-in worker's output; this run uses a custom [job]")
 
-    if config.run.destination is not None and repair:
-        raise HostError(f"--repair works on the hosts' output folders; the output is at "
-                        f"{config.run.destination} (verify it there, without --repair)")
-
-    async def one(host):
+    async def one(host, *where: str, repair: bool = repair):
         t = transports[host.name]
         await t.connect()
         await deploy.upload_worker(t, config, host)      # a newer fleet's checks, not the old ones
-        where = (["--destination", config.destination(host)] if config.run.destination is not None
-                 else ["--out", config.output_dir(host)])
-        args = where + ([] if deep else ["--shallow"]) + (["--repair"] if repair else [])
+        args = list(where) + ([] if deep else ["--shallow"]) + (["--repair"] if repair else [])
         return await deploy.run_worker_module(t, config, host, "verify", *args, reply=protocol.VerifyReport,
                                               timeout=None, env=config.run.env)
-    # With a destination the output is in one place: checked once, from the first host (its
-    # credentials, as the shards' own), and named by the destination.
-    hosts = config.hosts[:1] if config.run.destination is not None else config.hosts
-    results = await asyncio.gather(*(one(h) for h in hosts), return_exceptions=True)
-    reports, failures = {}, {}
-    for host, r in zip(hosts, results):
-        name = config.destination(host) if config.run.destination is not None else host.name
-        if isinstance(r, HostError):
-            failures[host.name] = str(r)
-        elif isinstance(r, BaseException):
-            raise r
-        else:
-            reports[name] = r
-    return merge_reports(reports), failures
+
+    async def each(hosts, where, repair: bool = repair):
+        """host name -> its report, and host name -> why it could not be asked."""
+        results = await asyncio.gather(*(one(h, *where(h), repair=repair) for h in hosts), return_exceptions=True)
+        reports, failures = {}, {}
+        for host, r in zip(hosts, results):
+            if isinstance(r, HostError):
+                failures[host.name] = str(r)
+            elif isinstance(r, BaseException):
+                raise r
+            else:
+                reports[host.name] = r
+        return reports, failures
+
+    if config.run.destination is None:
+        reports, failures = await each(config.hosts, lambda h: ["--out", config.output_dir(h)])
+        return merge_reports(reports), failures
+    # With a destination the output is in one place: each host mends its own part there first
+    # (--repair: its manifests are the ones its shards write), then the whole is checked once,
+    # from the first host (its credentials, as the shards' own), named by the destination.
+    mended, failures = {}, {}
+    if repair:
+        mended, failures = await each(config.hosts, lambda h: ["--out", config.output_dir(h),
+                                                               "--destination", config.destination(h)])
+    reports, more = await each(config.hosts[:1], lambda h: ["--destination", config.destination(h)], repair=False)
+    failures.update(more)
+    result = merge_reports({config.destination(h): r for h in config.hosts[:1] if (r := reports.get(h.name))})
+    result.repaired.update({host: r.repaired for host, r in mended.items() if r.repaired})
+    result.problems += [f"{host}: {p}" for host, r in mended.items() for p in r.problems
+                        if not p.startswith("sample ")]           # (the samples: in the check of the whole)
+    return result, failures
 
 
 def skip_problem(result: VerifyResult, limit: float) -> None:
@@ -172,9 +183,11 @@ async def reopen_repaired(sup, result: VerifyResult) -> list[str]:
         lines.append(f"{host}: repaired: dropped {len(rep.dropped)} broken or missing sample(s)"
                      f"{' ' + str(rep.dropped[:20]) if rep.dropped else ''}, removed "
                      f"{rep.removed_files} file(s), {len(rep.deduplicated)} duplicate entr(ies)"
-                     + (f", {len(rep.moved_away)} copies of rows another host holds now" if rep.moved_away else ""))
+                     + (f", {len(rep.moved_away)} copies of rows another host holds now" if rep.moved_away else "")
+                     + (f", {len(rep.reshipped)} still whole on the host, to ship again {rep.reshipped[:20]}"
+                        if rep.reshipped else ""))
         if plan and result.num_samples:
-            for i in rep.dropped:
+            for i in rep.dropped + rep.reshipped:
                 k = shard_of(i, result.num_samples, plan.num_shards)
                 per_shard[k] = per_shard.get(k, 0) + 1
     for k, n in sorted(per_shard.items()):

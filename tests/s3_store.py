@@ -24,10 +24,12 @@ class S3Store:
     root: str                         # the bucket "bucket" is root/bucket
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    address: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()      # run it so (e.g. inside a network namespace: ip netns exec NS)
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.address}:{self.port}"
 
     def env(self, credentials_file: str | None = None) -> dict[str, str]:
         """What a host's environment holds to reach it: the keys, or a credentials file of them."""
@@ -44,13 +46,13 @@ class S3Store:
     def start(self) -> "S3Store":
         os.makedirs(self.bucket_dir(), exist_ok=True)
         self.proc = subprocess.Popen(
-            [rclone_binary(), "serve", "s3", "--addr", f"127.0.0.1:{self.port}", "--auth-key",
+            [*self.prefix, rclone_binary(), "serve", "s3", "--addr", f"{self.address}:{self.port}", "--auth-key",
              f"{ACCESS_KEY},{SECRET_KEY}", "--config", os.devnull, "-q", self.root],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                socket.create_connection((self.address, self.port), timeout=1).close()
                 return self
             except OSError:
                 if self.proc.poll() is not None:

@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         pool.reopen(lambda a, b: any(i not in finished for i in range(a, b)))   # rows a repair dropped
         lease = pool.own()
         if lease is None and pool.empty():           # its rows were done by the others: no model load
-            return _pool_done(args, log, pool, shipper)
+            return _pool_done(args, log, pool, shipper, layout)
         log.emit(protocol.Loading(model=args.model))
         t0 = time.perf_counter()
         _check_gpus_visible(device, devices)
@@ -592,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             raise NotRetryable(problem)
         if shipper is not None:
             shipper.finish(beat=waiting)
+            _ship_leftovers(args, layout, shipper, waiting)
         if args.format == "speculators" and (shipper is None or not shipper.dest.is_store):
             from .prepared import write_prepared   # issue 22: speculators train reads its rows here
             write_prepared(args.out if shipper is None else shipper.dest.remote)   # (all hosts' rows there)
@@ -699,16 +700,31 @@ def _tell_source(args: argparse.Namespace, move: Move, counted: list[tuple[int, 
                sum(b - a for a, b in counted), stats.done, stats.skipped)
 
 
-def _pool_done(args: argparse.Namespace, log: EventLog, pool: Pool, shipper) -> int:
+def _pool_done(args: argparse.Namespace, log: EventLog, pool: Pool, shipper, layout: Layout) -> int:
     """A launch that finds no rows left in its pool: done, with the counts of its finished leases
     (and, with a destination, once its files of earlier launches have landed)."""
     counted = pool.counted()
     pool.close()
     stats = resumed_stats(load_finished(args.out), counted)
     if shipper is not None:
-        shipper.finish(beat=lambda: log.emit(protocol.Progress(**stats.snapshot(), total=sum(b - a for a, b in counted))))
+        beat = lambda: log.emit(protocol.Progress(**stats.snapshot(), total=sum(b - a for a, b in counted)))  # noqa: E731
+        shipper.finish(beat=beat)
+        _ship_leftovers(args, layout, shipper, beat)
     log.emit(protocol.Done(**stats.snapshot(), total=sum(b - a for a, b in counted)))
     return 0
+
+
+def _ship_leftovers(args: argparse.Namespace, layout: Layout, shipper, beat: Callable[[], None]) -> None:
+    """At its end a shard ships what its pool's dead mates left on the disk (ship.ship_leftovers),
+    each mate's figures told in that mate's own record."""
+    shards = os.path.dirname(os.path.abspath(args.state)) if args.state else None
+    def emit_for(k: int) -> Callable[[protocol.Shipping], None]:
+        if not shards or os.path.basename(shards) != "shards":
+            return lambda ev: None
+        return lambda ev: protocol.append_jsonl(os.path.join(shards, str(k), protocol.EVENTS_FILE), ev)
+    from .ship import ship_leftovers
+    ship_leftovers(args.out, shipper.dest, set(args.pool) - {args.shard_index},
+                   lambda i: layout.path(args.out, i), emit_for, beat)
 
 
 def _start_shipping(args: argparse.Namespace, log: EventLog, layout: Layout):

@@ -12,8 +12,10 @@ Standard library only (it travels to every host and `fleet` imports it).
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
-from typing import Callable, Iterator
+from typing import IO, Callable, Iterator
 
 from .protocol import MANIFEST_DIR, TEMP_PREFIX, iter_jsonl
 
@@ -51,6 +53,39 @@ def write_atomic(path: str, data: str | bytes, mode: int = 0o644, sync: bool = T
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
     replace_atomically(path, write, sync=sync)
+
+
+def file_md5(path: str, chunk: int = 1 << 22) -> str:
+    """The file's MD5, hex: what an S3 store's ETag, rclone's --checksum and `md5sum` all give, so
+    a manifest's record of it can be compared with the destination's own."""
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+WORK_DIR = ".fleet"          # the writers' own files (owner, locks, ledgers); no reader lists it
+
+
+def lock_shard(out_dir: str, shard: int | str) -> tuple[IO | None, str | None]:
+    """Take `<out_dir>/.fleet/<shard>.lock` without waiting, the one lock of a shard's writer:
+    (the open file: keep it while writing there, None) or (None, who holds it, as the holder
+    wrote). A file system without locks gives the file: the run's own checks stand."""
+    work = os.path.join(out_dir, WORK_DIR)
+    os.makedirs(work, exist_ok=True)
+    lock_path = os.path.join(work, f"{shard}.lock")
+    lock = open(lock_path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        return None, holder
+    except OSError:
+        pass
+    return lock, None
 
 
 def manifest_path(out_dir: str, shard: int | str) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import json
 import os
 import threading
@@ -373,6 +374,31 @@ def _retire(ledger: Ledger, slot: int) -> bool:
 def ledger_path(out_dir: str, ranges: dict[int, tuple[int, int]]) -> str:
     """Where the pool of these shards keeps its ledger: named by its first shard."""
     return os.path.join(out_dir, ".fleet", f"leases-{min(ranges)}.json")
+
+
+def ledger_files(out: str) -> list[str]:
+    """Every pool ledger of an output folder (one per pool of shards writing there)."""
+    return sorted(glob.glob(os.path.join(out, ".fleet", "leases-*.json")))
+
+
+def moved_away(out: str) -> dict[str, list[list]]:
+    """Manifest file name -> the rows its shard's pool gave to another host while this one was
+    lost ([a, b, that host]: the pool ledgers' `gone`, worker/leases.py)."""
+    gone: dict[str, list[list]] = {}
+    for path in ledger_files(out):
+        try:
+            with open(path) as f:
+                ledger = Ledger.from_json(f.read())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for k in ledger.ranges:
+            gone[f"{k}.jsonl"] = ledger.gone
+    return gone
+
+
+def gone_to(gone: dict[str, list[list]], manifest: str, index: int) -> str | None:
+    """The host that row `index` of `manifest`'s shard moved to (`moved_away`), if it moved."""
+    return next((host for a, b, host in gone.get(manifest, ()) if a <= index < b), None)
 
 
 @contextlib.contextmanager

@@ -296,21 +296,25 @@ def run(args: argparse.Namespace) -> protocol.PreflightReport:
     if args.output:
         checks += _measure_output(args, shape, layers, report)
     if args.destination:
-        checks += _destination_checks(args.destination)
+        checks += _destination_checks(args.destination, report)
     return report
 
 
-def _destination_checks(url: str) -> list[protocol.Check]:
+def _destination_checks(url: str, report: protocol.PreflightReport) -> list[protocol.Check]:
     """rclone is here and a file can be written, read and removed at the destination, with this
-    host's own credentials: a bad bucket, key or host is refused before any GPU work."""
-    from .ship import ShipError, check_reachable, destination, rclone_binary
+    host's own credentials: a bad bucket, key or host is refused before any GPU work. Then the
+    host's upload rate to it is measured (fleet compares it with what its GPUs will write)."""
+    from .ship import ShipError, check_reachable, destination, measure_uplink, rclone_binary
     try:
         dest = destination(url)
         rclone_binary()
     except ShipError as e:
         return [_error(str(e))]
     problem = check_reachable(dest, timeout=30)
-    return [_error(problem)] if problem else []
+    if problem:
+        return [_error(problem)]
+    report.uplink_bps = measure_uplink(dest)
+    return []
 
 
 def _worker_packages(report: protocol.PreflightReport) -> list[protocol.Check]:

@@ -867,6 +867,7 @@ class PreflightReport(Reply):
     folder_id: Optional[str] = None              # the output folder's id (its meta.json)
     footprint: Optional[Footprint] = None
     estimated_bytes: Optional[int] = None        # still to write for the whole run
+    uplink_bps: Optional[float] = None           # measured upload to the run's destination
     slurm: Optional[SlurmCheck] = None           # with [slurm]: the login node's check (fleet adds it)
 
     @property
@@ -886,6 +887,8 @@ class Repair(Reply):
     removed_files: int = 0
     retried_skips: list[int] = field(default_factory=list)
     moved_away: list[int] = field(default_factory=list)   # copies of rows another host holds now
+    reshipped: list[int] = field(default_factory=list)    # whole here, wrong or missing at the destination:
+                                                          # the next launch ships them again
 
 
 @dataclass

@@ -18,9 +18,13 @@ the disk; the wait is sent as `Shipping.waiting`, a reason, never a stall or a f
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +36,7 @@ from urllib.parse import urlsplit
 
 from . import protocol
 from .files import manifest_path
+from .leases import gone_to, ledger_files, moved_away
 from .text import bytes_text, last_line
 
 BATCH_FILES = 256          # files handed to one rclone call
@@ -100,9 +105,31 @@ def rclone_binary() -> str:
     return found
 
 
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl     # Linux: looked up once, not in the child
+except (OSError, AttributeError):
+    _prctl = None
+_PR_SET_PDEATHSIG = 1
+
+
+def _ends_with_parent(parent: int) -> Callable[[], None]:
+    """A child's first act (Linux): SIGTERM it when the thread that started it ends. An rclone that
+    outlived a killed worker raced the next launch's transfer of the same file, and a transfer
+    that fails its check removes the destination's copy after the other had deleted the source:
+    a sample neither here nor there (a CI run lost one so)."""
+    def first() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:               # the parent died before the line above
+            os._exit(1)
+    return first
+
+
 def rclone(dest: Destination, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """One rclone command against `dest`, which never outlives this process."""
     return subprocess.run([rclone_binary(), *args, *RCLONE_FLAGS], env={**os.environ, **dest.env},
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          preexec_fn=_ends_with_parent(os.getpid()))
 
 
 def rclone_error(output: str) -> str:
@@ -145,6 +172,64 @@ def check_reachable(dest: Destination, timeout: float = 60) -> str | None:
     return None
 
 
+def ship_leftovers(out: str, dest: Destination, mates: Iterable[int], path_of: Callable[[int], str],
+                   emit_for: Callable[[int], Callable[[protocol.Shipping], None]],
+                   beat: Callable[[], None] = lambda: None) -> list[int]:
+    """Ship what mates of this shard's pool left on the disk: a shard that failed for good (or
+    crashed) has written files no launch of its own will ship. Each mate whose writer's lock is
+    free is shipped for (under that lock, so its own relaunch waits for it), its figures told in
+    its own record through `emit_for(mate)`. The mates shipped for."""
+    from .files import lock_shard, manifest_entries
+    shipped = []
+    for k in sorted(set(mates)):
+        name = os.path.basename(manifest_path(out, k))
+        records = [rec for m, rec in manifest_entries(out) if m == name]
+        if not any("skipped" not in r and os.path.exists(path_of(r["index"])) for r in records):
+            continue
+        lock, _ = lock_shard(out, k)
+        if lock is None:                     # alive, or another mate ships for it now
+            continue
+        try:
+            lock.truncate(0)
+            lock.write(f"pid {os.getpid()}, shipping the files shard {k} left\n")
+            lock.flush()
+            Shipper(out, dest, k, path_of, None, emit_for(k)).resume(records).finish(beat)
+            shipped.append(k)
+        finally:
+            lock.close()
+    return shipped
+
+
+def measure_uplink(dest: Destination, seconds: float = 2.0, timeout: float = 60) -> float | None:
+    """Bytes a second this host uploads to `dest` as its shards will (rclone, 8 files at once):
+    rounds of growing files until one takes `seconds` (at most 8 x 64 MiB), removed after. None
+    when the upload fails (check_reachable says why)."""
+    probe = f".fleet-uplink-{os.getpid()}-{int(time.time())}"
+    size, block = 1 << 20, os.urandom(1 << 20)
+    rate = None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            while True:
+                for n in range(8):
+                    with open(os.path.join(tmp, f"{n}.bin"), "wb") as f:
+                        for _ in range(size // len(block)):
+                            f.write(block)
+                t0 = time.monotonic()
+                done = rclone(dest, "copy", tmp, dest.under(probe), "--transfers", "8", timeout=timeout)
+                took = time.monotonic() - t0
+                if done.returncode != 0:
+                    return None
+                rate = 8 * size / max(took, 1e-3)
+                if took >= seconds or size >= 64 << 20:
+                    return rate
+                size = min(64 << 20, size * max(2, 1 << math.ceil(math.log2(seconds / max(took, 1e-3)))))
+        except subprocess.TimeoutExpired:
+            return rate
+        finally:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rclone(dest, "purge", dest.under(probe), timeout=timeout)
+
+
 class Shipper:
     """Moves the shard's written files to the destination in the background; see the module."""
 
@@ -167,9 +252,14 @@ class Shipper:
 
     # --- the writer's side ------------------------------------------------------------------------
     def resume(self, records: Iterable[dict]) -> "Shipper":
-        """Count the shard's files of earlier launches: still on disk, pending; gone, shipped."""
+        """Count the shard's files of earlier launches: still on disk, pending; gone, shipped. A
+        file of rows that moved to another host while this one was lost is not shipped: that
+        host's copy is the one that counts, at the same place (`fleet verify --repair` removes
+        this one)."""
+        gone = moved_away(self.out)
+        mine = os.path.basename(manifest_path(self.out, self.shard))
         for r in records:
-            if "skipped" in r or "index" not in r:
+            if "skipped" in r or "index" not in r or gone_to(gone, mine, r["index"]) is not None:
                 continue
             rel = os.path.relpath(self.path_of(r["index"]), self.out)
             if os.path.exists(os.path.join(self.out, rel)):
@@ -270,16 +360,18 @@ class Shipper:
         return len(gone) == len(batch)
 
     def _copy_records(self) -> bool:
-        """The shard's manifest (after the files it lists) and meta.json (once; again at the end)."""
-        copies = [(manifest_path(self.out, self.shard),
-                   self.dest.under(os.path.relpath(manifest_path(self.out, self.shard), self.out)))]
+        """The shard's manifest (after the files it lists), its pool's ledger (which rows moved to
+        another host: verify at the destination sets their old copies aside) and meta.json (once;
+        again at the end)."""
+        records = [manifest_path(self.out, self.shard)] + ledger_files(self.out)
+        copies = [(src, self.dest.under(os.path.relpath(src, self.out))) for src in records]
         meta = os.path.join(self.out, protocol.META_FILE)
         if os.path.exists(meta) and (not self.meta_shipped or self._closing):
             copies.append((meta, self.dest.under(protocol.META_FILE)))
         for src, dst in copies:
             if os.path.exists(src) and self._run("copyto", src, dst) is None:
                 return False
-        self.meta_shipped = self.meta_shipped or len(copies) > 1
+        self.meta_shipped = self.meta_shipped or copies[-1][0] == meta
         return True
 
     def _run(self, *args: str) -> subprocess.CompletedProcess | None:

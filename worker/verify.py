@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import json
 import os
 import subprocess
@@ -19,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import protocol
-from .files import manifest_entries
+from .files import file_md5, manifest_entries
 from .formats import FORMATS, FormatError, Layout
 from .layers import LayerPlan
-from .leases import Ledger
+from .leases import gone_to, moved_away
 from .ranges import ranges_text, to_runs
 
 
@@ -57,6 +56,8 @@ def check_file(layout: Layout, out: str, rec: dict, hidden: int | None) -> str |
     problem = layout.check(tensors, rec.get("tokens"), hidden)
     if problem:
         return f"sample {index}: {path}: {problem}"
+    if rec.get("md5") and (md5 := file_md5(path)) != rec["md5"]:
+        return f"sample {index}: {path} has MD5 {md5}, {rec['md5']} written: its bytes changed after writing"
     if layout.format == "speculators" and meta.get("sample_index") != str(index):
         return f"sample {index}: metadata sample_index is {meta.get('sample_index')!r}"
     if layout.format == "speculators" and meta.get("dtype", "bfloat16") != layout.header()["dtype"]:
@@ -97,55 +98,126 @@ def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = F
     return report
 
 
-def check_destination(url: str, deep: bool = True, threads: int = 8) -> protocol.VerifyReport:
-    """The run's destination ([run] destination) checked from here. A path is checked as an output
-    folder, every file opened; a store (s3://, sftp://) by its manifests and meta.json, read back,
-    and its listing: every recorded file there with the size the writer recorded."""
-    from .ship import ShipError, destination, download_hint, rclone, rclone_error
+def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | None = None,
+                      repair: bool = False) -> protocol.VerifyReport:
+    """The run's destination ([run] destination) checked from here. Alone: the whole run there —
+    a path as an output folder, every file opened; a store (s3://, sftp://) by its manifests, meta
+    and ledgers read back, and its listing: every recorded file there with the size and (deep) the
+    MD5 the writer recorded. With `out` (a host's output folder): that host's own manifests against
+    the destination, and with `repair` what is wrong there mended (`_repair_at`)."""
+    from .ship import ShipError, destination, download_hint, rclone
     try:
         dest = destination(url)
     except ShipError as e:
         return protocol.VerifyReport(problems=[str(e)])
-    if not dest.is_store:
+    if not dest.is_store and out is None:
         report = check_folder(dest.remote, deep, threads)
         report.folder_id = url
         return report
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            got = rclone(dest, "copy", dest.remote, tmp, "--include", f"/{protocol.META_FILE}",
-                         "--include", f"/{protocol.MANIFEST_DIR}/*.jsonl", timeout=600)
-            listed = got.returncode == 0 and rclone(dest, "lsjson", "-R", "--files-only", "--no-mimetype",
-                                                    "--no-modtime", dest.remote, timeout=3600)
+            if out is None:
+                got = rclone(dest, "copy", dest.remote, tmp, "--include", f"/{protocol.META_FILE}",
+                             "--include", f"/{protocol.MANIFEST_DIR}/*.jsonl", "--include", "/.fleet/leases-*.json",
+                             timeout=600)
+                if got.returncode != 0:
+                    return _unreachable(url, got)
+            listing = _listing(dest, deep)
         except (ShipError, OSError, subprocess.TimeoutExpired) as e:
             return protocol.VerifyReport(folder_id=url, problems=[f"destination {url}: {e}"])
-        failed = got if got.returncode != 0 else listed if listed.returncode != 0 else None
-        if failed is not None:
-            return protocol.VerifyReport(folder_id=url, problems=[
-                f"destination {url}: {rclone_error(failed.stderr or failed.stdout)}"])
-        sizes = {e["Path"]: e["Size"] for e in json.loads(listed.stdout or "[]")}
-        meta = _read_meta(tmp)
+        if isinstance(listing, subprocess.CompletedProcess):
+            return _unreachable(url, listing)
+        here = tmp if out is None else out
+        meta = _read_meta(here)
         layout = layout_of(meta)
-        found = _read_manifests(tmp)
-        for rec in found.written:
-            rel = os.path.relpath(layout.path(tmp, rec["index"]), tmp)
-            size = sizes.get(rel)
-            if size is None:
-                found.problems.append(f"sample {rec['index']}: {url.rstrip('/')}/{rel} missing at the destination")
-            elif rec.get("bytes") is not None and size != rec["bytes"]:
-                found.problems.append(f"sample {rec['index']}: {url.rstrip('/')}/{rel} holds {size} bytes, "
-                                      f"{rec['bytes']} written")
-        recorded = {os.path.relpath(layout.path(tmp, r["index"]), tmp) for r in found.written}
-        samples = {p for p in sizes if os.path.basename(p).startswith(protocol.SAMPLE_PREFIX)}
+        found = _read_manifests(here)
+        found.broken = _landed_wrong(layout, here, found.written, listing, url)
+        report = protocol.VerifyReport(num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
+                                       checked=len(found.written), folder_id=url)
+        if out is not None and repair:
+            report.repaired = _repair_at(dest, out, layout, found)
+        found.problems += found.broken.values()
+        found.problems += away_problems(found.away)
+        recorded = {os.path.relpath(layout.path(here, r["index"]), here) for r in found.written}
+        samples = {p for p in listing if os.path.basename(p).startswith(protocol.SAMPLE_PREFIX)}
         from .trainers import training_command
-        return protocol.VerifyReport(
-            num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
-            checked=len(found.written), folder_id=url, written=to_runs(r["index"] for r in found.written),
-            skipped={str(i): why for i, why in sorted(found.skipped.items())},
-            unrecorded_files=len(samples - recorded), problems=found.problems,
-            command=training_command(meta, "DIR") if meta else None,
-            notes=[f"the trainer reads a local folder DIR: `{download_hint(url)}`"
-                   + (", then `python -m worker.prepared DIR` (speculators reads DIR/prepared)"
-                      if layout.format == "speculators" else "")])
+        report.written = to_runs(r["index"] for r in found.written)
+        report.skipped = {str(i): why for i, why in sorted(found.skipped.items())}
+        report.unrecorded_files = len(samples - recorded) if out is None else 0
+        report.problems = found.problems
+        report.command = training_command(meta, "DIR") if meta and out is None else None
+        report.notes = [f"the trainer reads a local folder DIR: `{download_hint(url)}`"
+                        + (", then `python -m worker.prepared DIR` (speculators reads DIR/prepared)"
+                           if layout.format == "speculators" else "")] if out is None and dest.is_store else []
+        return report
+
+
+def _unreachable(url: str, failed: subprocess.CompletedProcess) -> protocol.VerifyReport:
+    from .ship import rclone_error
+    return protocol.VerifyReport(folder_id=url, problems=[
+        f"destination {url}: {rclone_error(failed.stderr or failed.stdout)}"])
+
+
+def _listing(dest, deep: bool) -> dict[str, tuple[int, str | None]] | subprocess.CompletedProcess:
+    """Every file at the destination: relative path -> (bytes, MD5 when `deep` and the store
+    keeps one); rclone's failed call where it could not list."""
+    from .ship import rclone
+    listed = rclone(dest, "lsjson", "-R", "--files-only", "--no-mimetype", "--no-modtime",
+                    *(("--hash", "--hash-type", "md5") if deep else ()), dest.remote, timeout=3600)
+    if listed.returncode != 0:
+        return listed
+    return {e["Path"]: (e["Size"], (e.get("Hashes") or {}).get("md5") or None)
+            for e in json.loads(listed.stdout or "[]")}
+
+
+def _landed_wrong(layout: Layout, here: str, written: list[dict], listing: dict, url: str) -> dict[int, str]:
+    """index -> what is wrong with its copy at the destination: missing, or not the size or MD5
+    its writer recorded (a store that keeps no MD5 for a file is checked by size)."""
+    wrong = {}
+    for rec in written:
+        rel = os.path.relpath(layout.path(here, rec["index"]), here)
+        where = f"sample {rec['index']}: {url.rstrip('/')}/{rel}"
+        size, md5 = listing.get(rel, (None, None))
+        if size is None:
+            wrong[rec["index"]] = f"{where} missing at the destination"
+        elif rec.get("bytes") is not None and size != rec["bytes"]:
+            wrong[rec["index"]] = f"{where} holds {size} bytes, {rec['bytes']} written"
+        elif md5 and rec.get("md5") and md5 != rec["md5"]:
+            wrong[rec["index"]] = f"{where} has MD5 {md5}, {rec['md5']} written: its bytes changed after writing"
+    return wrong
+
+
+def _repair_at(dest, out: str, layout: Layout, found: "_Findings") -> protocol.Repair | None:
+    """Mend this host's part of the destination: a sample whose copy there is missing or wrong is
+    shipped again by the next launch where its file is still here and whole (its wrong copy
+    removed); else its manifest entry is dropped (and the copy there removed), so the next launch
+    of its shard redoes it. The manifests are then copied there, so the destination's agree."""
+    from .ship import rclone
+    reship = {i for i in found.broken if _whole_here(layout, out, i, found.written)}
+    for i in sorted(found.broken):
+        rel = os.path.relpath(layout.path(out, i), out)
+        rclone(dest, "deletefile", dest.under(rel), timeout=600)    # absent already: nothing to do
+    kept = {i: why for i, why in found.broken.items() if i in reship}
+    found.broken = {i: why for i, why in found.broken.items() if i not in reship}
+    repaired = _repair(out, layout, found) or protocol.Repair()
+    repaired.reshipped = sorted(reship)
+    found.broken = kept                       # still missing there until the next launch ships them
+    for name in sorted(os.listdir(os.path.join(out, protocol.MANIFEST_DIR))):
+        if name.endswith(".jsonl"):
+            rel = f"{protocol.MANIFEST_DIR}/{name}"
+            rclone(dest, "copyto", os.path.join(out, rel), dest.under(rel), timeout=600)
+    return repaired if repaired != protocol.Repair() else None
+
+
+def _whole_here(layout: Layout, out: str, index: int, written: list[dict]) -> bool:
+    """Whether sample `index`'s file is still in this host's folder with the MD5 (or, with none
+    recorded, the size) its writer recorded."""
+    path = layout.path(out, index)
+    rec = next(r for r in written if r["index"] == index)
+    try:
+        return file_md5(path) == rec["md5"] if rec.get("md5") else os.path.getsize(path) == rec.get("bytes")
+    except OSError:
+        return False
 
 
 @dataclass
@@ -169,21 +241,6 @@ def _read_meta(out: str) -> dict:
         return {}
 
 
-def moved_away(out: str) -> dict[str, list[list]]:
-    """Manifest file name -> the rows its shard's pool gave to another host while this one was
-    lost ([a, b, that host]: the pool ledgers' `gone`, worker/leases.py)."""
-    gone: dict[str, list[list]] = {}
-    for path in glob.glob(os.path.join(out, ".fleet", "leases-*.json")):
-        try:
-            with open(path) as f:
-                ledger = Ledger.from_json(f.read())
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        for k in ledger.ranges:
-            gone[f"{k}.jsonl"] = ledger.gone
-    return gone
-
-
 def _read_manifests(out: str) -> _Findings:
     """Every index's first manifest entry; a second one for the same index is a problem. An entry
     of rows that moved to another host (its copy is the one that counts) is set aside in `away`."""
@@ -205,11 +262,6 @@ def _read_manifests(out: str) -> _Findings:
     written = [r for r in seen.values() if "skipped" not in r]
     skipped = {i: r["skipped"] for i, r in seen.items() if "skipped" in r}
     return _Findings(written, skipped, twice, problems, away=away, gone=gone)
-
-
-def gone_to(gone: dict[str, list[list]], manifest: str, index: int) -> str | None:
-    """The host that row `index` of `manifest`'s shard moved to (`moved_away`), if it moved."""
-    return next((host for a, b, host in gone.get(manifest, ()) if a <= index < b), None)
 
 
 def away_problems(away: dict[int, str]) -> list[str]:
@@ -311,20 +363,22 @@ def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m worker.verify")
-    where = ap.add_mutually_exclusive_group(required=True)
-    where.add_argument("--out", help="an output folder on this host")
-    where.add_argument("--destination", help="the run's destination (s3://, sftp:// or a path)")
+    ap.add_argument("--out", help="an output folder on this host")
+    ap.add_argument("--destination", help="the run's destination (s3://, sftp:// or a path); with --out, "
+                                          "this host's manifests checked (and --repair'd) against it")
     ap.add_argument("--shallow", action="store_true", help="manifests only; do not open the files")
     ap.add_argument("--repair", action="store_true",
                     help="drop manifest entries whose files are missing or broken (and those files), "
                          "and the skips of failures that may pass (out of memory, a GPU error)")
     args = ap.parse_args(argv)
+    if not (args.out or args.destination):
+        ap.error("--out or --destination is required")
+    if args.repair and args.destination and not args.out:
+        ap.error("--repair at the destination mends a host's part of it: give its --out too")
     if args.repair and args.shallow:
         ap.error("--repair needs the files opened; drop --shallow")
     if args.destination:
-        if args.repair:
-            ap.error("--repair works on a host's output folder, not on the destination")
-        print(check_destination(args.destination, deep=not args.shallow).to_json())
+        print(check_destination(args.destination, deep=not args.shallow, out=args.out, repair=args.repair).to_json())
         return 0
     print(check_folder(args.out, deep=not args.shallow, repair=args.repair).to_json())
     return 0

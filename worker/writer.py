@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from . import fp8, protocol
-from .files import manifest_path, manifest_records, replace_atomically  # noqa: F401  (manifest_path: extract's)
+from .files import WORK_DIR, file_md5, lock_shard, manifest_path, manifest_records, replace_atomically  # noqa: F401  (manifest_path: extract's)
 from .formats import Layout
 from .layers import LayerPlan
 
@@ -83,7 +83,6 @@ class OwnerError(Exception):
     """The output folder is another run's, or another process writes this shard there now."""
 
 
-WORK_DIR = ".fleet"          # the writers' own files (owner, locks, suspects); no reader lists it
 OWNER_FILE = "owner.json"
 
 
@@ -116,20 +115,13 @@ def claim_output(out_dir: str, run: str | None, plan_created: float | None, shar
             if not isinstance(owner, dict) or owner.get("plan_created") != plan_created:
                 write_json_atomic(path, {"run": run, "plan_created": plan_created,
                                          "host": socket.gethostname(), "since": round(time.time(), 3)})
-    lock_path = os.path.join(work, f"{shard}.lock")
-    lock = open(lock_path, "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if not isinstance(e, BlockingIOError):    # a file system without locks: the owner check stands
-            return lock
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
+    lock, holder = lock_shard(out_dir, shard)
+    if lock is None:
         what = f"shard {shard}" if isinstance(shard, int) else f"the {shard}"
         way = "stop it first (fleet down on the run that started it)" if isinstance(shard, int) \
             else "let it finish, or stop it first"
-        raise OwnerError(f"{what} of {out_dir} is being written by {holder} ({lock_path}): {way}") from None
+        raise OwnerError(f"{what} of {out_dir} is being written by {holder} "
+                         f"({os.path.join(work, f'{shard}.lock')}): {way}") from None
     with contextlib.suppress(OSError):          # who holds it, for the refusal: best effort (a full disk)
         lock.truncate(0)
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}" + (f", run {run!r}" if run else "") + "\n")
@@ -388,10 +380,16 @@ class BackgroundWriter:
             except BaseException as e:       # surfaced to the GPU loop at its next submit
                 self.error = e
 
-    def _write(self, sample, hidden: torch.Tensor, scales: torch.Tensor | None, meta: dict[str, str]) -> int:
+    def _write(self, sample, hidden: torch.Tensor, scales: torch.Tensor | None, meta: dict[str, str]) -> dict:
+        """The sample's file written; its manifest record. A file that will be shipped carries its
+        MD5, read back from the disk: verify compares the destination's copy with it."""
         tensors = self.layout.pack(hidden, torch.from_numpy(sample.input_ids),
                                    torch.from_numpy(sample.loss_mask), scales)
-        return write_sample_file(self.layout, self.out_dir, sample.index, tensors, meta)
+        size = write_sample_file(self.layout, self.out_dir, sample.index, tensors, meta)
+        record = {"index": sample.index, "tokens": sample.length, "bytes": size}
+        if self.shipper is not None:
+            record["md5"] = file_md5(self.layout.path(self.out_dir, sample.index))
+        return record
 
     def _record_skip(self, index: int, reason: str) -> None:
         reason = reason if len(reason) <= MAX_REASON else reason[:MAX_REASON - 1] + "…"
@@ -430,11 +428,9 @@ class BackgroundWriter:
                     self._record_skip(sample.index, problem)
                     continue
                 try:
-                    size = fut.result()
+                    records.append(fut.result())
                 except BaseException as e:       # keep what did get written, then fail
                     first_error = first_error or e
-                    continue
-                records.append({"index": sample.index, "tokens": sample.length, "bytes": size})
             self.manifest.append(records)
             if self.shipper is not None and records:
                 self.shipper.add(records)

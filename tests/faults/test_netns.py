@@ -5,17 +5,20 @@ the run completes and verifies."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
-from tests.conftest import REPO, wait_for
+from tests.conftest import REPO, read_events, wait_for
 from tests.sshd_server import start_sshd
 
 
@@ -23,16 +26,17 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
-@pytest.fixture
-def netns_host(tmp_path):
+@contextlib.contextmanager
+def netns_link():
+    """A network namespace joined to this one by a veth pair: (namespace, this side's link, this
+    side's address, the namespace's address). Cut it with `ip link set <link> down`."""
     if os.geteuid() != 0:
         pytest.fail("network namespaces need root (CI runs as root)")
-    tag = os.getpid() % 100000
+    tag = (os.getpid() + next(_serial)) % 100000
     ns, vh, vn = f"fleet{tag}", f"fvh{tag}", f"fvn{tag}"
     octet = 10 + tag % 200
     host_ip, ns_ip = f"10.213.{octet}.1", f"10.213.{octet}.2"
     ip("netns", "add", ns)
-    proc = None
     try:
         ip("link", "add", vh, "type", "veth", "peer", "name", vn)
         ip("link", "set", vn, "netns", ns)
@@ -41,19 +45,28 @@ def netns_host(tmp_path):
         ip("netns", "exec", ns, "ip", "addr", "add", f"{ns_ip}/24", "dev", vn)
         ip("netns", "exec", ns, "ip", "link", "set", vn, "up")
         ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        server, proc = start_sshd(str(tmp_path / "sshd"), address=ns_ip, prefix=("ip", "netns", "exec", ns))
-        yield {"server": server, "link": vh, "ns": ns}
+        yield ns, vh, host_ip, ns_ip
     finally:
-        if proc is not None:
-            proc.terminate()
-        pids = ip("netns", "pids", ns, check=False).stdout.split()
-        for pid in pids:
+        for pid in ip("netns", "pids", ns, check=False).stdout.split():
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
         ip("link", "del", vh, check=False)
         ip("netns", "del", ns, check=False)
+
+
+_serial = itertools.count()
+
+
+@pytest.fixture
+def netns_host(tmp_path):
+    with netns_link() as (ns, link, _, ns_ip):
+        server, proc = start_sshd(str(tmp_path / "sshd"), address=ns_ip, prefix=("ip", "netns", "exec", ns))
+        try:
+            yield {"server": server, "link": link, "ns": ns}
+        finally:
+            proc.terminate()
 
 
 def test_link_cut_and_restored_mid_run(tmp_path, netns_host, dense_model):
@@ -96,3 +109,46 @@ def test_link_cut_and_restored_mid_run(tmp_path, netns_host, dense_model):
     v = subprocess.run([sys.executable, "-m", "fleet.cli", "verify", "-c", config], cwd=REPO,
                        capture_output=True, text=True)
     assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_the_store_cut_off_by_the_network_pauses_shipping_and_loses_nothing(tmp_path, dense_model):
+    """The object store behind a link cut mid-run (no refusal, no reset: packets vanish) and then
+    restored: shipping waits and resumes, nothing leaves the local disk that the store does not
+    hold, the local bound holds, nothing counts twice, and the shard never fails for it."""
+    from tests.s3_store import S3Store
+    from tests.worker.test_ship import KEEP, extract, local_samples, written
+    from worker.demo import make_chat_dataset
+    rows = make_chat_dataset(str(tmp_path / "chat.jsonl"), 240, mean_words=30)
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    with netns_link() as (ns, link, _, ns_ip):
+        store = S3Store(str(tmp_path / "store"), address=ns_ip, prefix=("ip", "netns", "exec", ns)).start()
+        proc = extract(dense_model, rows, out, state, "s3://bucket/run", store.env(), "--random-weights")
+        try:
+            shipping = lambda: [e for e in read_events(state) if e["event"] == "shipping"]  # noqa: E731
+            wait_for(lambda: any(e["shipped_files"] > 0 for e in shipping()), 120, what="first files shipped")
+            ip("link", "set", link, "down")
+            wait_for(lambda: any(e.get("waiting") for e in shipping()[-3:]), 180, what="the writer waiting")
+            for _ in range(10):              # cut off: every written file is here or there
+                recorded, here, there = written(out), local_samples(out), store.files("run")
+                for i in recorded:
+                    name = f"hs_{i}.safetensors"
+                    assert name in here or there.get(name) == recorded[i], f"sample {i} is neither here nor there"
+                assert sum(here.values()) <= KEEP
+                time.sleep(0.5)
+            assert proc.poll() is None       # waiting, not failed
+            ip("link", "set", link, "up")
+            _, err = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            store.kill()
+    assert proc.returncode == 0, err[-2000:]
+    events = read_events(state)
+    assert not [e for e in events if e["event"] == "failed"]
+    recorded = written(out)
+    assert len(recorded) == 240 and local_samples(out) == {}
+    assert {k: v for k, v in store.files("run").items() if k.startswith("hs_")} == \
+        {f"hs_{i}.safetensors": n for i, n in recorded.items()}
+    told = [e for e in events if e["event"] == "shipping"]
+    assert told[-1]["finished"] and told[-1]["shipped_files"] == 240     # each counted once
+    assert max(e["local_bytes"] for e in told) <= KEEP

@@ -7,7 +7,10 @@ naming it, before any shard starts."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -44,11 +47,17 @@ def test_two_hosts_ship_to_one_store_within_keep_local_and_speculators_reads_it_
         with two_hosts(tmp_path) as (servers, _):
             config = hosts_toml(tmp_path, servers, model=dense_model, data=rows, gpus={"a": [0], "b": [0]},
                                 output=str(tmp_path / "out-{host}"),
-                                extra_run=f'destination = "s3://bucket/run"\nkeep_local = "{KEEP}"')
+                                extra_run=f'destination = "s3://bucket/run"\nkeep_local = "{KEEP}"',
+                                job="[expected]\ntokens_per_s_per_gpu = 1e9")   # beyond any uplink
             with_env(config, store.env(credentials_file=str(tmp_path / "aws-credentials")))
             up = fleet("up", "--headless", "-c", config, timeout=900)
             assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
             assert "output: ships to s3://bucket/run as it is written; each host keeps at most 600.00 kB" in up.stderr
+            assert "; upload measured: a " in up.stderr and "/s, b " in up.stderr      # each host's, measured
+            for name in ("a", "b"):
+                assert re.search(rf"warning: {name}: its 1 GPU\(s\) write .* at the expected 1,000,000,000 tokens/s "
+                                 rf"a GPU, its upload to s3://bucket/run measured .*/s: the uplink, not the GPU, "
+                                 rf"sets the pace", up.stderr), up.stderr
             assert "shards DONE" in up.stdout and "at s3://bucket/run" in up.stdout
             snap = json.loads(fleet("status", "--json", "-c", config).stdout)
             sh = snap["totals"]["shipping"]
@@ -69,6 +78,23 @@ def test_two_hosts_ship_to_one_store_within_keep_local_and_speculators_reads_it_
             assert v.returncode == 0, v.stdout + v.stderr
             assert f"{ROWS} written, 0 skipped" in v.stdout and "verify: OK" in v.stdout
             assert "train (s3://bucket/run): speculators train" in v.stdout
+            train = next(line for line in v.stdout.splitlines() if line.startswith("train (")).split(": ", 1)[1]
+            # A byte flipped at the store: named by verify, redone through --repair and up.
+            victim = 7
+            path = os.path.join(store.bucket_dir("run"), f"hs_{victim}.safetensors")
+            data = bytearray(open(path, "rb").read())
+            data[-5] ^= 0xFF
+            open(path, "wb").write(bytes(data))
+            v = fleet("verify", "-c", config, timeout=300)
+            assert v.returncode == 1 and f"problem: s3://bucket/run: sample {victim}: s3://bucket/run/hs_{victim}" \
+                f".safetensors has MD5" in v.stdout, v.stdout + v.stderr
+            r = fleet("verify", "--repair", "-c", config, timeout=300)
+            assert f"repaired: dropped 1 broken or missing sample(s) [{victim}]" in r.stdout, r.stdout + r.stderr
+            assert "shard 0: 1 sample(s) to redo" in r.stdout
+            up = fleet("up", "--headless", "-c", config, timeout=900)
+            assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+            v = fleet("verify", "-c", config, timeout=300)
+            assert v.returncode == 0 and "verify: OK" in v.stdout, v.stdout + v.stderr
     finally:
         store.kill()
     # One dataset at the store: every host's files, both manifests, one meta.json; downloaded, then
@@ -85,6 +111,19 @@ def test_two_hosts_ship_to_one_store_within_keep_local_and_speculators_reads_it_
     ds = ArrowDataset(max_len=4096, datapath=os.path.join(local, "prepared"), on_missing="raise")
     assert len(ds) == ROWS
     assert all(ds[k]["loss_mask"].sum() > 0 for k in range(len(ds)))
+    # ... and speculators' own training, by the command verify printed, on the local copy
+    flags = shlex.split(train.replace("DIR", local))
+    assert flags[:2] == ["speculators", "train"]
+    r = subprocess.run([sys.executable, "-m", "tests.trainers.run_speculators", *flags[2:],
+                        "--save-path", str(tmp_path / "ckpt"), "--epochs", "1", "--total-seq-len", "1024",
+                        "--num-workers", "0", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa",
+                        "--no-resume-from-checkpoint"],
+                       cwd=REPO, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["unavailable"] == [] and sorted(map(int, got["loaded"])) == list(range(ROWS))  # train + val: all
+    assert len(got["losses"]) >= 1 and all(math.isfinite(x) for x in got["losses"])
 
 
 @pytest.mark.parametrize("case,says", [

@@ -39,6 +39,19 @@ def store(tmp_path):
     s.kill()
 
 
+def rclones_of(out: str) -> list[str]:
+    """The rclone processes working on `out` now (their command lines)."""
+    found = subprocess.run(["pgrep", "-af", "rclone"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in found if out in line]
+
+
+def at_store_md5(store, prefix: str) -> dict[str, str]:
+    """name -> MD5 of every sample file at the store, read from the store's own disk."""
+    from worker.files import file_md5
+    return {name: file_md5(os.path.join(store.bucket_dir(prefix), name))
+            for name in store.files(prefix) if name.startswith("hs_")}
+
+
 def extract(model: str, data: str, out: str, state: str, dest: str, env: dict, *more: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "worker.extract", "--model", model, "--data", data, "--out", out,
@@ -212,3 +225,109 @@ def test_sftp_through_the_hosts_own_ssh(dense_model, rows, sshd, tmp_path):
     assert len(recorded) == ROWS and local_samples(out) == {}
     assert {n: os.path.getsize(os.path.join(dest, n)) for n in os.listdir(dest) if n.startswith("hs_")} == \
         {f"hs_{i}.safetensors": n for i, n in recorded.items()}
+
+
+def test_a_byte_flipped_at_the_store_is_named_by_verify_and_repair_has_the_sample_redone(
+        dense_model, rows, store, tmp_path):
+    """Each shipped file's manifest record carries the MD5 its writer read back from the disk; the
+    store's copy is checked against it, so bytes changed at the store (same size) are named; the
+    host's --repair drops the entry (its file left the host) and removes the bad copy; the next
+    launch redoes that one sample and ships it."""
+    from worker.verify import check_destination
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    proc = extract(dense_model, rows, out, state, "s3://bucket/run", store.env(), "--random-weights")
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    records = {i: r for i, r in ((r["index"], r) for r in map(json.loads, open(os.path.join(out, "manifest", "0.jsonl"))))}
+    assert at_store_md5(store, "run") == {f"hs_{i}.safetensors": r["md5"] for i, r in records.items()}
+    victim = sorted(records)[len(records) // 2]
+    path = os.path.join(store.bucket_dir("run"), f"hs_{victim}.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[-7] ^= 0xFF                                       # a value's byte: the file still parses
+    open(path, "wb").write(bytes(data))
+    with store_env(store):
+        report = check_destination("s3://bucket/run")
+        assert [p.split(":")[0] for p in report.problems] == [f"sample {victim}"]
+        assert "MD5" in report.problems[0] and "changed after writing" in report.problems[0]
+        mended = check_destination("s3://bucket/run", out=out, repair=True)
+    assert mended.repaired.dropped == [victim] and mended.repaired.reshipped == []
+    assert f"hs_{victim}.safetensors" not in store.files("run")
+    assert victim not in {json.loads(line)["index"] for line in open(os.path.join(out, "manifest", "0.jsonl"))}
+    proc = extract(dense_model, rows, out, state, "s3://bucket/run", store.env(), "--random-weights")
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    with store_env(store):
+        report = check_destination("s3://bucket/run")
+    assert report.problems == [] and report.written == [[0, ROWS]]
+    redone = [e for e in read_events(state) if e["event"] == "leased"][-1]
+    assert redone["rows"] == 1                                # exactly that sample redone
+
+
+def test_repair_at_the_destination_ships_again_what_is_still_whole_on_the_host(dense_model, rows, store, tmp_path):
+    """Files a killed launch left on the disk (the store was down) are missing at the destination
+    but whole here: --repair keeps their entries (nothing to redo) and says they ship again; the
+    killed worker's rclone did not outlive it; the next launch ships them."""
+    from worker.verify import check_destination
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    store.kill()
+    proc = extract(dense_model, rows, out, state, "s3://bucket/run", store.env(), "--random-weights")
+    wait_for(lambda: rclones_of(out) and any(e["event"] == "shipping" and e.get("waiting") for e in read_events(state)),
+             120, what="files written and an rclone trying")
+    proc.kill()
+    proc.communicate(timeout=60)
+    wait_for(lambda: not rclones_of(out), 3, what="the dead worker's rclone ended with it")
+    left = sorted(written(out))
+    store.start()
+    with store_env(store):
+        mended = check_destination("s3://bucket/run", out=out, repair=True)
+        assert mended.repaired.reshipped == left and mended.repaired.dropped == []
+        assert [p for p in mended.problems if "missing at the destination" in p] and sorted(written(out)) == left
+    proc = extract(dense_model, rows, out, state, "s3://bucket/run", store.env(), "--random-weights")
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    with store_env(store):
+        report = check_destination("s3://bucket/run")
+    assert report.problems == [] and report.written == [[0, ROWS]] and local_samples(out) == {}
+
+
+def test_a_dead_mates_files_are_shipped_by_the_shard_that_finishes_its_rows(dense_model, rows, store, tmp_path):
+    """Shard 1 of a pool of two dies with files unshipped (the store down); shard 0 takes its rows
+    over, and at its end ships what shard 1 left, told in shard 1's own record: nothing stays on
+    the host, the store holds every row once."""
+    out = str(tmp_path / "out")
+    states = {k: str(tmp_path / "run" / "shards" / str(k)) for k in (0, 1)}
+    pool = ("--num-shards", "2", "--pool", "0,1")
+    store.kill()
+    dead = extract(dense_model, rows, out, states[1], "s3://bucket/run", store.env(), "--random-weights",
+                   "--shard-index", "1", *pool)
+    wait_for(lambda: any(e["event"] == "shipping" and e.get("waiting") for e in read_events(states[1])), 120,
+             what="shard 1 waiting for shipping")
+    dead.kill()
+    dead.communicate(timeout=60)
+    left = set(local_samples(out))
+    assert left
+    store.start()
+    proc = extract(dense_model, rows, out, states[0], "s3://bucket/run", store.env(), "--random-weights",
+                   "--shard-index", "0", *pool)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    assert local_samples(out) == {}
+    at_store = {k for k in store.files("run") if k.startswith("hs_")}
+    assert left <= at_store and len(at_store) == ROWS
+    told = [e for e in read_events(states[1]) if e["event"] == "shipping"][-1]
+    assert told["finished"] and told["pending_files"] == 0 and told["shipped_files"] == len(left)
+
+
+class store_env:
+    """The store's AWS variables in this process's environment (check_destination reads them)."""
+
+    def __init__(self, store):
+        self.env = store.env()
+
+    def __enter__(self):
+        self.old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
