@@ -73,7 +73,9 @@ class RunSpec(Strict):
     name: str
     model: str = ""
     data: str = ""
-    output: str
+    # One folder, or several on a host's disks (one per NVMe): the first holds the run's records
+    # and a link for every sample; the samples' bytes are spread over all of them in turn.
+    output: Union[str, list[str]]
     format: Literal[FORMATS] = "speculators"       # which trainer's files the workers write
     layers: Union[str, list[int], None] = None      # a preset, "from:<draft config.json>", a list; None: the format's
     last_layer_norm: Literal["pre", "post"] | None = None
@@ -101,6 +103,16 @@ class RunSpec(Strict):
         for key in v:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise ValueError(f"bad environment variable name {key!r}")
+        return v
+
+    @field_validator("output")
+    @classmethod
+    def _output(cls, v: str | list[str]) -> str | list[str]:
+        paths = [v] if isinstance(v, str) else v
+        if not paths or any(not p.strip() for p in paths):
+            raise ValueError("a folder, or a list of folders (one per disk)")
+        if len(set(paths)) < len(paths):
+            raise ValueError("a folder listed twice")
         return v
 
     @field_validator("destination")
@@ -492,10 +504,15 @@ class Config:
             return os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(path)))
         return path
 
+    def output_dirs(self, host: HostSpec) -> list[str]:
+        """[run] output as `host` sees it, each folder; "{host}" in one is the host's name (one
+        folder a host on storage several hosts mount). The first is the output folder."""
+        paths = [self.run.output] if isinstance(self.run.output, str) else self.run.output
+        return [self.host_path(host, p.replace("{host}", host.name)) for p in paths]
+
     def output_dir(self, host: HostSpec) -> str:
-        """[run] output as `host` sees it; "{host}" in it is the host's name (one folder a host on
-        storage several hosts mount)."""
-        return self.host_path(host, self.run.output.replace("{host}", host.name))
+        """The host's output folder: its records, and every sample (or a link to it on another disk)."""
+        return self.output_dirs(host)[0]
 
     def destination(self, host: HostSpec) -> str | None:
         """[run] destination as `host` gives it to rclone: a URL as written, a path as host_path."""

@@ -197,6 +197,7 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec,
     if config.slurm is not None:          # the login node's GPUs are not the run's: Slurm allocates them
         gpus, device = ",".join(map(str, range(k))), "cpu"
     args = ["--gpus", gpus, "--device", device, "--output", config.output_dir(host),
+            *[a for folder in config.output_dirs(host)[1:] for a in ("--spill", folder)],
             "--run-dir", config.run_dir(host), "--gpus-per-shard", str(k),
             "--max-tokens-per-batch", str(run.max_tokens_per_batch)]
     args += output_args(run)

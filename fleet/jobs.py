@@ -85,7 +85,8 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
         from .deploy import code_dir
         env["PYTHONPATH"] = f"{code_dir(config, host)}:{env['PYTHONPATH']}"
     argv = [python, "-m", "worker.extract", "--model", values["model"], "--data", values["data"],
-            "--out", values["output"], "--state", values["shard_dir"],
+            "--out", values["output"], *[a for f in config.output_dirs(host)[1:] for a in ("--spill", f)],
+            "--state", values["shard_dir"],
             "--shard-index", str(place.shard), "--num-shards", str(num_shards),
             *(["--pool", ",".join(map(str, sorted(pool)))] if len(pool) > 1 else []),
             "--max-tokens-per-batch", str(run.max_tokens_per_batch), "--too-long", run.too_long]

@@ -84,6 +84,9 @@ def _shard_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSONL, Parquet or a save_to_disk folder; rows with input_ids [+ loss_mask] "
                         "or raw chats (ShareGPT conversations / OpenAI messages)")
     p.add_argument("--out", required=True, help="output folder for hs_<index>.safetensors")
+    p.add_argument("--spill", action="append", default=[], metavar="FOLDER",
+                   help="another disk's folder (repeatable): the samples' bytes go to --out and these in "
+                        "turn, each with a link in --out, so a host writes at its disks' summed speed")
     p.add_argument("--state", default=None,
                    help="folder for events.jsonl (what fleet reads); default: no event file")
     p.add_argument("--shard-index", type=int, default=0)
@@ -203,6 +206,7 @@ class Options:
     dtype: str = "bf16"                  # hidden states as stored: bf16 | fp8
     micro_batches: int | None = None     # row groups per batch (None: one per GPU of the shard)
     window: int | None = None            # the trainer's window (from:<run.yaml> data.max_length)
+    spill: tuple[str, ...] = ()          # other disks' folders the samples' bytes go to in turn
 
 
 def gpu_memory(devices: torch.device | list[torch.device]) -> dict:
@@ -459,7 +463,7 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
         depth=options.writer_queue, file_threads=options.writer_threads, device=devices[-1],
         on_skip=lambda index, reason: log.emit(protocol.SampleSkipped(index=index, reason=reason)),
         reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0, layout=layout,
-        shipper=shipper)
+        shipper=shipper, spill=options.spill)
     extractor = Extractor(model, plan, device, writer, options.pad_multiple,
                           options.micro_batches or len(devices), suspects)
     def emit_progress() -> None:
@@ -568,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                 how, source, origin = move.how, (move.source if move.source >= 0 else None), move.origin
                 if move.how == "dead":
                     _tell_source(args, move, pool.counted_for(move.source))
-            held = Holding(args.out, lease, pool.counted(), log, sizer.start)
+            held = Holding(args.out, lease, pool.counted(), log, sizer.start, tuple(args.spill))
             log.emit(protocol.Leased(start=lease.start, stop=lease.stop, rows=held.owed, epoch=lease.epoch,
                                      how=how, from_shard=source, from_host=origin))
             suspects = Suspects(suspects_path(args.out, args.shard_index), set(held.finished), lease.start,
@@ -644,6 +648,8 @@ def _resolve_work(args: argparse.Namespace):
 def _claim_output(args: argparse.Namespace):
     """The output folder claimed for the run's plan (the lock returned must be kept open)."""
     planned = read_plan_file(args.plan) if args.plan else {}
+    for folder in args.spill:                  # another run's spill folder is refused like its output
+        claim_output(folder, planned.get("run"), planned.get("created"), args.shard_index)
     return claim_output(args.out, planned.get("run"), planned.get("created"), args.shard_index)
 
 
@@ -659,8 +665,9 @@ class Holding:
     steal takes its rows out of both, and `size` has them sized (the ETA's tokens) again."""
 
     def __init__(self, out_dir: str, lease: Lease, counted: list[tuple[int, int]], log: EventLog,
-                 sizer: Callable[[list[tuple[int, int]]], object] = lambda ranges: None):
-        remove_stale_temps(out_dir, lease.start, lease.stop)    # a dead holder's leftovers too
+                 sizer: Callable[[list[tuple[int, int]]], object] = lambda ranges: None,
+                 spill: tuple[str, ...] = ()):
+        remove_stale_temps(out_dir, lease.start, lease.stop, spill)    # a dead holder's leftovers too
         self.finished = load_finished(out_dir)
         self.ranges = [*counted, (lease.start, lease.stop)]
         self.stats = resumed_stats(self.finished, self.ranges)
@@ -724,7 +731,7 @@ def _ship_leftovers(args: argparse.Namespace, layout: Layout, shipper, beat: Cal
         return lambda ev: protocol.append_jsonl(os.path.join(shards, str(k), protocol.EVENTS_FILE), ev)
     from .ship import ship_leftovers
     ship_leftovers(args.out, shipper.dest, set(args.pool) - {args.shard_index},
-                   lambda i: layout.path(args.out, i), emit_for, beat)
+                   lambda i: layout.path(args.out, i), emit_for, beat, tuple(args.spill))
 
 
 def _start_shipping(args: argparse.Namespace, log: EventLog, layout: Layout):
@@ -736,7 +743,7 @@ def _start_shipping(args: argparse.Namespace, log: EventLog, layout: Layout):
     mine = os.path.basename(manifest_path(args.out, args.shard_index))
     records = [rec for name, rec in manifest_entries(args.out) if name == mine]
     return Shipper(args.out, destination(args.destination), args.shard_index,
-                   lambda i: layout.path(args.out, i), args.keep_local, log.emit).resume(records)
+                   lambda i: layout.path(args.out, i), args.keep_local, log.emit, tuple(args.spill)).resume(records)
 
 
 def _check_gpus_visible(device: torch.device, devices: list[str]) -> None:
@@ -836,7 +843,8 @@ def make_options(args: argparse.Namespace, shape, pad: int) -> Options:
                    args.writer_queue, args.writer_threads, args.sort_window,
                    pad_multiple=pad, loss_mask=args.loss_mask, format=args.format,
                    max_positions=shape.max_positions, dtype=args.dtype,
-                   micro_batches=args.micro_batches, window=yaml_max_length(args.layers))
+                   micro_batches=args.micro_batches, window=yaml_max_length(args.layers),
+                   spill=tuple(args.spill))
 
 
 def start_tuner(args: argparse.Namespace, dataset, start: int, stop: int, finished: set[int],

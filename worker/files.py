@@ -88,6 +88,40 @@ def lock_shard(out_dir: str, shard: int | str) -> tuple[IO | None, str | None]:
     return lock, None
 
 
+def disk_of(index: int, roots: tuple[str, ...] | list[str]) -> str:
+    """Which of an output's folders (the output folder first, then the other disks' of [run]
+    output) holds sample `index`'s bytes: each in turn, so every disk takes an equal share."""
+    return roots[index % len(roots)]
+
+
+def link_atomically(target: str, path: str) -> None:
+    """`path` becomes a symbolic link to `target` (an absolute path), replacing what was there."""
+    tmp = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}link-{os.getpid()}-{os.path.basename(path)}")
+    try:
+        os.symlink(target, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def remove_sample(path: str) -> bool:
+    """Remove a sample's file: where it is a link to another disk's copy, that copy too. Whether
+    anything was there."""
+    there = os.path.islink(path)
+    if there:
+        try:
+            os.unlink(os.path.realpath(path))
+        except FileNotFoundError:
+            pass
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return there
+
+
 def manifest_path(out_dir: str, shard: int | str) -> str:
     return os.path.join(out_dir, MANIFEST_DIR, f"{shard}.jsonl")
 

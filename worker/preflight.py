@@ -428,9 +428,10 @@ def _output_checks(args: argparse.Namespace, identity: dict) -> list[protocol.Ch
     checks = [_error(f"output {args.output}: a folder name is {len(part.encode())} bytes long; "
                      f"file systems allow 255")
               for part in os.path.abspath(args.output).split(os.sep) if len(part.encode()) > 255]
-    if args.run_dir and (owner := output_owner(args.output)) not in (None, os.path.basename(args.run_dir)):
-        checks.append(_error(f"output {args.output} belongs to run {owner!r} ({OWNER_PATH}): give this run "
-                             f"another output, or remove that file if run {owner!r} is finished with"))
+    for folder in (args.output, *args.spill):
+        if args.run_dir and (owner := output_owner(folder)) not in (None, os.path.basename(args.run_dir)):
+            checks.append(_error(f"output {folder} belongs to run {owner!r} ({OWNER_PATH}): give this run "
+                                 f"another output, or remove that file if run {owner!r} is finished with"))
     diffs = output_mismatch(args.output, identity) if identity else []
     if diffs:
         checks.append(_error(f"output {args.output} holds another run's work (its meta.json): "
@@ -457,12 +458,14 @@ def _measure_output(args: argparse.Namespace, shape, layers: LayerPlan | None,
                     report: protocol.PreflightReport) -> list[protocol.Check]:
     """Free space and the folder's id at the output, whether it is writable, and (built-in worker)
     the output's projected size; a projection that fails must not stop the run: it says why."""
-    space = disk_space(args.output)
-    report.free_bytes = space.free
+    checks, devices = [], {}
+    for folder in (args.output, *args.spill):        # several disks: their free space summed
+        space = disk_space(folder)
+        devices.setdefault(os.stat(space.probe).st_dev, space.free)
+        if not os.access(space.probe, os.W_OK):
+            checks.append(_error(f"output {folder}: {space.probe} is not writable"))
+    report.free_bytes = sum(devices.values())
     report.folder_id = _folder_id(args.output)
-    checks = []
-    if not os.access(space.probe, os.W_OK):
-        checks.append(_error(f"output {args.output}: {space.probe} is not writable"))
     if args.builtin and shape and layers and args.data and os.path.exists(args.data):
         try:
             fp = footprint(args.data, args.output, Layout(args.format, layers, args.dtype), shape.hidden_size,
@@ -547,6 +550,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--run-dir", default=None, help="the run's folder: its plan.json is reported")
     ap.add_argument("--gpus-per-shard", type=int, default=1)
     ap.add_argument("--max-tokens-per-batch", type=int, default=16384)
+    ap.add_argument("--spill", action="append", default=[], help="the output's other disks' folders")
     ap.add_argument("--destination", default=None, help="where the output is shipped: checked reachable")
     ap.add_argument("--builtin", action="store_true", help="the built-in extraction worker runs here")
     ap.add_argument("--demo", action="store_true", help="model and data are made on first use")

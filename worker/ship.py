@@ -174,7 +174,7 @@ def check_reachable(dest: Destination, timeout: float = 60) -> str | None:
 
 def ship_leftovers(out: str, dest: Destination, mates: Iterable[int], path_of: Callable[[int], str],
                    emit_for: Callable[[int], Callable[[protocol.Shipping], None]],
-                   beat: Callable[[], None] = lambda: None) -> list[int]:
+                   beat: Callable[[], None] = lambda: None, spill: tuple[str, ...] = ()) -> list[int]:
     """Ship what mates of this shard's pool left on the disk: a shard that failed for good (or
     crashed) has written files no launch of its own will ship. Each mate whose writer's lock is
     free is shipped for (under that lock, so its own relaunch waits for it), its figures told in
@@ -193,7 +193,7 @@ def ship_leftovers(out: str, dest: Destination, mates: Iterable[int], path_of: C
             lock.truncate(0)
             lock.write(f"pid {os.getpid()}, shipping the files shard {k} left\n")
             lock.flush()
-            Shipper(out, dest, k, path_of, None, emit_for(k)).resume(records).finish(beat)
+            Shipper(out, dest, k, path_of, None, emit_for(k), spill).resume(records).finish(beat)
             shipped.append(k)
         finally:
             lock.close()
@@ -234,11 +234,13 @@ class Shipper:
     """Moves the shard's written files to the destination in the background; see the module."""
 
     def __init__(self, out: str, dest: Destination, shard: int, path_of: Callable[[int], str],
-                 keep_bytes: int | None, emit: Callable[[protocol.Shipping], None]):
+                 keep_bytes: int | None, emit: Callable[[protocol.Shipping], None], spill: tuple[str, ...] = ()):
         self.out, self.dest, self.shard, self.path_of = out, dest, shard, path_of
+        self.spill = spill                     # the other disks of [run] output (a sample there: a link here)
         self.keep_bytes, self.emit = keep_bytes, emit
         self.cond = threading.Condition()
         self.pending: dict[str, int] = {}      # relative path -> bytes, in the order written
+        self.roots: dict[str, str] = {}        # relative path -> the folder whose disk holds its bytes
         self.local_bytes = 0
         self.shipped_files = self.shipped_bytes = 0
         self.rate_bps: float | None = None
@@ -263,7 +265,7 @@ class Shipper:
                 continue
             rel = os.path.relpath(self.path_of(r["index"]), self.out)
             if os.path.exists(os.path.join(self.out, rel)):
-                self.pending[rel] = r.get("bytes", 0)
+                self.pending[rel], self.roots[rel] = r.get("bytes", 0), self._root_of(rel)
                 self.local_bytes += r.get("bytes", 0)
             else:
                 self.shipped_files += 1
@@ -276,7 +278,7 @@ class Shipper:
         with self.cond:
             for r in records:
                 rel = os.path.relpath(self.path_of(r["index"]), self.out)
-                self.pending[rel] = r["bytes"]
+                self.pending[rel], self.roots[rel] = r["bytes"], self._root_of(rel)
                 self.local_bytes += r["bytes"]
             self.cond.notify_all()
 
@@ -335,19 +337,33 @@ class Shipper:
             time.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
 
+    def _root_of(self, rel: str) -> str:
+        """The folder whose disk holds the file at `rel` (a link in the output folder, to another
+        disk's copy: that disk's folder)."""
+        here = os.path.join(self.out, rel)
+        if self.spill and os.path.islink(here):
+            real = os.path.realpath(here)
+            return next((r for r in self.spill if os.path.realpath(os.path.join(r, rel)) == real), self.out)
+        return self.out
+
     def _move(self, batch: list[tuple[str, int]]) -> bool:
-        with tempfile.NamedTemporaryFile("w", prefix=protocol.TEMP_PREFIX, suffix=".list") as listing:
-            listing.write("".join(rel + "\n" for rel, _ in batch))
-            listing.flush()
-            t0 = time.monotonic()
-            done = self._run("move", self.out, self.dest.remote, "--files-from-raw", listing.name,
-                             "--no-traverse")
-            seconds = time.monotonic() - t0
-        if done is None:
-            return False
-        gone = [(rel, n) for rel, n in batch if not os.path.exists(os.path.join(self.out, rel))]
+        """One rclone move a disk; a file gone from its disk has landed (its link is removed)."""
+        t0, ok = time.monotonic(), True
+        for root in dict.fromkeys(self.roots.get(rel, self.out) for rel, _ in batch):
+            with tempfile.NamedTemporaryFile("w", prefix=protocol.TEMP_PREFIX, suffix=".list") as listing:
+                listing.write("".join(rel + "\n" for rel, _ in batch if self.roots.get(rel, self.out) == root))
+                listing.flush()
+                ok = self._run("move", root, self.dest.remote, "--files-from-raw", listing.name,
+                               "--no-traverse") is not None and ok
+        seconds = time.monotonic() - t0
+        gone = [(rel, n) for rel, n in batch if not os.path.exists(os.path.join(self.roots.get(rel, self.out), rel))]
+        for rel, _ in gone:
+            if self.roots.get(rel, self.out) != self.out:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.out, rel))
         with self.cond:
             for rel, n in gone:
+                self.roots.pop(rel, None)
                 if self.pending.pop(rel, None) is not None:
                     self.local_bytes -= n
                     self.shipped_files += 1
@@ -357,7 +373,7 @@ class Shipper:
                 self.rate_bps = moved / max(seconds, 1e-3)
             self.cond.notify_all()
             self._tell(force=len(gone) < len(batch))
-        return len(gone) == len(batch)
+        return ok and len(gone) == len(batch)
 
     def _copy_records(self) -> bool:
         """The shard's manifest (after the files it lists), its pool's ledger (which rows moved to

@@ -8,7 +8,6 @@ global index 0..N-1 is present exactly once across the fleet.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -18,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import protocol
-from .files import file_md5, manifest_entries
+from .files import file_md5, manifest_entries, remove_sample
 from .formats import FORMATS, FormatError, Layout
 from .layers import LayerPlan
-from .leases import gone_to, moved_away
+from .leases import gone_to, ledger_files, moved_away
 from .ranges import ranges_text, to_runs
 
 
@@ -202,10 +201,10 @@ def _repair_at(dest, out: str, layout: Layout, found: "_Findings") -> protocol.R
     repaired = _repair(out, layout, found) or protocol.Repair()
     repaired.reshipped = sorted(reship)
     found.broken = kept                       # still missing there until the next launch ships them
-    for name in sorted(os.listdir(os.path.join(out, protocol.MANIFEST_DIR))):
-        if name.endswith(".jsonl"):
-            rel = f"{protocol.MANIFEST_DIR}/{name}"
-            rclone(dest, "copyto", os.path.join(out, rel), dest.under(rel), timeout=600)
+    folder = os.path.join(out, protocol.MANIFEST_DIR)
+    records = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".jsonl")]
+    for path in records + ledger_files(out):             # (the ledgers: which rows moved away)
+        rclone(dest, "copyto", path, dest.under(os.path.relpath(path, out)), timeout=600)
     return repaired if repaired != protocol.Repair() else None
 
 
@@ -308,8 +307,7 @@ def _moved_strays(out: str, layout: Layout, unrecorded: set[int], found: _Findin
     gone = [(a, b) for runs in found.gone.values() for a, b, _ in runs]
     stray = {i for i in unrecorded if any(a <= i < b for a, b in gone)}
     for i in stray:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(layout.path(out, i))
+        remove_sample(layout.path(out, i))
     return stray
 
 
@@ -346,17 +344,7 @@ def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[i
                 kept.add(i)
             lines.append(json.dumps(rec, separators=(",", ":")))
         write_lines_atomic(path, lines)
-    removed = 0
-    for i in sorted(set(away) - kept):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(layout.path(out, i))
-            removed += 1
-    for i in broken:
-        try:
-            os.unlink(layout.path(out, i))
-            removed += 1
-        except FileNotFoundError:
-            pass
+    removed = sum(remove_sample(layout.path(out, i)) for i in sorted((set(away) - kept) | set(broken)))
     return protocol.Repair(dropped=sorted(set(broken) | set(retry)), deduplicated=sorted(twice),
                            removed_files=removed, retried_skips=sorted(retry), moved_away=sorted(away))
 

@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 
 from . import fp8, protocol
-from .files import WORK_DIR, file_md5, lock_shard, manifest_path, manifest_records, replace_atomically  # noqa: F401  (manifest_path: extract's)
+from .files import WORK_DIR, disk_of, file_md5, link_atomically, lock_shard, manifest_records, replace_atomically
+from .files import manifest_path  # noqa: F401  (extract's)
 from .formats import Layout
 from .layers import LayerPlan
 
@@ -39,14 +40,21 @@ class DiskFullError(Exception):
 
 
 def write_sample_file(layout: Layout, out_dir: str, index: int, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str]) -> int:
-    """Write sample `index` where `layout` puts it, atomically: a `.tmp-` file at the top of
-    `out_dir` (no reader lists it), fsync, rename into place. Returns its size in bytes."""
-    final = layout.path(out_dir, index)
-    tmp = os.path.join(out_dir, f"{protocol.TEMP_PREFIX}{index}-{os.getpid()}-{threading.get_ident()}")
+                      metadata: dict[str, str], spill: tuple[str, ...] = ()) -> int:
+    """Write sample `index` where `layout` puts it, atomically: a `.tmp-` file at the top of its
+    folder (no reader lists it), fsync, rename into place. With `spill` (the other disks of [run]
+    output) its bytes go to the disk whose turn it is (files.disk_of) and the output folder gets a
+    link to them where the layout puts the sample. Returns its size in bytes."""
+    root = disk_of(index, (out_dir, *spill))
+    final = layout.path(root, index)
+    tmp = os.path.join(root, f"{protocol.TEMP_PREFIX}{index}-{os.getpid()}-{threading.get_ident()}")
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    with disk_full_says(f"sample {index} to {out_dir}"):
+    with disk_full_says(f"sample {index} to {root}"):
         replace_atomically(final, lambda path: layout.save(tensors, path, metadata), tmp)
+        if root != out_dir:
+            link = layout.path(out_dir, index)
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            link_atomically(os.path.abspath(final), link)
     return os.path.getsize(final)
 
 
@@ -129,18 +137,20 @@ def claim_output(out_dir: str, run: str | None, plan_created: float | None, shar
     return lock
 
 
-def remove_stale_temps(out_dir: str, start: int, stop: int) -> int:
-    """Remove the temp files a killed writer left for samples [start, stop) (`.tmp-<index>-...`;
-    the caller holds those samples' lock, so no live writer owns them). How many."""
+def remove_stale_temps(out_dir: str, start: int, stop: int, spill: tuple[str, ...] = ()) -> int:
+    """Remove the temp files a killed writer left for samples [start, stop) (`.tmp-<index>-...`,
+    in the output folder and the other disks' of `spill`; the caller holds those samples' lock,
+    so no live writer owns them). How many."""
     removed = 0
-    for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
-        head = name[len(protocol.TEMP_PREFIX):].split("-", 1)[0]
-        if name.startswith(protocol.TEMP_PREFIX) and head.isdigit() and start <= int(head) < stop:
-            try:
-                os.unlink(os.path.join(out_dir, name))
-                removed += 1
-            except FileNotFoundError:
-                pass
+    for root in (out_dir, *spill):
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            head = name[len(protocol.TEMP_PREFIX):].split("-", 1)[0]
+            if name.startswith(protocol.TEMP_PREFIX) and head.isdigit() and start <= int(head) < stop:
+                try:
+                    os.unlink(os.path.join(root, name))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
     return removed
 
 
@@ -275,8 +285,9 @@ class BackgroundWriter:
     def __init__(self, out_dir: str, manifest: Manifest, metadata: dict[str, str], stats: Stats,
                  depth: int, file_threads: int, device: torch.device,
                  on_skip: Callable[[int, str], None], reserve_tokens: int = 0,
-                 layout: Layout = SPECULATORS, shipper: Any = None):
+                 layout: Layout = SPECULATORS, shipper: Any = None, spill: tuple[str, ...] = ()):
         self.out_dir = out_dir
+        self.spill = spill                    # the other disks its samples' bytes go to in turn
         self.shipper = shipper                # worker/ship.py: files it records go to the destination
         self.layout = layout
         self.dtype = layout.dtype
@@ -385,7 +396,7 @@ class BackgroundWriter:
         MD5, read back from the disk: verify compares the destination's copy with it."""
         tensors = self.layout.pack(hidden, torch.from_numpy(sample.input_ids),
                                    torch.from_numpy(sample.loss_mask), scales)
-        size = write_sample_file(self.layout, self.out_dir, sample.index, tensors, meta)
+        size = write_sample_file(self.layout, self.out_dir, sample.index, tensors, meta, self.spill)
         record = {"index": sample.index, "tokens": sample.length, "bytes": size}
         if self.shipper is not None:
             record["md5"] = file_md5(self.layout.path(self.out_dir, sample.index))

@@ -76,6 +76,9 @@ def test_good_config_loads_with_defaults(tmp_path):
     ('layers = "speculators"', 'layers = "fancy"', 6, "layers"),
     ('samples_per_s_per_gpu = 3.5', 'samples_per_s_per_gpu = 0', 9, "greater than 0"),
     ('[supervise]', '[superviseX]', 11, "unknown key 'superviseX' in the top level; did you mean 'supervise'?"),
+    ('output = "/workspace/hs"', 'output = []', 5, "run.output: a folder, or a list of folders (one per disk)"),
+    ('output = "/workspace/hs"', 'output = ["/a", "/a"]', 5, "run.output: a folder listed twice"),
+    ('output = "/workspace/hs"', 'output = ["/a", 3]', 5, "output"),
 ])
 def test_bad_values_name_file_line_and_key(tmp_path, old, new, line, expected):
     assert old in GOOD
@@ -198,3 +201,14 @@ def test_python_dash_m_fleet_is_the_fleet_command():
     r = subprocess.run([sys.executable, "-m", "fleet", "--help"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert all(cmd in r.stdout for cmd in ("up", "status", "down", "restart", "logs", "verify"))
+
+
+def test_an_output_on_several_disks_spreads_the_samples_and_keeps_one_output_folder(tmp_path):
+    """[run] output as a list: the first is the output folder (the [job]'s {output}, verify's, the
+    plan's), the others go to the worker and its preflight as --spill, each folder with {host}."""
+    c = load_config(write(tmp_path, GOOD.replace('output = "/workspace/hs"',
+                                                 'output = ["/nvme0/{host}/hs", "/nvme1/{host}/hs"]')))
+    assert c.output_dirs(c.hosts[0]) == ["/nvme0/box1/hs", "/nvme1/box1/hs"]
+    assert c.output_dir(c.hosts[1]) == "/nvme0/box2/hs"
+    argv = shard_command(c, c.hosts[0], Placement(0, "box1", 0), 3).argv
+    assert argv[argv.index("--out") + 1:argv.index("--out") + 4] == ["/nvme0/box1/hs", "--spill", "/nvme1/box1/hs"]

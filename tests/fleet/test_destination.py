@@ -155,3 +155,37 @@ destination = "{url}"
     last = up.stderr.strip().splitlines()[-1]
     assert last == f"error: preflight refused: local: destination {url}: {says.format(port=store.port)}"
     assert not (tmp_path / "fleet" / "r" / "shards").exists()          # no shard was launched
+
+
+def test_a_host_writing_to_two_disks_ships_to_a_shared_folder_that_trains_as_it_is(tmp_path, dense_model, rows):
+    """[run] output on two disks and a destination that is a path (an NFS mount): two shards write
+    their samples' bytes to both disks in turn, ship them within keep_local, and the destination
+    is one dataset — speculators' prepared rows included — read there with no step between."""
+    disks = [str(tmp_path / "nvme0" / "run"), str(tmp_path / "nvme1" / "run")]
+    dest = str(tmp_path / "nfs" / "run")
+    config = local_toml(tmp_path, f"""[run]
+name = "r"
+model = {json.dumps(dense_model)}
+data = {json.dumps(rows)}
+output = {json.dumps(disks)}
+device = "cpu"
+max_tokens_per_batch = 512
+destination = {json.dumps(dest)}
+keep_local = "{2 * KEEP}"
+env = {{ OMP_NUM_THREADS = "1" }}
+""")
+    text = open(config).read()
+    open(config, "w").write(text.replace("gpus = [0]", "gpus = [0, 1]"))
+    up = fleet("up", "--headless", "-c", config, timeout=900)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    spilled = [json.loads(line) for k in (0, 1)
+               for line in open(tmp_path / "fleet" / "r" / "shards" / str(k) / "events.jsonl")]
+    assert max(e["local_bytes"] for e in spilled if e["event"] == "shipping") <= KEEP   # each shard's share
+    assert not [n for d in disks for n in os.listdir(d) if n.startswith("hs_")]          # nothing left, no link
+    assert len([n for n in os.listdir(dest) if n.startswith("hs_")]) == ROWS
+    v = fleet("verify", "-c", config, timeout=300)
+    assert v.returncode == 0 and f"{ROWS} written" in v.stdout and "verify: OK" in v.stdout, v.stdout + v.stderr
+    pytest.importorskip("speculators.train.data")
+    from speculators.train.data import ArrowDataset
+    ds = ArrowDataset(max_len=4096, datapath=os.path.join(dest, "prepared"), on_missing="raise")
+    assert len(ds) == ROWS and all(ds[k]["loss_mask"].sum() > 0 for k in range(len(ds)))

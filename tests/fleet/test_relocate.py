@@ -4,9 +4,12 @@ the orders as pure functions, and two real hosts over two real sshds, one cut of
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+
+import pytest
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +17,8 @@ from hypothesis import strategies as st
 from fleet.relocate import HostFacts, Moves, Order, orders, split
 from tests.conftest import read_events, wait_for
 from tests.fleet.conftest import LOST_AFTER, fleet, hosts_toml, lose_host, two_hosts, up_headless
+from tests.fleet.test_destination import with_env
+from tests.s3_store import S3Store
 from tests.sshd_server import serve
 from worker import protocol
 from worker.leases import merge
@@ -91,12 +96,22 @@ def manifest_counts(out: str) -> dict[int, int]:
     return counts
 
 
-def test_a_lost_hosts_rows_are_finished_by_the_other_and_its_copies_removed_once_it_is_back(tmp_path, dense_model):
+@pytest.mark.parametrize("shipped", [False, True], ids=["on-the-hosts", "at-a-store"])
+def test_a_lost_hosts_rows_are_finished_by_the_other_and_its_copies_removed_once_it_is_back(
+        tmp_path, dense_model, shipped):
+    """Also with the output shipped to one store: there too every row is counted once (the
+    pools' ledgers shipped beside the manifests say which rows moved), and --repair mends it."""
     from worker.demo import make_token_dataset
     data = make_token_dataset(str(tmp_path / "d.jsonl"), 2400, vocab_size=500, mean_tokens=40, seed=21)
-    with two_hosts(tmp_path) as (servers, procs):
+    store = S3Store(str(tmp_path / "store")).start() if shipped else None
+    with two_hosts(tmp_path) as (servers, procs), contextlib.ExitStack() as stack:
+        if store is not None:
+            stack.callback(store.kill)
         config = hosts_toml(tmp_path, servers, model=dense_model, data=data, gpus={"a": [0, 1], "b": [0, 1]},
-                            output=str(tmp_path / "remote" / "out-{host}"), supervise=LOST_AFTER)
+                            output=str(tmp_path / "remote" / "out-{host}"), supervise=LOST_AFTER,
+                            extra_run='destination = "s3://bucket/run"\nkeep_local = "2MB"' if shipped else "")
+        if store is not None:
+            with_env(config, store.env(credentials_file=str(tmp_path / "aws-credentials")))
         out = {name: str(tmp_path / "remote" / f"out-{name}") for name in ("a", "b")}
         up, lines = up_headless(config)
         try:
@@ -140,3 +155,7 @@ def test_a_lost_hosts_rows_are_finished_by_the_other_and_its_copies_removed_once
         assert v.returncode == 0 and "2400 written" in v.stdout, v.stdout + v.stderr
         assert manifest_counts(out["b"]) == {}
         assert not [p for p in glob.glob(os.path.join(out["b"], "**", "*.safetensors"), recursive=True)]
+        if store is not None:                          # one copy of each row at the store, as a recorded
+            at = store.files("run")
+            assert len([k for k in at if k.startswith("hs_")]) == 2400
+            assert manifest_counts(store.bucket_dir("run")) == {i: 1 for i in range(2400)}
