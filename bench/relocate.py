@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fleet import relocate                      # noqa: E402
 from fleet.config import load_config             # noqa: E402
 from fleet.judge import policy_for               # noqa: E402
+from fleet.engines import make_launcher          # noqa: E402
 from fleet.plan import make_plan                 # noqa: E402
 from fleet.store import Store                    # noqa: E402
 from fleet.transport import HostError            # noqa: E402
@@ -48,8 +49,9 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         config = load_config(fleet_toml(d, args.hosts, args.gpus))
-    store = Store(config, policy_for(config))
-    store.use_plan(make_plan(config, {h.name: list(range(args.gpus)) for h in config.hosts}, {}))
+    engine = make_launcher(config)
+    store = Store(config, policy_for(config), engine)
+    store.use_plan(make_plan(config, engine.place({h.name: list(range(args.gpus)) for h in config.hosts}), engine.kind, {}))
     n, now = store.num_shards, time.time()
     for host in store.hosts:                     # each agent's stream opens with its hello
         store.apply(host, protocol.Hello(protocol=protocol.PROTOCOL_VERSION), now=now)

@@ -85,7 +85,7 @@ async def deploy_and_plan(sup: Supervisor, replan: bool = False, allow_partial: 
     click.echo(f"deploying to {len(config.hosts)} host(s)…", err=True)
     results, failures = await setup.deploy_all(sup)
     from .deploy import format_preflight
-    groups = output_needs(config, results, replan)
+    groups = output_needs(sup, results, replan)
     click.echo(format_preflight(results, failures, {h: g.need for g in groups for h in g.hosts},
                                 width=shutil.get_terminal_size((120, 24)).columns), err=True)
     refusals = output_verdicts(config, results, groups, allow_partial)
@@ -103,17 +103,16 @@ async def deploy_and_plan(sup: Supervisor, replan: bool = False, allow_partial: 
         raise
 
 
-def output_needs(config: Config, results: list, replan: bool) -> list:
+def output_needs(sup: Supervisor, results: list, replan: bool) -> list:
     """What each output folder must hold for its hosts' shards, with the shard layout the run will
     use: the plan the hosts hold (unless --replan), else the one fleet.toml makes now."""
     from .footprint import needs
-    from .jobs import place_shards
-    from .plan import placements
+    config, engine = sup.config, sup.launcher
     held = [r.plan for r in results if r.plan]
     if held and not replan:
-        places = placements(max(held, key=lambda p: p.created))
+        places = engine.placements(max(held, key=lambda p: p.created))
     else:
-        places = place_shards(config, {h.name: [] for h in config.hosts} | {r.host: r.gpus for r in results})
+        places = engine.place({h.name: [] for h in config.hosts} | {r.host: r.gpus for r in results})
     by_host: dict[str, list[int]] = {}
     for p in places:
         by_host.setdefault(p.host, []).append(p.shard)

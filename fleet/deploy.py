@@ -14,7 +14,7 @@ import tarfile
 import textwrap
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Callable, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 import worker
 from worker import protocol
@@ -175,10 +175,18 @@ class Preflight:
         return self.report.identity
 
 
-async def deploy_host(t: Transport, config: Config, host: HostSpec,
+class Preflighted(Protocol):
+    """What preflight asks of the run's engine (its Launcher, fleet/launcher.py)."""
+
+    def preflight_gpus(self, host: HostSpec) -> tuple[str, str]: ...
+    async def host_checks(self, t: Transport, host: HostSpec, result: Preflight) -> str: ...
+
+
+async def deploy_host(t: Transport, config: Config, host: HostSpec, engine: Preflighted,
                       step: Callable[[str], None] = lambda line: None) -> Preflight:
-    """Upload, make demo assets if asked, then preflight. Raises HostError if unreachable.
-    `step` is told each step as it begins (what `fleet up` prints while it deploys)."""
+    """Upload, make demo assets if asked, then preflight (with the engine's own checks of the
+    host). Raises HostError if unreachable. `step` is told each step as it begins (what `fleet up`
+    prints while it deploys)."""
     result = Preflight(host.name)
     step(f"{host.name}: connecting to {host.address}")
     await t.connect()
@@ -193,9 +201,8 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec,
         made = await run_demo_assets(t, config, host, model, data)
         step(f"{host.name}: " + ("; ".join(made) if made else "demo model and data already there"))
     step(f"{host.name}: preflight: python, GPUs, model, data, layers, free disk")
-    gpus, device, k = "all" if host.gpus == "all" else ",".join(map(str, host.gpus)), run.device, run.gpus_per_shard
-    if config.slurm is not None:          # the login node's GPUs are not the run's: Slurm allocates them
-        gpus, device = ",".join(map(str, range(k))), "cpu"
+    gpus, device = engine.preflight_gpus(host)
+    k = run.gpus_per_shard
     args = ["--gpus", gpus, "--device", device, "--output", config.output_dir(host),
             *[a for folder in config.output_dirs(host)[1:] for a in ("--spill", folder)],
             "--run-dir", config.run_dir(host), "--gpus-per-shard", str(k),
@@ -215,17 +222,7 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec,
                                      timeout=300, env=run.env)     # the destination with the shards' env
     result.report = report
     result.gpus = report.gpus
-    if config.slurm is not None:
-        result.gpus = []
-        sl = config.slurm
-        report.slurm = await run_worker_module(t, config, host, "slurm", "check", "--shards", str(sl.shards),
-                                               *(["--partition", sl.partition] if sl.partition else []),
-                                               *(["--account", sl.account] if sl.account else []),
-                                               reply=protocol.SlurmCheck, timeout=120)
-        report.checks = report.checks + report.slurm.checks
-    where = ("Slurm allocates the GPUs" if config.slurm is not None
-             else f"{len(result.gpus)} shard(s) on the CPU" if run.device == "cpu" or not report.gpu_count
-             else f"{len(result.gpus)} GPU(s)")
+    where = await engine.host_checks(t, host, result)
     step(f"{host.name}: preflight " + (f"refused: {result.errors[0]}" if result.errors else f"ok ({where})"))
     return result
 

@@ -19,14 +19,20 @@ AGENT_SENTINEL_KEYS = ("done", "fail", "progress", "progress_glob", "total")
 
 @dataclass(frozen=True)
 class Placement:
+    """Where a shard runs, as its engine (fleet/launcher.py) placed it."""
     shard: int
     host: str
     gpu: int                       # the first of its GPUs (the one a shard of one GPU has)
     gpus: tuple[int, ...] = ()     # all of them, when the shard spans several (gpus_per_shard)
+    pinned: bool = True            # given these GPUs by fleet (False: by its engine, e.g. Slurm)
 
     @property
     def all_gpus(self) -> tuple[int, ...]:
         return self.gpus or (self.gpu,)
+
+    def gpu_env(self) -> dict[str, str]:
+        """The environment that gives the shard its GPUs (none where its engine does)."""
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.all_gpus))} if self.pinned else {}
 
 
 @dataclass
@@ -35,23 +41,6 @@ class ShardCommand:
     env: dict[str, str]
     cwd: str | None
     rows: dict | None = None       # a [job] taking {start}/{end}: its protocol.RowShare (worker/ranged.py)
-
-
-def place_shards(config: Config, gpus_by_host: dict[str, list[int]]) -> list[Placement]:
-    """One shard per `gpus_per_shard` GPUs of a host (in its GPU order), numbered in fleet.toml's
-    host order; GPUs left over (fewer than gpus_per_shard) run nothing. With [slurm]: one shard per
-    array task, `shards` of them; its GPUs are the task's own (0..k-1 of what Slurm gives it)."""
-    k = config.run.gpus_per_shard
-    if config.slurm is not None:
-        return [Placement(n, config.hosts[0].name, 0, tuple(range(k)) if k > 1 else ())
-                for n in range(config.slurm.shards)]
-    out = []
-    for host in config.hosts:
-        gpus = gpus_by_host[host.name]
-        for i in range(0, len(gpus) - k + 1, k):
-            group = tuple(gpus[i:i + k])
-            out.append(Placement(len(out), host.name, group[0], group if k > 1 else ()))
-    return out
 
 
 def shard_dir(config: Config, host: HostSpec, shard: int) -> str:
@@ -71,8 +60,7 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
               "model": config.host_path(host, run.model) if run.model else "",
               "data": config.host_path(host, run.data) if run.data else "",
               "shard_dir": shard_dir(config, host, place.shard)}
-    gpus = {} if config.slurm is not None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.all_gpus))}
-    env = {**gpus, "PYTHONUNBUFFERED": "1", **run.env}      # under Slurm, Slurm sets CUDA_VISIBLE_DEVICES
+    env = {**place.gpu_env(), "PYTHONUNBUFFERED": "1", **run.env}
     job = config.spec.job
     if job is not None:
         argv = [token.format(**values, start="{start}", end="{end}") for token in shlex.split(job.command)]

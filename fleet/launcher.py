@@ -1,36 +1,45 @@
-"""Who starts and stops shards: one Launcher per engine, chosen once from fleet.toml.
+"""Who starts and stops shards, and where they run: one Launcher per engine, chosen once from
+fleet.toml (`fleet.engines.make_launcher`).
 
 Both engines take the same typed actions (`protocol.ShardAction`: launch, stop, restart) and answer
 with `protocol.ActResult`s; the outcome itself (the launch, the end) is read from the shard's record
 by the agent, never from how long a command took. The Supervisor keeps the loop and the records and
-calls only this interface; it never asks which engine it has.
+calls only this interface; it never asks which engine it has. The Launcher also owns placement —
+which host, node and GPUs a shard's attempt got, what preflight asks of a host, the hosts the
+snapshot shows — so the store, deploy, jobs and plan make no choice by engine; a third engine is
+one file beside this one.
 
-- `HostLauncher`: `[[hosts]]`. A host's actions go in one `python -m worker.hostctl act` (typed JSON
-  lines on stdin): launches of eight shards are one SSH command and one Python start, and every stop
-  and restart is carried out on the host by the one door there (intent recorded, group signalled,
-  escalated, confirmed gone, then the launch).
-- `SlurmLauncher`: `[slurm]`. Launches (and restarts of ended tasks) are one `sbatch --array` through
-  `worker.slurm submit`; stops and restarts of live tasks are `worker.slurm cancel` with the same
-  intent in the record; the supervisor resubmits once the cancelled task's end is recorded.
+- `HostLauncher` (here): `[[hosts]]`. A host's actions go in one `python -m worker.hostctl act`
+  (typed JSON lines on stdin): launches of eight shards are one SSH command and one Python start,
+  and every stop and restart is carried out on the host by the one door there (intent recorded,
+  group signalled, escalated, confirmed gone, then the launch). A shard per `gpus_per_shard` GPUs
+  of each host, pinned to them (CUDA_VISIBLE_DEVICES); a lost host's rows may move to the others.
+- `SlurmLauncher` (fleet/slurm.py): `[slurm]`. Launches are one `sbatch --array` through
+  `worker.slurm submit`; stops and restarts of live tasks are `worker.slurm cancel`; a shard runs on
+  whatever node and GPUs Slurm gives its task, which its record and Slurm's word say.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from worker import protocol
 
 from . import deploy
-from . import slurm as slurm_submission
 from .config import Config, HostSpec
 from .jobs import Placement, sentinel_spec, shard_command, shard_dir
+from .snapshot import ShardView
+from .store import Host, Shard, Store
 from .transport import HostUnusable, Transport
 
 ACT_TIMEOUT_S = 60.0          # one host's act command (it only records, signals and spawns)
 
 
 class Launcher(Protocol):
+    kind: ClassVar[str | None]        # what the run's plan records as its launcher (None: hosts)
+    moves_rows: ClassVar[bool]        # a lost host's rows may go to the others (fleet/relocate.py)
+
     async def act(self, t: Transport, host: HostSpec, actions: list[protocol.ShardAction],
                   places: dict[int, Placement], num_shards: int,
                   wait: float = 0.0) -> list[protocol.ActResult]: ...
@@ -40,13 +49,35 @@ class Launcher(Protocol):
     def agent_args(self) -> list[str]:
         """What the host agent is told about the engine (Slurm: liveness from squeue)."""
 
+    # --- placement ---
+    def place(self, gpus_by_host: dict[str, list[int]]) -> list[Placement]:
+        """The run's shards and where each runs, for a new plan (`gpus_by_host`: preflight's)."""
 
-def make_launcher(config: Config) -> Launcher:
-    return SlurmLauncher(config) if config.slurm is not None else HostLauncher(config)
+    def placements(self, plan: protocol.Plan) -> list[Placement]:
+        """The shards of an existing plan, placed as this engine runs them."""
+
+    def first_hosts(self) -> dict[str, Host]:
+        """The hosts the supervisor talks to, before any has answered."""
+
+    def view(self, shard: Shard, view: ShardView) -> ShardView:
+        """Where the shard's newest attempt runs, as the snapshot shows it."""
+
+    def nodes(self, store: Store) -> dict[str, Host]:
+        """Hosts the snapshot shows beside the ones talked to (Slurm: the compute nodes)."""
+
+    def preflight_gpus(self, host: HostSpec) -> tuple[str, str]:
+        """(--gpus, --device) for the host's preflight."""
+
+    async def host_checks(self, t: Transport, host: HostSpec, result: deploy.Preflight) -> str:
+        """The engine's own checks of a host after its preflight; the words for where its shards run."""
 
 
 class _Engine:
-    """What both engines share: the config, and a shard's log read in place on the host."""
+    """What both engines share: the config, a shard's log read in place on the host, the plan's
+    shards as placements, the hosts of fleet.toml, and a view that is the placement's."""
+    kind: ClassVar[str | None] = None
+    moves_rows: ClassVar[bool] = False
+    pinned: ClassVar[bool] = True          # a shard is given its GPUs (CUDA_VISIBLE_DEVICES)
 
     def __init__(self, config: Config):
         self.config = config
@@ -56,8 +87,42 @@ class _Engine:
         return ["tail", "-q", "-n", str(last)] + (["-F"] if follow else []) + \
             [f"{shard_dir(self.config, host, shard)}/log"]
 
+    def placements(self, plan: protocol.Plan) -> list[Placement]:
+        return [Placement(s.id, s.host, s.gpu, tuple(s.gpus) if len(s.gpus) > 1 else (), self.pinned)
+                for s in plan.shards]
+
+    def first_hosts(self) -> dict[str, Host]:
+        return {h.name: Host(h.name, h.address, usd_per_hour=h.usd_per_hour) for h in self.config.hosts}
+
+    def view(self, shard: Shard, view: ShardView) -> ShardView:
+        return view
+
+    def nodes(self, store: Store) -> dict[str, Host]:
+        return {}
+
 
 class HostLauncher(_Engine):
+    moves_rows = True
+
+    def place(self, gpus_by_host: dict[str, list[int]]) -> list[Placement]:
+        """One shard per `gpus_per_shard` GPUs of a host (in its GPU order), numbered in
+        fleet.toml's host order; GPUs left over (fewer than gpus_per_shard) run nothing."""
+        k = self.config.run.gpus_per_shard
+        out = []
+        for host in self.config.hosts:
+            gpus = gpus_by_host[host.name]
+            for i in range(0, len(gpus) - k + 1, k):
+                group = tuple(gpus[i:i + k])
+                out.append(Placement(len(out), host.name, group[0], group if k > 1 else ()))
+        return out
+
+    def preflight_gpus(self, host: HostSpec) -> tuple[str, str]:
+        return "all" if host.gpus == "all" else ",".join(map(str, host.gpus)), self.config.run.device
+
+    async def host_checks(self, t: Transport, host: HostSpec, result: deploy.Preflight) -> str:
+        n = len(result.gpus)
+        return (f"{n} shard(s) on the CPU" if self.config.run.device == "cpu" or not result.report.gpu_count
+                else f"{n} GPU(s)")
 
     def launch_spec(self, host: HostSpec, place: Placement, num_shards: int, pool: list[int]) -> dict:
         """`pool`: the host's shards, which share their rows (worker/leases.py): a host's GPUs
@@ -95,75 +160,3 @@ class HostLauncher(_Engine):
 
     def agent_args(self) -> list[str]:
         return []
-
-
-class SlurmLauncher(_Engine):
-
-    async def act(self, t: Transport, host: HostSpec, actions: list[protocol.ShardAction],
-                  places: dict[int, Placement], num_shards: int,
-                  wait: float = 0.0) -> list[protocol.ActResult]:
-        if actions and all(a.kind == "stop" and a.why == "run" for a in actions):
-            return await self._cancel_all(t, host, actions, wait)
-        results: dict[int, protocol.ActResult] = {}
-        submit: dict[str, list[int]] = {}
-        for a in actions:
-            if a.kind == "launch":
-                submit.setdefault(a.by, []).append(a.shard)
-                continue
-            r = await self._cancel(t, host, a, wait)
-            if a.kind == "restart" and r.status == "not running":
-                submit.setdefault(a.by, []).append(a.shard)
-                continue
-            status = {"stopped": "stopped", "not running": "not running", "error": "error"}.get(
-                r.status, "restarting" if a.kind == "restart" else "stopping")
-            results[a.shard] = protocol.ActResult(shard=a.shard, status=status, detail=r.error)
-        for by, shards in submit.items():
-            results.update(await self._submit(t, host, [places[k] for k in shards], num_shards, by))
-        return [results[a.shard] for a in actions if a.shard in results]
-
-    async def _cancel(self, t: Transport, host: HostSpec, a: protocol.ShardAction,
-                      wait: float) -> protocol.SlurmCancelled:
-        timeout = max(a.grace, 60.0)
-        args = ["cancel", "--run-dir", self.config.run_dir(host), "--shard", str(a.shard), "--why", a.why,
-                "--timeout", str(timeout if wait else 1.0)]
-        if a.reason:
-            args += ["--reason", a.reason]
-        if a.kind == "restart":
-            args += ["--then", "launch", "--by", a.by]
-        return await deploy.run_worker_module(t, self.config, host, "slurm", *args,
-                                              reply=protocol.SlurmCancelled, timeout=timeout + 60)
-
-    async def _cancel_all(self, t: Transport, host: HostSpec, actions: list[protocol.ShardAction],
-                          wait: float) -> list[protocol.ActResult]:
-        """The run's stop: every task of the run, and any job of its name, in one scancel."""
-        timeout = max(actions[0].grace, 60.0) if wait else 1.0
-        r = await deploy.run_worker_module(t, self.config, host, "slurm", "cancel-all", "--run-dir",
-                                           self.config.run_dir(host), "--job-name", self.config.job_name,
-                                           "--timeout", str(timeout), reply=protocol.SlurmCancelled,
-                                           timeout=timeout + 60)
-        if r.error is not None:
-            return [protocol.ActResult(shard=a.shard, status="error", detail=r.error) for a in actions]
-        return [protocol.ActResult(shard=a.shard, status=r.shards.get(str(a.shard), "not running")) for a in actions]
-
-    async def _submit(self, t: Transport, host: HostSpec, places: list[Placement], num_shards: int,
-                      by: str) -> dict[int, protocol.ActResult]:
-        """One array for these shards; a shard the submission never reached (squeue did not answer)
-        is an error result (its launch failed without a record)."""
-        spec = slurm_submission.submission(self.config, host, places, num_shards, by)
-        result = await deploy.run_worker_module(t, self.config, host, "slurm", "submit", "--run-dir",
-                                                self.config.run_dir(host), input=json.dumps(spec).encode(),
-                                                reply=protocol.SlurmSubmitted, timeout=180)
-        states = result.shards
-        out = {}
-        for p in places:
-            state = states.get(str(p.shard))            # submitted | refused (recorded) | held (live)
-            detail = (f"as job {result.job}" if state == "submitted" and result.job
-                      else result.error or (None if state else "submission failed"))
-            out[p.shard] = protocol.ActResult(
-                shard=p.shard, status={"held": "running"}.get(state, state or "error"), detail=detail)
-        return out
-
-
-    def agent_args(self) -> list[str]:
-        return ["--slurm", "--slurm-interval", str(self.config.slurm.poll_interval)]
-

@@ -16,7 +16,7 @@ from worker.plan import PLAN_VERSION
 from worker.protocol import Plan, PlanShard
 
 from .config import Config
-from .jobs import Placement, place_shards
+from .jobs import Placement
 
 # fleet.toml values that change what is written (the rest: batch size, device, env, telemetry,
 # may change between launches). Model and data are compared by identity, not by path.
@@ -38,21 +38,16 @@ def spec_of(config: Config) -> dict:
     return spec
 
 
-def make_plan(config: Config, gpus_by_host: dict[str, list[int]], identity: dict,
+def make_plan(config: Config, places: list[Placement], launcher: str | None, identity: dict,
               host_ids: dict[str, str | None] | None = None) -> Plan:
-    """`host_ids`: each host name's machine (its identity file, worker.preflight.host_id)."""
-    places = place_shards(config, gpus_by_host)
+    """The plan of `places` (where the engine, `launcher` by its kind, put the shards; under
+    Slurm one array task per shard, gpu the task's first); `host_ids`: each host name's machine
+    (its identity file, worker.preflight.host_id)."""
     return Plan(version=PLAN_VERSION, run=config.run.name, created=round(time.time(), 3),
                 num_shards=len(places),
                 shards=[PlanShard(p.shard, p.host, p.gpu, list(p.all_gpus)) for p in places],
                 spec=spec_of(config), identity=identity,
-                host_ids={name: i for name, i in (host_ids or {}).items() if i},
-                launcher="slurm" if config.slurm is not None else None)   # slurm: one array task per
-                                                                            # shard; gpu: the task's first
-
-
-def placements(plan: Plan) -> list[Placement]:
-    return [Placement(s.id, s.host, s.gpu, tuple(s.gpus) if len(s.gpus) > 1 else ()) for s in plan.shards]
+                host_ids={name: i for name, i in (host_ids or {}).items() if i}, launcher=launcher)
 
 
 def layout(plan: Plan) -> dict[str, list[int]]:

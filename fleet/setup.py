@@ -25,7 +25,7 @@ async def deploy_all(sup: Supervisor) -> tuple[list[deploy.Preflight], dict[str,
     for host in sup.store.hosts.values():
         host.trying()
     results = await asyncio.gather(
-        *(deploy.deploy_host(l.transport, sup.config, l.spec, sup.on_log) for l in sup.links.values()),
+        *(deploy.deploy_host(l.transport, sup.config, l.spec, sup.launcher, sup.on_log) for l in sup.links.values()),
         return_exceptions=True)
     ok, failures = [], {}
     for link, r in zip(sup.links.values(), results):
@@ -49,7 +49,8 @@ async def settle_plan(sup: Supervisor, results: list[deploy.Preflight], replan: 
         diffs = differences(base.identity, r.identity)
         if diffs:
             raise PlanError(f"{r.host}'s model or data differs from {base.host}'s: " + "; ".join(diffs))
-    desired = make_plan(sup.config, {r.host: r.gpus for r in results}, base.identity,
+    engine = sup.launcher
+    desired = make_plan(sup.config, engine.place({r.host: r.gpus for r in results}), engine.kind, base.identity,
                         {r.host: r.report.host_id for r in results})
     held = [r.plan for r in results if r.plan]
     existing = max(held, key=lambda p: p.created) if held else None

@@ -334,19 +334,6 @@ class ShardView:
     moved_to: str | None = None            # its host was lost and its rows went to this host
 
 
-def slurm_task(record: ShardRecord, live) -> SlurmTaskStatus | None:
-    """A Slurm shard's task: Slurm's live word (`protocol.SlurmTask`, for this launch) or what its
-    record says (the job, the final state)."""
-    a = record.attempt
-    if a is None or not a.slurm:
-        return None
-    if live is not None and live.launch == a.n:
-        return SlurmTaskStatus(job=live.job, state=live.state, reason=live.reason, node=live.node or a.node)
-    end = a.slurm_end
-    return SlurmTaskStatus(job=a.job, state=end.state if end else None, reason=end.reason if end else None,
-                           node=a.node)
-
-
 # --- the one computation ------------------------------------------------------------------------
 
 def _finite(x: float | None, digits: int = 2) -> float | None:

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from worker import protocol
 
 from .config import Config
 from .jobs import Placement
 from .judge import LaunchFailure, Policy, Verdict, judge
-from .plan import check_hosts, placements
+from .plan import check_hosts
 from .record import ShardRecord
 from .relocate import HostFacts, Moves, planned_rows
-from .snapshot import Disk, FleetSnapshot, Gpu, ShardView, all_replayed, build_snapshot, slurm_task
+from .snapshot import Disk, FleetSnapshot, Gpu, ShardView, all_replayed, build_snapshot
 from .state import State
 from .transport import HostError, HostUnusable
 
@@ -182,17 +183,24 @@ def changes(shown: dict[int, tuple[State, int]], current: list[tuple[int, State,
     return out
 
 
+class Placer(Protocol):
+    """What the store asks of the engine (the Launcher, fleet/launcher.py): its hosts, the plan's
+    shards placed, where a shard's attempt runs, and the hosts it shows beside them."""
+
+    def first_hosts(self) -> dict[str, Host]: ...
+    def placements(self, plan: protocol.Plan) -> list[Placement]: ...
+    def view(self, shard: Shard, view: ShardView) -> ShardView: ...
+    def nodes(self, store: Store) -> dict[str, Host]: ...
+
+
 class Store:
     """Every host and shard of the run, and the run's plan."""
 
-    def __init__(self, config: Config, policy: Policy):
+    def __init__(self, config: Config, policy: Policy, engine: Placer):
         self.config = config
         self.policy = policy
-        self.slurm = config.slurm
-        self.hosts: dict[str, Host] = {
-            h.name: Host(h.name, h.address if self.slurm is None else self.slurm.login,
-                         role=None if self.slurm is None else "login", usd_per_hour=h.usd_per_hour)
-            for h in config.hosts}
+        self.engine = engine                # where shards run: the Launcher (fleet/launcher.py)
+        self.hosts: dict[str, Host] = engine.first_hosts()
         self.shards: dict[int, Shard] = {}
         self.placements: list[Placement] = []
         self.plan: protocol.Plan | None = None
@@ -211,7 +219,7 @@ class Store:
         """Take the shard layout from the run's plan and create the shard records."""
         check_hosts(plan, self.config)
         self.plan = plan
-        self.placements = placements(plan)
+        self.placements = self.engine.placements(plan)
         self.shards = {p.shard: self._new(p) for p in self.placements}
 
     def forget(self) -> None:
@@ -366,55 +374,12 @@ class Store:
         """The picture of the run at `now` (supervisor clock): a projection, nothing changes."""
         now = time.time() if now is None else now
         views = [self._view(s, now) for s in sorted(self.shards.values(), key=lambda s: s.id)]
-        hosts = dict(self.hosts)
-        if self.slurm is not None:
-            hosts.update(self._nodes())
+        hosts = {**self.hosts, **self.engine.nodes(self)}
         return build_snapshot(self.config.run.name, views, hosts, now, self.config.spec.expected,
                               (self.moves.rows, self.moves.redone), verifiable=self.config.spec.job is None)
 
     def _view(self, s: Shard, now: float) -> ShardView:
-        p, a = s.placement, s.record.attempt
-        view = ShardView(s.id, p.host, p.gpu, s.record, self.verdict(s, now), s.alive, s.pid,
-                         self.policy.max_restarts, gpus=p.all_gpus, idle_s=s.idle(),
-                         moved_to=self.moves.moved_to(p.host, s.record.leased_t))
-        if self.slurm is None:
-            return view
-        view.slurm = slurm_task(s.record, s.slurm)
-        node = (a.node or (view.slurm.node if view.slurm else None)) if a is not None else None
-        if node:       # a Slurm shard shows its node (and the first GPU Slurm gave it) once it started
-            view.node, view.gpu = node, (a.gpus[0] if a.gpus else view.gpu)
-            view.gpus = tuple(a.gpus) if a.gpus else view.gpus
-        return view
-
-    def _nodes(self) -> dict[str, Host]:
-        """With [slurm], one host per compute node the shards run or ran on, carrying the GPUs
-        their live tasks report."""
-        tasks = []
-        for s in self.shards.values():
-            a = s.record.attempt
-            live = slurm_task(s.record, s.slurm) if a is not None else None
-            node = (a.node or (live.node if live else None)) if a is not None else None
-            if node:
-                reporting = s.alive and not a.ended and s.gpus is not None and s.gpus.launch == a.n
-                tasks.append((node, s.gpus if reporting else None))
-        return slurm_nodes(self.hosts[self.config.hosts[0].name], tasks)
-
-
-def slurm_nodes(login: Host, tasks: list[tuple[str, protocol.TaskGpus | None]]) -> dict[str, Host]:
-    """With [slurm], one host per compute node the shards run or ran on: GPUs are the live tasks'
-    own readings there (`protocol.TaskGpus`), merged by index; reachable as the login node is."""
-    nodes: dict[str, Host] = {}
-    for node, reading in tasks:
-        h = nodes.get(node)
-        if h is None:
-            h = nodes[node] = Host(node, node, reachable=login.reachable, clock_offset=login.clock_offset,
-                                   last_seen=login.last_seen, replayed=login.replayed, role="node")
-        if reading is None:
-            continue
-        if h.telemetry in (None, "none"):
-            h.telemetry = reading.source
-        known = {g.index for g in h.gpus}
-        h.gpus = sorted(h.gpus + [Gpu(**g) for g in reading.gpus if g.get("index") not in known],
-                        key=lambda g: g.index)
-        h.gpu_t = reading.t if h.gpu_t is None else min(h.gpu_t, reading.t)
-    return nodes
+        p = s.placement
+        return self.engine.view(s, ShardView(
+            s.id, p.host, p.gpu, s.record, self.verdict(s, now), s.alive, s.pid, self.policy.max_restarts,
+            gpus=p.all_gpus, idle_s=s.idle(), moved_to=self.moves.moved_to(p.host, s.record.leased_t)))

@@ -26,7 +26,7 @@ from .actions import UNDER_WAY, busy_mark, policy_action, refusal as action_refu
 from .config import Config
 from .follow import HostLink, read_all
 from .judge import LaunchFailure, Verdict, policy_for
-from .launcher import make_launcher
+from .engines import make_launcher
 from .notify import Notifier
 from .snapshot import FleetSnapshot
 from .state import LIVE, SETTLED, State
@@ -44,8 +44,8 @@ class Supervisor:
         self.sup = config.spec.supervise
         self.on_change = on_change or (lambda: None)
         self.on_log = on_log or (lambda msg: None)
-        self.store = Store(config, policy_for(config))
         self.launcher = make_launcher(config)
+        self.store = Store(config, policy_for(config), self.launcher)
         slots = asyncio.Semaphore(self.sup.max_concurrent_connects)
         self.links: dict[str, HostLink] = {
             h.name: HostLink(h, make_transport(h, self.sup, slots), self.store, self.launcher,
@@ -179,7 +179,7 @@ class Supervisor:
         rows, over SSH: any other [job] keeps its fixed shards, and Slurm places its tasks itself."""
         job = self.config.spec.job
         if self.sup.host_lost_after is None or (job is not None and not job.takes_rows) or \
-                self.config.slurm is not None or not self.store.replayed:
+                not self.launcher.moves_rows or not self.store.replayed:
             return
         if not self.store.moves.moves and all(h.reachable is not False for h in self.store.hosts.values()):
             return                                      # the common pass: nothing lost, nothing moved

@@ -211,6 +211,7 @@ def test_extra_args_are_part_of_the_plan(tmp_path):
     from fleet.config import load_config
     import dataclasses
 
+    from fleet.launcher import HostLauncher
     from fleet.plan import make_plan, plan_differences
 
     def plan_with(extra: str):
@@ -230,7 +231,8 @@ address = "local"
 gpus = [0]
 root = "r"
 """)
-        return make_plan(load_config(str(path)), {"local": [0]}, {})
+        config = load_config(str(path))
+        return make_plan(config, HostLauncher(config).place({"local": [0]}), None, {})
     old = plan_with('["--max-length", "4096"]')
     assert plan_differences(old, plan_with('["--max-length", "4096"]')) == []
     assert plan_differences(old, plan_with('["--max-length", "64"]')) == \

@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleet.config import ExpectedSpec, load_config
-from fleet.jobs import place_shards
+from fleet.slurm import SlurmLauncher, slurm_nodes, slurm_task
 from fleet.judge import SLURM_WORD_WAIT_S, Action, Policy, judge
 from fleet.plan import make_plan, plan_differences
 from fleet.record import fold
 from fleet.slurm import sbatch_options, submission
-from fleet.snapshot import ShardView, build_snapshot, slurm_task
-from fleet.store import Host, slurm_nodes
+from fleet.snapshot import ShardView, build_snapshot
+from fleet.store import Host
 from fleet.state import SETTLED, State
 from tests.fleet.test_config import error_of, write
 from tests.fleet.test_judge import World, assert_within_restart_budget
@@ -87,8 +87,7 @@ def test_slurm_and_hosts_are_alternatives_and_errors_name_the_line(tmp_path):
 
 def test_a_submission_lets_slurm_choose_the_gpus_and_carries_each_shards_command(tmp_path):
     c = load_config(write(tmp_path, RUN + SLURM))
-    from fleet.jobs import place_shards
-    places = place_shards(c, {})
+    places = SlurmLauncher(c).place({})
     assert len(places) == 128 and {(x.host, x.gpu) for x in places} == {("slurm", 0)}
     sub = submission(c, c.hosts[0], places[3:5], 128, "auto")
     assert (sub["job_name"], sub["by"], sub["max_parallel"]) == ("fleet-qwen-hs", "auto", 64)
@@ -116,7 +115,7 @@ def test_the_plan_of_a_slurm_run_is_its_shard_count():
 
 def test_make_plan_for_slurm(tmp_path):
     c = load_config(write(tmp_path, RUN + SLURM))
-    plan = make_plan(c, {"slurm": []}, {})
+    plan = make_plan(c, SlurmLauncher(c).place({}), "slurm", {})
     assert plan.num_shards == 128 and plan.launcher == "slurm" and plan.shards[127] == \
         p.PlanShard(id=127, host="slurm", gpu=0, gpus=[0])
 
@@ -127,13 +126,13 @@ def test_a_shard_of_several_gpus_is_a_task_asking_for_them(tmp_path):
     two = RUN.replace('output = "/shared/hs"', 'output = "/shared/hs"\ngpus_per_shard = 2')
     c = load_config(write(tmp_path, two + SLURM.replace("gpus_per_task = 1\n", "")))
     assert "--gres=gpu:2" in sbatch_options(c.slurm, 2)
-    [place] = place_shards(c, {})[5:6]
+    [place] = SlurmLauncher(c).place({})[5:6]
     assert (place.shard, place.gpu, place.all_gpus) == (5, 0, (0, 1))
     sub = submission(c, c.hosts[0], [place], 128, "manual")
     assert "--gres=gpu:2" in sub["sbatch"]
     argv = sub["tasks"]["5"]["argv"]
     assert argv[argv.index("--gpus-per-shard") + 1] == "2" and "CUDA_VISIBLE_DEVICES" not in sub["tasks"]["5"]["env"]
-    assert make_plan(c, {"slurm": []}, {}).shards[5] == p.PlanShard(id=5, host="slurm", gpu=0, gpus=[0, 1])
+    assert make_plan(c, SlurmLauncher(c).place({}), "slurm", {}).shards[5] == p.PlanShard(id=5, host="slurm", gpu=0, gpus=[0, 1])
     path = write(tmp_path, two + SLURM)
     assert error_of(tmp_path, two + SLURM) == (
         f"{path}:13: slurm.gpus_per_task = 1, but [run] gpus_per_shard = 2: each array task runs one shard "
