@@ -8,7 +8,6 @@ unreachable.
 from __future__ import annotations
 
 import asyncio
-import re
 import json
 import shutil
 import sys
@@ -295,15 +294,6 @@ async def find_shard(sup: Supervisor, ref: str) -> int:
     return k
 
 
-# Terminal control sequences in a worker's log (CSI, OSC, other escapes, control characters but
-# tab): a log line must not retitle, clear or recolour the user's terminal.
-_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b.?|[\x00-\x08\x0a-\x1f\x7f\x9b]")
-
-
-def printable(line: str) -> str:
-    return _CONTROL.sub("", line)
-
-
 @main.command()
 @config_option
 @click.argument("shard")
@@ -349,7 +339,7 @@ def logs(config_path: str, shard: str, follow: bool, lines: int) -> None:
         try:
             k = await find_shard(sup, shard)
             async for line in sup.log_lines(k, lines, follow):
-                click.echo(printable(line))
+                click.echo(line)                  # (printable already: follow.lines)
         except HostError as e:
             fail(str(e), EXIT_UNREACHABLE)
         finally:

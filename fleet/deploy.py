@@ -18,7 +18,7 @@ from typing import Callable, Protocol, TypeVar
 
 import worker
 from worker import protocol
-from worker.text import bytes_text, last_line
+from worker.text import bytes_text, last_line, printable_data
 
 from .config import Config, HostSpec
 from .jobs import output_args
@@ -100,6 +100,8 @@ async def run_worker_module(t: Transport, config: Config, host: HostSpec, module
 def parse_reply(reply: type[R], d: object, where: str) -> R:
     """`d` (a host's JSON) as `reply`; one that is not one is a HostUnusable saying `where` (the
     host and the command) and which field holds what."""
+    if isinstance(d, dict):       # a host's text is data (its plan is fleet's own words, given back)
+        d = {k: v if k == "plan" else printable_data(v) for k, v in d.items()}
     try:
         return reply.from_dict(d)
     except protocol.ReplyError as e:

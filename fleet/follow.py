@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from worker import protocol
+from worker.text import printable, printable_data, printable_lines
 
 from . import deploy, render
 from .config import Config, HostSpec
@@ -78,10 +79,10 @@ class HostLink:
 
     def take(self, line: str, discover: bool = False) -> protocol.Message | None:
         """One line of the agent: a message folded into the store, or a diagnostic kept."""
-        msg = protocol.parse_message(line)
+        msg = protocol.parse_message(line, printable_data)     # a host's text is data, never control
         if msg is None:                         # not a message: a diagnostic (a traceback line)
             if line.strip():
-                self.diagnostics.append(line.strip()[-300:])
+                self.diagnostics.append(printable(line.strip())[-300:])
             return None
         ev = self.store.apply(self.name, msg, discover)
         if isinstance(ev, protocol.Leased) and self.host.replayed and \
@@ -163,14 +164,14 @@ class HostLink:
         """The lines a command prints (a shard's log): all at once, or (`follow`) as they come
         until the stream ends, without tail's own chatter ("has appeared; following")."""
         if not follow:
-            for line in (await self.transport.run(argv)).stdout.splitlines():
+            for line in printable_lines((await self.transport.run(argv)).stdout):
                 yield line
             return
         stream = await self.transport.stream(argv)
         try:
             async for line in stream.lines():
                 if not line.startswith("tail: "):
-                    yield line.rstrip("\n")
+                    yield printable(line.rstrip("\n"))
         finally:
             await stream.close()
 

@@ -39,7 +39,7 @@ import os
 import time
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 PROTOCOL_VERSION = 2
 
@@ -640,9 +640,11 @@ class ActResult(Record):
     detail: Optional[str] = None
 
 
-def parse_message(line: str) -> Optional[Message]:
+def parse_message(line: str, strings: Callable[[Any], Any] = lambda d: d) -> Optional[Message]:
+    """A typed message from an agent's line (None for anything else); `strings` maps the decoded
+    JSON first (fleet: text.printable_data, so no host's bytes reach a terminal)."""
     try:
-        d = json.loads(line)
+        d = strings(json.loads(line))
     except ValueError:
         return None
     if not isinstance(d, dict):

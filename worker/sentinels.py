@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from . import protocol
 
 MAX_LINE = 64 * 1024           # a line longer than this is matched on its last 64 KiB
+QUOTE = 300                    # characters of a matched line an event carries
 CHUNK = 1 << 20                # bytes read per call: a huge burst is read in bounded steps
 PROGRESS_EVERY_S = 1.0         # at most one progress event a second from log lines
 GLOB_EVERY_S = 2.0             # how often output files are counted
@@ -103,16 +104,16 @@ class LogWatcher:
         line = raw.decode("utf-8", "replace")
         if self.traceback is not None:             # a fail line that opened a traceback: its
             if line.strip() and not line[:1].isspace():   # exception line says what failed
-                events.append(protocol.Sentinel(launch=self.launch, match="fail", line=line.strip()[-300:]))
+                events.append(protocol.Sentinel(launch=self.launch, match="fail", line=quoted(line, 0)))
                 self.traceback = None
             return
-        if self.fail and self.fail.search(line):
+        if self.fail and (m := self.fail.search(line)):
             if line.strip().startswith(TRACEBACK):
                 self.traceback = line.strip()
                 return
-            events.append(protocol.Sentinel(launch=self.launch, match="fail", line=line.strip()[-300:]))
-        elif self.done and self.done.search(line):
-            events.append(protocol.Sentinel(launch=self.launch, match="done", line=line.strip()[-300:]))
+            events.append(protocol.Sentinel(launch=self.launch, match="fail", line=quoted(line, m.start())))
+        elif self.done and (m := self.done.search(line)):
+            events.append(protocol.Sentinel(launch=self.launch, match="done", line=quoted(line, m.start())))
         elif self.progress and (m := self.progress.search(line)):
             g = m.groupdict()
             try:
@@ -121,6 +122,16 @@ class LogWatcher:
             except ValueError:
                 return
             self.pending_progress = protocol.Progress(launch=self.launch, done=done, total=total)
+
+
+def quoted(line: str, at: int, limit: int = QUOTE) -> str:
+    """A matched line as its event carries it: from the start of the word where the pattern
+    matched (an exception's name: `ValueError: bad row`), so a long line cut to `limit`
+    characters keeps what failed, not what came before it."""
+    start = at
+    while start > 0 and not line[start - 1].isspace():
+        start -= 1
+    return line[start:].strip()[:limit]
 
 
 def log_size(path: str) -> int:

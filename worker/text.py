@@ -7,13 +7,47 @@ the supervisor never write one size two ways.
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 UNKNOWN = "?"
+
+# What a host's text must not carry to a person's terminal: escape sequences whole (CSI, OSC and
+# the other string controls, in their ESC and their one-code-point C1 forms: a title, the
+# clipboard, a cleared screen), then any other C0 control but tab, DEL, C1 controls, and the
+# bidirectional marks, embeddings, overrides and isolates that reorder what is read.
+_SEQUENCE = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+                       r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                       r"|\x1b[ -~]?")
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` from a host as data, never terminal control: its control sequences and characters
+    and bidi overrides removed (a line break becomes a space)."""
+    return _CONTROL.sub("", _SEQUENCE.sub("", text.replace("\r\n", " ").replace("\n", " ")))
+
+
+def printable_data(obj: Any) -> Any:
+    """Every string in a host's JSON (keys too) made printable."""
+    if isinstance(obj, str):
+        return printable(obj)
+    if isinstance(obj, list):
+        return [printable_data(x) for x in obj]
+    if isinstance(obj, dict):
+        return {printable(k) if isinstance(k, str) else k: printable_data(v) for k, v in obj.items()}
+    return obj
 
 
 def last_line(text: str, limit: int = 300) -> str:
     """The last non-blank line of a command's output (what a one-line error quotes)."""
-    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+    lines = [l.strip() for l in printable_lines(text) if l.strip()]
     return lines[-1][:limit] if lines else "(no output)"
+
+
+def printable_lines(text: str) -> list[str]:
+    """A command's output as printable lines."""
+    return [printable(line) for line in text.splitlines()]
 
 
 def exit_words(code: int | None) -> str:

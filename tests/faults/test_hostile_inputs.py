@@ -162,3 +162,35 @@ def test_fleet_logs_strips_terminal_escapes_and_a_superscript_shard_is_one_line(
     assert "\x1b" not in r.stdout and "\x07" not in r.stdout
     r = fleet("logs", "\u00b9", "-c", config)
     assert r.returncode == 2 and "no shard '\u00b9'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+HOSTILE = "\x1b]52;c;cHduZWQ=\x07\x1b]0;PWNED\x07\x1b[2J\x9d0;x\x9c\u202eevil"
+
+
+def unprintable(text: str) -> list[str]:
+    """The terminal controls and bidi overrides in `text` (an independent statement of the rule:
+    C0 but tab and newline, DEL, C1, U+200E/F, U+202A-E, U+2066-9)."""
+    return [c for c in text if (ord(c) < 32 and c not in "\t\n") or 0x7f <= ord(c) <= 0x9f
+            or c in "\u200e\u200f\u061c" or 0x202a <= ord(c) <= 0x202e or 0x2066 <= ord(c) <= 0x2069]
+
+
+def test_a_hosts_bytes_never_drive_the_terminal_and_a_long_fail_line_keeps_what_failed(tmp_path):
+    """A [job]'s fail lines carrying OSC 52 (clipboard), OSC 0 (title), CSI 2J, a C1 OSC and a
+    bidi override (and one preceded by 5,000 characters): up --headless, status, status --json,
+    logs print none of them, and the reason names the exception."""
+    script = tmp_path / "job.py"
+    script.write_text(f"import sys\nprint({'Z' * 5000 + ' ValueError: bad row ' + HOSTILE!r}, flush=True)\n"
+                      "sys.exit(1)\n")
+    job = f'\n[job]\ncommand = "{sys.executable} {script}"\nfail = "Error"\n'
+    config = local_toml(tmp_path, '[run]\nname = "h"\noutput = "out"\n' + job + '\n[supervise]\nmax_restarts = 0\n')
+    outputs = {"up": fleet("up", "--headless", "-c", config, timeout=300)}
+    outputs["status"] = fleet("status", "-c", config)
+    outputs["json"] = fleet("status", "--json", "-c", config)
+    outputs["logs"] = fleet("logs", "0", "-c", config)
+    for name, r in outputs.items():
+        assert unprintable(r.stdout + r.stderr) == [], (name, r.stdout + r.stderr)
+    assert "fail sentinel: ValueError: bad row" in outputs["status"].stdout, outputs["status"].stdout
+    snap = json.loads(outputs["json"].stdout)
+    reason = snap["shards"][0]["last_failure"]
+    assert reason.startswith("fail sentinel: ValueError: bad row") and unprintable(reason) == []
+    assert "ZZZZ ValueError: bad row" in outputs["logs"].stdout          # the log itself, made printable
