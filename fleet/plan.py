@@ -38,6 +38,22 @@ def spec_of(config: Config) -> dict:
     return spec
 
 
+def shared_gpus(hosts: list[tuple[str, str | None, list[int], list[str]]]) -> list[str]:
+    """Two host names that reach one machine and would give one GPU two shards: the same card
+    (its UUID), or the same machine (its host id: one root, one machine) with a GPU index in
+    common. `hosts`: (name, host id, GPU indices, GPU UUIDs). One line each."""
+    out = []
+    for i, (a, a_id, a_gpus, a_uuids) in enumerate(hosts):
+        for b, b_id, b_gpus, b_uuids in hosts[i + 1:]:
+            cards = sorted(set(a_uuids) & set(b_uuids))
+            both = sorted(set(a_gpus) & set(b_gpus))
+            if cards or (a_id and a_id == b_id and both):
+                which = f"GPU {cards[0]}" if cards else f"GPU {both[0]} (host id {a_id})"
+                out.append(f"{a} and {b} are one machine: {which} would run two shards at once; "
+                           f"list the machine once, or give each name other GPUs")
+    return out
+
+
 def make_plan(config: Config, places: list[Placement], launcher: str | None, identity: dict,
               host_ids: dict[str, str | None] | None = None) -> Plan:
     """The plan of `places` (where the engine, `launcher` by its kind, put the shards; under

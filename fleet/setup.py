@@ -12,7 +12,7 @@ from worker.protocol import Plan
 
 from . import deploy
 from .follow import HostLink
-from .plan import PlanError, make_plan, plan_differences, refusal
+from .plan import PlanError, make_plan, plan_differences, refusal, shared_gpus
 from .transport import HostError
 
 if TYPE_CHECKING:
@@ -50,6 +50,8 @@ async def settle_plan(sup: Supervisor, results: list[deploy.Preflight], replan: 
         if diffs:
             raise PlanError(f"{r.host}'s model or data differs from {base.host}'s: " + "; ".join(diffs))
     engine = sup.launcher
+    if clashes := shared_gpus([(r.host, r.report.host_id, r.gpus, r.report.gpu_uuids) for r in results]):
+        raise PlanError("; ".join(clashes))
     desired = make_plan(sup.config, engine.place({r.host: r.gpus for r in results}), engine.kind, base.identity,
                         {r.host: r.report.host_id for r in results})
     held = [r.plan for r in results if r.plan]

@@ -23,6 +23,7 @@ from . import protocol
 from .formats import FORMATS, FormatError, Layout, supervision_problem, trainer_setting
 from .layers import LayerPlan
 from .verify import layout_of
+from .files import relation, run_outputs_near
 from .writer import (DiskFullError, Manifest, OwnerError, claim_output, load_finished, manifest_path, remove_stale_temps,
                      write_json_atomic, write_sample_file)
 
@@ -108,17 +109,25 @@ def _claim(dst: str):
 
 def _check_destination(src: str, dst: str, fmt: str, dst_layout: Layout) -> None:
     """A DST that already holds an export resumes only if it is of the same source, format, layers
-    and dtype; anything else is refused (ExportError) rather than mixed in."""
+    and dtype; anything else is refused (ExportError) rather than mixed in: the source itself (or a
+    folder in it, or holding it, links followed), a run's output (its owner file, or a meta.json
+    that is no export's), another export."""
+    if how := relation(dst, src):
+        raise ExportError(f"--out {dst} {how} the output it would export ({src}): use another --out")
+    for folder, run in run_outputs_near(dst, depth=1):
+        raise ExportError(f"--out {dst} {relation(dst, folder)} run {run!r}'s output {folder}: use another --out")
     if not os.path.exists(os.path.join(dst, protocol.META_FILE)):
         return
     old = json.load(open(os.path.join(dst, protocol.META_FILE)))
+    if not old.get("exported_from"):
+        raise ExportError(f"--out {dst} holds a run's output (its meta.json is no export's): use another --out")
     old_layout = layout_of(old)
     if old.get("format") != fmt or old.get("layer_ids") != list(dst_layout.plan.ids) \
             or old_layout.dtype != dst_layout.dtype:
         raise ExportError(f"{dst} already holds format {old.get('format')} with layers "
                           f"{old.get('layer_ids')} in {old_layout.dtype}: use another --out")
     source = old.get("exported_from")
-    if source and os.path.abspath(source) != os.path.abspath(src):
+    if relation(source, src) != "is":
         raise ExportError(f"{dst} holds an export of {source}, not of {src}: use another --out "
                           f"(or remove {dst} to export there afresh)")
 

@@ -122,6 +122,56 @@ def remove_sample(path: str) -> bool:
         return there
 
 
+def relation(path: str, other: str) -> str | None:
+    """How folder `path` stands to folder `other`, links followed: "is", "is inside", "holds", or
+    None (apart)."""
+    a, b = os.path.realpath(path), os.path.realpath(other)
+    if a == b:
+        return "is"
+    if a.startswith(b.rstrip(os.sep) + os.sep):
+        return "is inside"
+    if b.startswith(a.rstrip(os.sep) + os.sep):
+        return "holds"
+    return None
+
+
+def run_outputs_near(path: str, depth: int = 2) -> list[tuple[str, str]]:
+    """(folder, run) of every run's output folder at `path`, above it, or up to `depth` levels
+    below it: each folder holding an owner file (`.fleet/owner.json`, the run that first wrote
+    there) — what an output, an export or a destination must not be mixed into."""
+    import json
+    found: list[tuple[str, str]] = []
+
+    def owner(folder: str) -> None:
+        try:
+            with open(os.path.join(folder, WORK_DIR, "owner.json")) as f:
+                run = json.load(f).get("run")
+        except (OSError, ValueError, AttributeError):
+            return
+        if isinstance(run, str):
+            found.append((folder, run))
+    here = os.path.realpath(path)
+    up = here
+    while True:
+        owner(up)
+        if os.path.dirname(up) == up:
+            break
+        up = os.path.dirname(up)
+    level = [here]
+    for _ in range(depth):
+        below = []
+        for folder in level:
+            try:
+                with os.scandir(folder) as entries:
+                    below += [e.path for e in entries if e.is_dir(follow_symlinks=False) and e.name != WORK_DIR][:1000]
+            except OSError:
+                continue
+        for folder in below:
+            owner(folder)
+        level = below
+    return found
+
+
 def manifest_path(out_dir: str, shard: int | str) -> str:
     return os.path.join(out_dir, MANIFEST_DIR, f"{shard}.jsonl")
 

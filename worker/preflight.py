@@ -23,7 +23,7 @@ import sys
 import time
 
 from . import protocol
-from .files import manifest_records
+from .files import manifest_records, relation, run_outputs_near
 from .formats import FormatError, Layout, check_dtype, check_plan
 from .gpu import GpuReader
 from .identity import (IdentityError, model_shape, output_identity, output_mismatch,
@@ -282,6 +282,8 @@ def run(args: argparse.Namespace) -> protocol.PreflightReport:
         checks += _worker_packages(report)
     report.gpu_count = max(len(gpus), report.cuda_devices or 0)
     report.gpus, found = _gpu_indices(args.gpus, args.device, report.gpu_count)
+    uuids = {g.get("index"): g.get("uuid") for g in gpus}
+    report.gpu_uuids = [u for i in report.gpus if isinstance(u := uuids.get(i), str) and u]
     checks += found + _grouping_checks(report.gpus, args.gpus_per_shard) + _path_checks(args)
     if args.run_dir:
         checks += _read_run_dir(args.run_dir, report)
@@ -296,11 +298,11 @@ def run(args: argparse.Namespace) -> protocol.PreflightReport:
     if args.output:
         checks += _measure_output(args, shape, layers, report)
     if args.destination:
-        checks += _destination_checks(args.destination, report)
+        checks += _destination_checks(args.destination, report, args)
     return report
 
 
-def _destination_checks(url: str, report: protocol.PreflightReport) -> list[protocol.Check]:
+def _destination_checks(url: str, report: protocol.PreflightReport, args: argparse.Namespace) -> list[protocol.Check]:
     """rclone is here and a file can be written, read and removed at the destination, with this
     host's own credentials: a bad bucket, key or host is refused before any GPU work. Then the
     host's upload rate to it is measured (fleet compares it with what its GPUs will write)."""
@@ -310,6 +312,8 @@ def _destination_checks(url: str, report: protocol.PreflightReport) -> list[prot
         rclone_binary()
     except ShipError as e:
         return [_error(str(e))]
+    if not dest.is_store and (clashes := folder_clashes(f"destination {url}", dest.remote, args, args.output)):
+        return [_error(p) for p in clashes]
     problem = check_reachable(dest, timeout=30)
     if problem:
         return [_error(problem)]
@@ -432,11 +436,41 @@ def _output_checks(args: argparse.Namespace, identity: dict) -> list[protocol.Ch
         if args.run_dir and (owner := output_owner(folder)) not in (None, os.path.basename(args.run_dir)):
             checks.append(_error(f"output {folder} belongs to run {owner!r} ({OWNER_PATH}): give this run "
                                  f"another output, or remove that file if run {owner!r} is finished with"))
+        checks += [_error(p) for p in folder_clashes(f"output {folder}", folder, args)]
     diffs = output_mismatch(args.output, identity) if identity else []
     if diffs:
         checks.append(_error(f"output {args.output} holds another run's work (its meta.json): "
                              + "; ".join(diffs) + " — use another output folder"))
     return checks
+
+
+def folder_clashes(what: str, folder: str, args: argparse.Namespace, output: str | None = None) -> list[str]:
+    """Why `folder` (an output, a spill folder, a destination) cannot hold this run's files: it is,
+    is inside or holds the model folder or another run's output; it is or holds the data (its
+    folder, or a save_to_disk folder; speculators' own layout, inside it, is fine) or fleet's
+    state; it is a file system's root; or (a destination) it is tied to the run's `output`. One
+    line each, naming both."""
+    out = []
+    run = os.path.basename(args.run_dir) if args.run_dir else None
+    if os.path.dirname(os.path.realpath(folder)) == os.path.realpath(folder):
+        out.append(f"{what} is the root of the file system: give the run a folder of its own")
+    if args.model and (how := relation(folder, args.model)):
+        out.append(f"{what} {how} the model folder {args.model}: the samples would be written among "
+                   f"its weights; give the run a folder of its own")
+    if args.data:
+        data_folder = args.data if os.path.isdir(args.data) else os.path.dirname(os.path.abspath(args.data))
+        if (how := relation(folder, data_folder)) in ("is", "holds"):
+            out.append(f"{what} {how} the data's folder {data_folder}: give the run a folder of its own")
+    if args.run_dir and (how := relation(folder, args.run_dir)) in ("is", "holds"):
+        out.append(f"{what} {how} fleet's folder for the run {args.run_dir}: give the run another")
+    if output is not None and (how := relation(folder, output)):
+        out.append(f"{what} {how} the run's output {output}: the destination is where the output goes")
+    for other, owner in run_outputs_near(folder):
+        if owner != run and os.path.realpath(other) != os.path.realpath(folder):   # (itself: checked above)
+            how = relation(folder, other)
+            out.append(f"{what} {how} run {owner!r}'s output {other}: no folder holds two runs; give "
+                       f"this run another")
+    return out
 
 
 def _gpu_checks(args: argparse.Namespace, shape, layers: LayerPlan | None, gpus: list[dict],

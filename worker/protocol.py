@@ -862,6 +862,7 @@ class PreflightReport(Reply):
     cuda_devices: Optional[int] = None
     gpu_count: int = 0
     gpus: list[int] = field(default_factory=list)   # the GPU indices its shards will use
+    gpu_uuids: list[str] = field(default_factory=list)   # theirs, where telemetry reads them (which card)
     plan: Optional[Plan] = None                  # the run's plan on this host, if it has one
     host_id: Optional[str] = None                # which machine this is (<root>/host-id)
     identity: dict = field(default_factory=dict)    # what its model and data are (worker.identity)

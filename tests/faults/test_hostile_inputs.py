@@ -194,3 +194,64 @@ def test_a_hosts_bytes_never_drive_the_terminal_and_a_long_fail_line_keeps_what_
     reason = snap["shards"][0]["last_failure"]
     assert reason.startswith("fail sentinel: ValueError: bad row") and unprintable(reason) == []
     assert "ZZZZ ValueError: bad row" in outputs["logs"].stdout          # the log itself, made printable
+
+
+@pytest.mark.parametrize("case", ["model", "data folder", "root", "inside another run", "above another run",
+                                  "destination is the output"])
+def test_a_folder_that_would_mix_two_runs_or_write_among_the_weights_is_refused(tmp_path, dense_model, case):
+    """One run per folder: an output that is the model folder, the folder holding the data, the
+    file system's root, inside or above another run's output (its owner file, as the worker writes
+    it), or a destination that is the output, is refused at preflight with both names."""
+    from worker.demo import make_token_dataset
+    from worker.writer import claim_output
+    (tmp_path / "data").mkdir()
+    data = make_token_dataset(str(tmp_path / "data" / "d.jsonl"), 20, vocab_size=500, mean_tokens=10, seed=2)
+    other = tmp_path / "runs" / "other"
+    claim_output(str(other), "other", 1.0, 0).close()           # another run's output, as its worker claims it
+    output, extra = {"model": (dense_model, ""), "data folder": (str(tmp_path / "data"), ""),
+                     "root": ("/", ""), "inside another run": (str(other / "mine"), ""),
+                     "above another run": (str(tmp_path / "runs"), ""),
+                     "destination is the output": (str(tmp_path / "out"),
+                                                   f'destination = {json.dumps(str(tmp_path / "out"))}')}[case]
+    says = {"model": f"output {output} is the model folder {dense_model}",
+            "data folder": f"output {output} is the data's folder {tmp_path / 'data'}",
+            "root": "output / is the root of the file system",
+            "inside another run": f"output {output} is inside run 'other''s output {other}",
+            "above another run": f"output {output} holds run 'other''s output {other}",
+            "destination is the output": f"destination {output} is the run's output {output}"}[case]
+    config = local_toml(tmp_path, f"""[run]
+name = "mine"
+model = {json.dumps(dense_model)}
+data = {json.dumps(data)}
+output = {json.dumps(output)}
+device = "cpu"
+{extra}
+""")
+    r = fleet("up", "--headless", "-c", config, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert says in r.stderr.splitlines()[-1], r.stderr
+    assert not (tmp_path / "fleet" / "mine" / "shards").exists()
+
+
+def test_one_machine_listed_twice_with_the_same_gpu_is_refused(tmp_path, dense_model):
+    """Two names for one machine (one root: one host id) both given GPU 0: refused before any
+    launch, naming both."""
+    from worker.demo import make_token_dataset
+    data = make_token_dataset(str(tmp_path / "d.jsonl"), 20, vocab_size=500, mean_tokens=10, seed=2)
+    config = local_toml(tmp_path, f"""[run]
+name = "twice"
+model = {json.dumps(dense_model)}
+data = {json.dumps(data)}
+output = "out"
+device = "cpu"
+
+[[hosts]]
+name = "again"
+address = "local"
+gpus = [0]
+root = "fleet"
+""")
+    r = fleet("up", "--headless", "-c", config, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "error: again and local are one machine: GPU 0 (host id " in r.stderr and "would run two shards" in r.stderr, r.stderr[-300:]
+    assert not (tmp_path / "fleet" / "twice" / "shards").exists()

@@ -97,3 +97,22 @@ def test_a_damaged_source_file_is_reported_and_the_rest_converted(runs, tmp_path
     r = export(src, "--format", "speculators", "--out", out)
     assert r.returncode == 1 and "problem: sample 4:" in r.stderr
     assert sorted(samples(out)) == [i for i in range(ROWS) if i not in (UNSUPERVISED, 4)]
+
+
+def test_an_export_never_mixes_into_a_run_or_writes_over_its_own_source(runs, tmp_path):
+    """--out another run's output (same format and layers: it used to pass, rewriting that run's
+    meta.json over 199 files of another model), a link to the source itself, a folder inside it:
+    each refused in one line, and nothing there changed."""
+    import shutil
+    other = str(tmp_path / "other")
+    shutil.copytree(runs["specforge-dflash"], other)
+    before = open(os.path.join(other, "meta.json")).read()
+    link = tmp_path / "link"
+    link.symlink_to(runs["speculators"])
+    for out, says in ((other, "holds a run's output (its meta.json is no export's)"),
+                      (str(link), f"is the output it would export ({runs['speculators']})"),
+                      (os.path.join(runs["speculators"], "sub"), "is inside the output it would export")):
+        r = export(runs["speculators"], "--format", "specforge-dflash", "--out", out)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert open(os.path.join(other, "meta.json")).read() == before
+    assert not os.path.exists(os.path.join(runs["speculators"], "sub", "meta.json"))
