@@ -50,7 +50,12 @@ def merge_reports(reports: dict[str, protocol.VerifyReport]) -> VerifyResult:
         _check_agreement(result, host, rep)
         _add_report(result, owner, host, rep)
     if result.num_samples is None:
-        result.problems.append("no meta.json on any host: nothing has been extracted yet")
+        there = result.written + len(result.skipped) + result.unrecorded_files
+        result.problems.append(
+            f"no meta.json on any host, though {result.written} sample file(s), {len(result.skipped)} skip(s) "
+            f"and {result.unrecorded_files} unrecorded file(s) are there: their meta.json (format, layers, "
+            f"dtype) was lost; restore it from a copy, or redo the run into a new output" if there else
+            "no meta.json on any host: nothing has been extracted yet")
         return result
     out_of_range = [i for i in owner if not 0 <= i < result.num_samples]
     if out_of_range:

@@ -363,10 +363,36 @@ def _grouping_checks(resolved: list[int], k: int) -> list[protocol.Check]:
 
 
 def _path_checks(args: argparse.Namespace) -> list[protocol.Check]:
-    """The model and data paths given must exist on this host."""
-    return [_error(f"{label} path {path} does not exist")
-            for label, path in (("model", args.model), ("data", args.data))
-            if path and not os.path.exists(path)]
+    """The model and data paths given must exist on this host, as regular files or folders (a
+    FIFO or a device would hang every reader: it is refused, and nothing reads it). A path that
+    fails is dropped from `args`, so no later check opens it."""
+    checks = []
+    for label, path in (("model path", args.model), ("data path", args.data),
+                        ("model config", os.path.join(args.model, "config.json") if args.model else "")):
+        if not path or (label == "model config" and not os.path.lexists(path)):
+            continue
+        problem = _not_a_file_or_folder(path)
+        if problem:
+            checks.append(_error(f"{label} {path} {problem}"))
+            if label == "data path":
+                args.data = ""
+            else:
+                args.model = ""
+    return checks
+
+
+def _not_a_file_or_folder(path: str) -> str | None:
+    """Why `path` cannot be read as a file or a folder: missing, or a FIFO, socket or device."""
+    import stat
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as e:
+        return f"cannot be read: {e.strerror or e}"
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return "is not a regular file or folder (a pipe or a device would never end)"
 
 
 def _read_run_dir(run_dir: str, report: protocol.PreflightReport) -> list[protocol.Check]:

@@ -74,7 +74,7 @@ def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = F
     dropped (and the broken files removed), so the next launch of their shard redoes exactly those."""
     meta = _read_meta(out)
     layout = layout_of(meta)
-    found = _read_manifests(out)
+    found = _read_manifests(out, meta.get("num_samples"))
     if deep and found.written:
         found.broken = _check_files(layout, out, found.written, meta.get("hidden_size"), threads)
         found.problems += found.broken.values()
@@ -129,7 +129,7 @@ def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | 
         here = tmp if out is None else out
         meta = _read_meta(here)
         layout = layout_of(meta)
-        found = _read_manifests(here)
+        found = _read_manifests(here, meta.get("num_samples"))
         found.broken = _landed_wrong(layout, here, found.written, listing, url)
         report = protocol.VerifyReport(num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
                                        checked=len(found.written), folder_id=url)
@@ -230,6 +230,7 @@ class _Findings:
     broken: dict[int, str] = field(default_factory=dict)
     away: dict[int, str] = field(default_factory=dict)       # index -> the host its rows moved to
     gone: dict[str, list[list]] = field(default_factory=dict)  # manifest name -> its pool's moved rows
+    outside: dict[int, str] = field(default_factory=dict)     # index outside the dataset -> its manifest
 
 
 def _read_meta(out: str) -> dict:
@@ -240,16 +241,22 @@ def _read_meta(out: str) -> dict:
         return {}
 
 
-def _read_manifests(out: str) -> _Findings:
+def _read_manifests(out: str, num_samples: int | None = None) -> _Findings:
     """Every index's first manifest entry; a second one for the same index is a problem. An entry
-    of rows that moved to another host (its copy is the one that counts) is set aside in `away`."""
+    of rows that moved to another host (its copy is the one that counts) is set aside in `away`;
+    one outside the dataset's rows (no run of this data wrote it) in `outside`."""
     seen: dict[int, dict] = {}
     twice: set[int] = set()
     problems: list[str] = []
     gone = moved_away(out)
     away: dict[int, str] = {}
+    outside: dict[int, str] = {}
     for name, rec in manifest_entries(out):
         i = rec["index"]
+        if num_samples is not None and not 0 <= i < num_samples:
+            outside[i] = name
+            problems.append(f"sample {i}: in {protocol.MANIFEST_DIR}/{name}, outside the dataset's {num_samples} rows")
+            continue
         if (to := gone_to(gone, name, i)) is not None:
             away[i] = to
             continue
@@ -260,7 +267,7 @@ def _read_manifests(out: str) -> _Findings:
         seen[i] = rec
     written = [r for r in seen.values() if "skipped" not in r]
     skipped = {i: r["skipped"] for i, r in seen.items() if "skipped" in r}
-    return _Findings(written, skipped, twice, problems, away=away, gone=gone)
+    return _Findings(written, skipped, twice, problems, away=away, gone=gone, outside=outside)
 
 
 def away_problems(away: dict[int, str]) -> list[str]:
@@ -288,6 +295,11 @@ def _check_files(layout: Layout, out: str, written: list[dict], hidden: int | No
 def _repair(out: str, layout: Layout, found: _Findings) -> protocol.Repair | None:
     """Drop the broken and twice-recorded entries and the retryable skips (repair_folder), and take
     them out of the findings: what is dropped is no longer a problem but work for the next launch."""
+    if found.outside:              # not this run's lines: nothing is changed until a person looks
+        i, name = next(iter(found.outside.items()))
+        found.problems.append(f"--repair refused: {protocol.MANIFEST_DIR}/{name} holds index {i}, outside the "
+                              f"dataset: a line no run of this data wrote; remove it (or the manifest) first")
+        return None
     retry = {i for i, why in found.skipped.items() if retryable(why)}
     if not (found.broken or found.twice or retry or found.away):
         return None

@@ -255,3 +255,32 @@ root = "fleet"
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "error: again and local are one machine: GPU 0 (host id " in r.stderr and "would run two shards" in r.stderr, r.stderr[-300:]
     assert not (tmp_path / "fleet" / "twice" / "shards").exists()
+
+
+@pytest.mark.parametrize("which", ["data", "config.json"])
+def test_a_pipe_for_data_or_the_models_config_is_refused_at_preflight_not_read(tmp_path, dense_model, which):
+    """A FIFO nobody writes (the data, or the model's config.json): preflight refuses it in one line
+    naming it, at once, where it used to hang reading it."""
+    import shutil
+    model = str(tmp_path / "model")
+    shutil.copytree(dense_model, model)
+    data = str(tmp_path / "fifo")
+    if which == "data":
+        os.mkfifo(data)
+    else:
+        from worker.demo import make_token_dataset
+        data = make_token_dataset(str(tmp_path / "d.jsonl"), 20, vocab_size=500, mean_tokens=10, seed=2)
+        os.unlink(os.path.join(model, "config.json"))
+        os.mkfifo(os.path.join(model, "config.json"))
+    config = local_toml(tmp_path, f"""[run]
+name = "p"
+model = {json.dumps(model)}
+data = {json.dumps(data)}
+output = "out"
+device = "cpu"
+""")
+    r = fleet("up", "--headless", "-c", config, timeout=120)
+    path = data if which == "data" else os.path.join(model, "config.json")
+    label = "data path" if which == "data" else "model config"
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"local: {label} {path} is not a regular file or folder" in r.stderr.splitlines()[-1], r.stderr

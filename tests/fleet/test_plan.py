@@ -171,6 +171,29 @@ def test_repair_reopens_the_lines_a_done_shards_manifest_lost(tmp_path, sshd, de
     assert v.returncode == 0 and "30 written" in v.stdout, v.stdout
 
 
+def test_a_manifest_line_outside_the_dataset_is_named_and_repair_refuses_it_changing_nothing(
+        tmp_path, sshd, dense_model, data):
+    """A manifest holding index -1 (no run of this data wrote it): verify names it, --repair refuses
+    in one line and leaves every manifest as it was; a lost meta.json is told as what it is."""
+    config = hosts_toml(tmp_path, {"box": sshd}, model=dense_model, data=data(30), gpus={"box": [0, 1]})
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    manifests = tmp_path / "out" / "manifest"
+    clean = (manifests / "1.jsonl").read_text()
+    with open(manifests / "1.jsonl", "a") as f:
+        f.write(json.dumps({"index": -1, "tokens": 3, "bytes": 10}) + "\n")
+    before = {p.name: p.read_text() for p in manifests.iterdir()}
+    v = fleet("verify", "-c", config)
+    assert v.returncode == 1 and "sample -1: in manifest/1.jsonl, outside the dataset's 30 rows" in v.stdout, v.stdout
+    r = fleet("verify", "--repair", "-c", config)
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "--repair refused: manifest/1.jsonl holds index -1, outside the dataset" in r.stdout, r.stdout
+    assert {p.name: p.read_text() for p in manifests.iterdir()} == before          # nothing moved
+    (manifests / "1.jsonl").write_text(clean)
+    os.unlink(tmp_path / "out" / "meta.json")
+    v = fleet("verify", "-c", config)
+    assert v.returncode == 1 and "no meta.json on any host, though 30 sample file(s)" in v.stdout, v.stdout
+
+
 def test_host_names_swapped_in_fleet_toml_are_refused_before_any_launch(tmp_path, sshd, dense_model, data):
     """Each host's root holds its identity file (written at first deploy) and the plan records it
     per host name: two names swapped after `fleet down` point at the other machines (here: the
