@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from worker.formats import FORMATS, LOSS_MASKS, FormatError, check_dtype
 from worker.layers import LayerError, check_spec
 from worker.ship import ShipError, destination
-from worker.text import parse_bytes
+from worker.text import parse_bytes, printable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -314,6 +314,8 @@ class HostSpec(Strict):
     def _no_option(cls, v):
         if v is not None and (not v or v.startswith("-") or any(c.isspace() for c in v)):
             raise ValueError("must not be empty, start with '-' or hold spaces")
+        if v is not None and printable(v) != v:
+            raise ValueError("holds a control or bidirectional character")
         return v
 
     @field_validator("gpus")

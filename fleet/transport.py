@@ -11,10 +11,17 @@ import asyncio
 import functools
 import os
 import shlex
+import warnings
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from worker.text import printable
+
 from .config import HostSpec, SuperviseSpec
+
+# asyncssh's import warns that the `cryptography` it uses deprecates DSA, on every fleet command's
+# stderr; fleet never offers DSA keys of its own, and a person's one-line error must stay last.
+warnings.filterwarnings("ignore", message="DSA is deprecated", module=r"asyncssh(\..*)?")
 
 
 class HostError(Exception):
@@ -310,6 +317,10 @@ class SSHTransport(Transport):
                                 f"identity_file out)") from None
             except (asyncssh.Error, OSError, asyncio.TimeoutError, TimeoutError) as e:
                 raise HostError(f"{self.where}: {self._why(e, r)}") from None
+            except UnicodeError as e:             # the resolver's IDNA codec refused the name
+                why = str(e).rpartition(": ")[2].rstrip(")")          # "label empty or too long"
+                raise HostError(f"{self.where}: the address {printable(r.host)!r} is not a host "
+                                f"name the resolver takes ({why})") from None
             finally:
                 if self.conn is None and jump is not None:
                     jump.close()

@@ -284,3 +284,18 @@ device = "cpu"
     label = "data path" if which == "data" else "model config"
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"local: {label} {path} is not a regular file or folder" in r.stderr.splitlines()[-1], r.stderr
+
+
+def test_an_address_the_resolver_refuses_is_a_one_line_host_error(tmp_path):
+    """A name whose label is longer than DNS allows (the resolver's IDNA codec raises UnicodeError):
+    status says so in one line naming the host, exit 3, no traceback."""
+    job = '\n[job]\ncommand = "true"\n'
+    config = local_toml(tmp_path, '[run]\nname = "a"\noutput = "out"\n' + job)
+    text = open(config).read().replace('name = "local"\naddress = "local"',
+                                        f'name = "far"\naddress = "{"x" * 70}.example"')
+    open(config, "w").write(text)
+    r = fleet("status", "-c", config, timeout=120)
+    assert r.returncode == 3 and "Traceback" not in r.stderr + r.stdout and r.stderr == "", r.stderr
+    line = next(line for line in r.stdout.splitlines() if line.startswith("host far: unreachable"))
+    assert line.endswith(f"the address '{'x' * 70}.example' is not a host name the resolver takes "
+                         f"(label empty or too long))"), r.stdout

@@ -76,6 +76,7 @@ def test_good_config_loads_with_defaults(tmp_path):
     ('layers = "speculators"', 'layers = "fancy"', 6, "layers"),
     ('samples_per_s_per_gpu = 3.5', 'samples_per_s_per_gpu = 0', 9, "greater than 0"),
     ('[supervise]', '[superviseX]', 11, "unknown key 'superviseX' in the top level; did you mean 'supervise'?"),
+    ('address = "203.0.113.8"', 'address = "box\u202e.example"', 25, "holds a control or bidirectional character"),
     ('output = "/workspace/hs"', 'output = []', 5, "run.output: a folder, or a list of folders (one per disk)"),
     ('output = "/workspace/hs"', 'output = ["/a", "/a"]', 5, "run.output: a folder listed twice"),
     ('output = "/workspace/hs"', 'output = ["/a", 3]', 5, "output"),
