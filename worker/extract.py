@@ -32,15 +32,18 @@ from . import __version__, protocol, sizing
 from .batching import make_batches, padded_length, row_bucket
 from .data import BadRow, DataError, Sample, open_dataset, row_to_sample, shard_range
 from .events import EventLog
+from .files import retry_skips, retryable
 from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, Layout,
                       supervision_problem, trainer_setting)
 from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
                        upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers, yaml_max_length
+from .launches import LaunchState
 from .leases import Cell, Lease, Move, Pool, tell_taken
 from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, compute_dtype, find_decoder,
                     is_hybrid, load_model, missing_fast_kernels, model_devices, move, text_config,
                     uncompile_layers, unpacked_rows, use_fla_conv)
+from .ranges import ranges_text
 from .suspects import Suspects, suspects_path
 from .ship import ShipError
 from .text import parse_bytes
@@ -535,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         lock = _claim_output(args)
         shipper = _start_shipping(args, log, layout)
         pool = Pool(args.out, args.shard_index, pool_ranges(args, dataset.num_rows))
+        _retry_on_a_persons_launch(args, log)
         finished = load_finished(args.out)
         pool.reopen(lambda a, b: any(i not in finished for i in range(a, b)))   # rows a repair dropped
         lease = pool.own()
@@ -705,6 +709,17 @@ def _tell_source(args: argparse.Namespace, move: Move, counted: list[tuple[int, 
     tell_taken(os.path.dirname(os.path.abspath(args.state)), move,
                sum(1 for i in range(move.start, move.stop) if i not in finished),
                sum(b - a for a, b in counted), stats.done, stats.skipped)
+
+
+def _retry_on_a_persons_launch(args: argparse.Namespace, log: EventLog) -> None:
+    """A launch a person asked for (r, fleet restart, fleet up on a FATAL shard) retries the rows
+    this shard skipped for failures that may pass (out of memory alone, a GPU error): they judged
+    the cause gone. The policy's own restarts do not."""
+    if not args.state or LaunchState.read(os.path.join(args.state, protocol.EVENTS_FILE)).by != "manual":
+        return
+    if rows := retry_skips(args.out, args.shard_index):
+        log.emit(protocol.WarningEvent(message=f"retrying {len(rows)} row(s) skipped for failures that may "
+                                               f"pass ({ranges_text(rows)}): a launch by hand"))
 
 
 def _pool_done(args: argparse.Namespace, log: EventLog, pool: Pool, shipper, layout: Layout) -> int:
@@ -1058,8 +1073,12 @@ def too_many_skipped(out_dir: str, ranges: list[tuple[int, int]], limit: float) 
     if not rows or len(skipped) <= limit * rows:
         return None
     reasons = Counter(re.sub(r"\d{2,}|(?<=\[)\d+(?=\])", "N", why) for why in skipped).most_common(3)
+    passing = sum(1 for why in skipped if retryable(why))
+    way = (f"; {passing} of them failed alone (out of memory, a GPU error): once the cause is gone, a "
+           f"restart by hand (r, or fleet restart) retries them" if passing else
+           "; fix those rows or raise max_skip_fraction (fleet verify lists them)")
     return (f"skipped {len(skipped)} of {rows} rows ({len(skipped) / rows:.1%} > max_skip_fraction "
-            f"{limit:g}): " + "; ".join(f"{why} ({n})" for why, n in reasons))
+            f"{limit:g}): " + "; ".join(f"{why} ({n})" for why, n in reasons) + way)
 
 
 def fail(log: EventLog, reason: str, code: int, tb: str = "", fatal: bool = False) -> int:

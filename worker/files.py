@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 from typing import IO, Callable, Iterator
 
@@ -139,7 +140,6 @@ def run_outputs_near(path: str, depth: int = 2) -> list[tuple[str, str]]:
     """(folder, run) of every run's output folder at `path`, above it, or up to `depth` levels
     below it: each folder holding an owner file (`.fleet/owner.json`, the run that first wrote
     there) — what an output, an export or a destination must not be mixed into."""
-    import json
     found: list[tuple[str, str]] = []
 
     def owner(folder: str) -> None:
@@ -170,6 +170,39 @@ def run_outputs_near(path: str, depth: int = 2) -> list[tuple[str, str]]:
             owner(folder)
         level = below
     return found
+
+
+# Skip reasons of failures that may pass (worker.extract: a row that failed alone after the rest,
+# or killed the process alone): `verify --repair` and a user's own launch of the shard drop them,
+# so that launch (a bigger GPU, a smaller batch budget, a fixed driver) tries those rows again.
+RETRYABLE = ("(alone, after the rest)", "the worker process died")
+
+
+def retryable(reason: str) -> bool:
+    return any(mark in reason for mark in RETRYABLE)
+
+
+def retry_skips(out_dir: str, shard: int | str) -> list[int]:
+    """Drop the retryable skips from shard `shard`'s own manifest (its writer's lock held), so
+    this launch redoes those rows; the rows dropped."""
+    path = manifest_path(out_dir, shard)
+    if not os.path.exists(path):
+        return []
+    kept, dropped = [], []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                kept.append(line)
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("skipped"), str) and retryable(rec["skipped"]):
+                dropped.append(rec.get("index"))
+            else:
+                kept.append(line)
+    if dropped:
+        write_atomic(path, "".join(line if line.endswith("\n") else line + "\n" for line in kept))
+    return dropped
 
 
 def manifest_path(out_dir: str, shard: int | str) -> str:

@@ -15,6 +15,7 @@ from . import protocol
 class LaunchState:
     n: int = 0                         # the newest launch (0: never launched)
     t: float = 0.0
+    by: str | None = None              # who asked for it: manual (a person) | auto (the policy)
     ended: bool = True
     slurm: bool = False
     job: str | None = None
@@ -30,7 +31,7 @@ class LaunchState:
             if ev.final:
                 self.final.add(k)
         elif isinstance(ev, protocol.Launch):
-            self.n, self.t, self.ended = ev.launch, ev.t, False
+            self.n, self.t, self.ended, self.by = ev.launch, ev.t, False, ev.by
             self.slurm, self.job, self.slurm_ended = ev.launcher == "slurm", None, False
         elif ev.launch is not None and ev.launch != self.n:
             return

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import protocol
-from .files import file_md5, manifest_entries, remove_sample
+from .files import file_md5, manifest_entries, remove_sample, retryable
 from .formats import FORMATS, FormatError, Layout
 from .layers import LayerPlan
 from .leases import gone_to, ledger_files, moved_away
@@ -321,16 +321,6 @@ def _moved_strays(out: str, layout: Layout, unrecorded: set[int], found: _Findin
     for i in stray:
         remove_sample(layout.path(out, i))
     return stray
-
-
-# Skip reasons of failures that may pass (worker.extract: a row that failed alone after the rest,
-# or killed the process alone): --repair drops them too, so a later launch (a bigger GPU, a smaller
-# batch budget, a fixed driver) tries those rows again.
-RETRYABLE = ("(alone, after the rest)", "the worker process died")
-
-
-def retryable(reason: str) -> bool:
-    return any(mark in reason for mark in RETRYABLE)
 
 
 def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[int], folder: str,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from fleet.config import FleetSpec, load_config
 from fleet.jobs import Placement, shard_command
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 from tests.faults.test_worker_faults import small_tmpfs  # noqa: F401  (the fixture)
 
 
@@ -131,6 +131,50 @@ root = "fleet"
     assert [(e["index"], e["reason"]) for e in skipped] == [(30, "out of GPU memory at 300 tokens (alone, after the rest)")]
     v = fleet("verify", "-c", str(path))
     assert v.returncode == 0 and "31 written, 1 skipped (3.12%), 32 in the dataset" in v.stdout, v.stdout
+
+
+def test_rows_skipped_for_a_passing_oom_are_retried_by_a_restart_by_hand(tmp_path, dense_model):
+    """Memory short for a while (injected until a file goes): too many rows skipped, FATAL with the
+    way out in its reason; the cause gone, `fleet restart` retries exactly those rows, and the run
+    ends DONE with every row written."""
+    rows = [{"input_ids": [7] * n} for n in [40] * 10 + [20] * 10]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    short = tmp_path / "memory-short"
+    short.write_text("")
+    path = tmp_path / "fleet.toml"
+    inject = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inject")
+    path.write_text(f"""
+[run]
+name = "oom2"
+model = {json.dumps(dense_model)}
+data = "d.jsonl"
+output = "out"
+device = "cpu"
+max_tokens_per_batch = 4096
+env = {{ PYTHONPATH = {json.dumps(inject)}, FLEET_INJECT_OOM_ABOVE = "30", FLEET_INJECT_OOM_WHILE = {json.dumps(str(short))} }}
+
+[[hosts]]
+name = "local"
+address = "local"
+gpus = [0]
+root = "fleet"
+""")
+    r = fleet("up", "--headless", "-c", str(path))
+    assert r.returncode == 1, r.stdout + r.stderr
+    snap = json.loads(fleet("status", "--json", "-c", str(path)).stdout)
+    shard = snap["shards"][0]
+    assert shard["state"] == "FATAL" and "skipped 10 of 20 rows" in shard["reason"], shard
+    assert "10 of them failed alone (out of memory, a GPU error): once the cause is gone, a restart by hand " \
+           "(r, or fleet restart) retries them" in shard["reason"], shard["reason"]
+    short.unlink()                                     # the memory is back
+    r = fleet("restart", "0", "-c", str(path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    wait_for(lambda: json.loads(fleet("status", "--json", "-c", str(path)).stdout)["shards"][0]["state"] == "DONE",
+             180, what="shard 0 DONE after the restart")
+    warned = [e["message"] for e in events(tmp_path, "oom2", 0) if e["event"] == "warning"]
+    assert any(m.startswith("retrying 10 row(s) skipped for failures that may pass (0-9)") for m in warned), warned
+    v = fleet("verify", "-c", str(path))
+    assert v.returncode == 0 and "20 written, 0 skipped" in v.stdout, v.stdout
 
 
 def test_gpu_index_out_of_range_is_refused_by_preflight(tmp_path, dense_model, token_data):

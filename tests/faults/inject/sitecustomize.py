@@ -2,6 +2,8 @@
 PYTHONPATH. The model itself is real and untouched; the embedding lookup fails as a GPU would:
 
 - FLEET_INJECT_OOM_ABOVE=N: every lookup over N tokens raises CUDA's out-of-memory error;
+- FLEET_INJECT_OOM_WHILE=PATH: with FLEET_INJECT_OOM_ABOVE, only while PATH exists (memory that
+  another process held until the test removes PATH);
 - FLEET_INJECT_OOM_TIMES=N: the first N lookups of the process raise it (memory that was short
   for a moment);
 - FLEET_INJECT_ERROR_TOKEN=T: every lookup holding token id T raises a RuntimeError (a sample
@@ -27,6 +29,7 @@ if any(os.environ.get(v) for v in _VARS):
     import torch.nn.functional as F
 
     _limit = int(os.environ.get("FLEET_INJECT_OOM_ABOVE") or 0)
+    _while = os.environ.get("FLEET_INJECT_OOM_WHILE")
     _times = [int(os.environ.get("FLEET_INJECT_OOM_TIMES") or 0)]
     _token = int(os.environ.get("FLEET_INJECT_ERROR_TOKEN") or -1)
     _abort = int(os.environ.get("FLEET_INJECT_ABORT_TOKEN") or -1)
@@ -43,7 +46,7 @@ if any(os.environ.get(v) for v in _VARS):
             time.sleep(_slow)
         if _dead:
             raise RuntimeError("CUDA error: unspecified launch failure (injected: this GPU is dead)")
-        if _limit and input.numel() > _limit:
+        if _limit and input.numel() > _limit and (not _while or os.path.exists(_while)):
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected above {_limit} tokens)")
         if _times[0] > 0:
             _times[0] -= 1
