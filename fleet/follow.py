@@ -30,6 +30,7 @@ from .transport import HostError, HostUnusable, Stream, Transport
 
 AGENT_START_S = 30.0          # a new agent stream: its Python start and replay, on a loaded host
 AGENT_SILENCE_S = 5.0         # no line from an agent for this long: the host is unreachable...
+LATE_S = 0.5                  # a wait that ends this much past its time: this process ran late
 SILENCE_PER_ACTION_S = 2.0    # ...plus this per shard starting or acted on there (a launch storm)
 STARTING_UP = frozenset({State.STARTING, State.LOADING, State.STOPPING})
 
@@ -126,24 +127,42 @@ class HostLink:
             self.delay = min(self.delay * 2, self.store.config.spec.supervise.reconnect_max)
 
     async def _read(self, lines) -> None:
-        while True:
-            silence = self.silence()
-            if not self.host.replayed:          # the agent is starting and replaying
-                silence = max(silence, AGENT_START_S)
-            try:
-                async with asyncio.timeout(silence):
-                    line = await lines.__anext__()
-            except StopAsyncIteration:
-                why = self.diagnostics[-1] if self.diagnostics else "no output"
-                raise HostError(f"{self.name}: agent exited: {why}") from None
-            except asyncio.TimeoutError:
-                raise HostError(f"{self.name}: no telemetry for {silence:.0f}s") from None
-            if isinstance(self.take(line), protocol.Beat):
-                self.delay = 1.0                 # healthy for a while: reconnect fast next time
-            if self.host.reachable is not True and self.host.replayed:
-                self.host.up()
-                self.on_log(f"{self.name}: connected")
-                self.on_change()
+        """Fold the agent's lines until it goes silent for longer than `silence` — silence of the
+        host's, not ours: a wait that ended long after its time (this process was stopped or
+        starved) waits again for the same line, which is never cancelled, so none is lost."""
+        pending: asyncio.Future | None = None
+        try:
+            while True:
+                silence = self.silence()
+                if not self.host.replayed:          # the agent is starting and replaying
+                    silence = max(silence, AGENT_START_S)
+                if pending is None:
+                    pending = asyncio.ensure_future(lines.__anext__())
+                t0 = asyncio.get_running_loop().time()
+                done, _ = await asyncio.wait({pending}, timeout=silence)
+                if not done:
+                    if asyncio.get_running_loop().time() - t0 > silence + LATE_S:
+                        continue                    # our lateness, not the host's silence
+                    raise HostError(f"{self.name}: no telemetry for {silence:.0f}s")
+                try:
+                    line = pending.result()
+                except StopAsyncIteration:
+                    why = self.diagnostics[-1] if self.diagnostics else "no output"
+                    raise HostError(f"{self.name}: agent exited: {why}") from None
+                pending = None
+                self._fold(line)
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+
+    def _fold(self, line: str) -> None:
+        """One line of the live stream folded; the host is up once its record is replayed."""
+        if isinstance(self.take(line), protocol.Beat):
+            self.delay = 1.0                     # healthy for a while: reconnect fast next time
+        if self.host.reachable is not True and self.host.replayed:
+            self.host.up()
+            self.on_log(f"{self.name}: connected")
+            self.on_change()
 
     async def drop(self, connection: bool = True) -> None:
         if self.stream is not None:

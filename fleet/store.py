@@ -11,6 +11,7 @@ asks `verdict` and `transitions` and records its own actions on the shards (`beg
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,6 +26,11 @@ from .relocate import HostFacts, Moves, planned_rows
 from .snapshot import Disk, FleetSnapshot, Gpu, ShardView, all_replayed, build_snapshot
 from .state import State
 from .transport import HostError, HostUnusable
+
+
+CATCH_UP_S = 5.0          # a line read this long after it was written: we are behind that host
+OFFSET_WINDOW_S = 60.0    # the clock offset is the best of this many seconds of lines
+EXTRAPOLATE_S = 10.0      # a shard's idle time is carried past its host's last word by at most this
 
 
 @dataclass
@@ -46,15 +52,37 @@ class Host:
     usd_per_hour: float | None = None      # [[hosts]] usd_per_hour
     unusable: bool = False                 # reached, but its python or agent fails there
     down_since: float | None = None        # supervisor clock: unreachable since (None: reachable)
+    offsets: deque = field(default_factory=deque)   # (supervisor time, host clock - it) of each line heard
+    behind_s: float = 0.0                  # how old the newest line read was when read (a backlog)
+    stale: bool = False                    # our loop ran late: nothing read on time since
 
     def host_now(self, now: float) -> float:
         return now + self.clock_offset
 
     def heard(self, t: float | None, now: float) -> None:
-        """A line came from the agent (`t`: its host-clock stamp, if any)."""
+        """A line came from the agent (`t`: its host-clock stamp, if any). The clock offset is the
+        largest `t - now` of the last minute (a line read late, from a backlog, says less), and a
+        line stamped more than CATCH_UP_S before the host's now is one we read behind: the host is
+        being caught up with, and nothing is decided for its shards until a line is read on time."""
         self.last_seen = now
-        if t is not None:
-            self.clock_offset = float(t) - now
+        if t is None:
+            return
+        self.offsets.append((now, float(t) - now))
+        while self.offsets and self.offsets[0][0] < now - OFFSET_WINDOW_S:
+            self.offsets.popleft()
+        self.clock_offset = max(o for _, o in self.offsets)
+        self.behind_s = max(0.0, now + self.clock_offset - float(t))
+        if self.behind_s <= CATCH_UP_S:
+            self.behind_s, self.stale = 0.0, False
+
+    def fell_behind(self) -> None:
+        """Our own loop ran late (the process was stopped or starved): what we know of this host is
+        old until a line is read on time."""
+        self.stale = True
+
+    @property
+    def catching_up(self) -> bool:
+        return self.stale or self.behind_s > CATCH_UP_S
 
     def trying(self) -> None:
         """Not known yet: being reached again (a deploy)."""
@@ -131,7 +159,7 @@ class Shard:
         a step of either wall clock changes nothing. None: not reported (the record's stamps rule)."""
         if self.idle_s is None or not self.alive:
             return None
-        return self.idle_s + max(time.monotonic() - self.idle_at, 0.0)
+        return self.idle_s + min(max(time.monotonic() - self.idle_at, 0.0), EXTRAPOLATE_S)
 
     def begin(self, now: float, mark: tuple) -> None:
         """An action of ours is in flight; `mark`: the record's busy_mark as it begins."""
@@ -278,7 +306,8 @@ class Store:
         """One message of a host's agent; the event it carried, once folded. Raises HostError
         where it says the host cannot be used."""
         host = self.hosts[host_name]
-        host.heard(getattr(msg, "t", None), time.time() if now is None else now)
+        sent = None if isinstance(msg, protocol.TaskGpus) else getattr(msg, "t", None)   # (its reading's time)
+        host.heard(sent, time.time() if now is None else now)
         if isinstance(msg, protocol.Hello):
             if msg.protocol != protocol.PROTOCOL_VERSION:
                 raise HostError(f"{host_name}: host runs worker protocol {msg.protocol}, this fleet "

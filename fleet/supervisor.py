@@ -30,7 +30,7 @@ from .engines import make_launcher
 from .notify import Notifier
 from .snapshot import FleetSnapshot
 from .state import LIVE, SETTLED, State
-from .store import Shard, Store, Transition
+from .store import CATCH_UP_S, Shard, Store, Transition
 from .transport import HostError, HostUnusable, make_transport
 
 ACTION_TIMEOUT_S = 60.0       # an action whose outcome never shows up in the record: judge again
@@ -58,6 +58,7 @@ class Supervisor:
         self._group: asyncio.TaskGroup | None = None
         self.runner: asyncio.Task | None = None
         self._moving: dict[relocate.Order, float] = {}    # order -> not again before (in flight: inf)
+        self._behind: set[str] = set()                    # hosts we were catching up with, as last told
         self.notifier = Notifier(config.spec.notify, config.base_dir, lambda m: self.on_log(m)) \
             if config.spec.notify else None
 
@@ -151,17 +152,34 @@ class Supervisor:
             await asyncio.sleep(0.25)
             late = time.monotonic() - t0 - 0.25         # how starved this process is (a loaded machine)
             self.starved = max(late, self.starved * 0.95)
+            if late > CATCH_UP_S:                      # stopped or starved: what we know is old
+                for link in self.links.values():
+                    link.host.fell_behind()
+
+    def _tell_catching_up(self) -> None:
+        """Say once when the supervisor falls behind its hosts (stopped, starved, a backlog of
+        lines) and when it has caught up: meanwhile nothing is restarted or failed on their word."""
+        behind = {n: l.host for n, l in self.links.items() if l.host.reachable and l.host.catching_up}
+        if behind and not self._behind:
+            worst = max((h.behind_s for h in behind.values()), default=0.0)
+            self.on_log(f"catching up: {worst:.0f} s behind {', '.join(sorted(behind))}" if worst else
+                        f"catching up with {', '.join(sorted(behind))}: this process ran late; nothing is "
+                        f"restarted or failed until their records are read up to now")
+        elif self._behind and not behind:
+            self.on_log("caught up")
+        self._behind = set(behind)
 
     def decide(self, now: float) -> None:
         """One pass: judge every shard, publish what changed, and carry out what is due on each
         reachable, replayed host, one `act` per host for everything due there now."""
         verdicts: dict[int, Verdict] = {}
         due: dict[str, list[protocol.ShardAction]] = {}
+        self._tell_catching_up()
         for s in list(self.shards.values()):
             host = self.links[s.placement.host].host
             s.settle(now, busy_mark(s.record), ACTION_TIMEOUT_S)
             v = verdicts[s.id] = self.verdict(s, now)
-            if not host.reachable or not host.replayed or s.busy_since is not None or \
+            if not host.reachable or not host.replayed or s.busy_since is not None or host.catching_up or \
                     self.store.moves.untold(s.placement.host):       # told first of rows moved away
                 continue
             action = policy_action(s.record, v, self.sup.stop_grace, s.id)
