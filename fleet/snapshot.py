@@ -141,6 +141,10 @@ class HostStatus(BaseModel):
     usd_spent: Optional[float] = Field(None, description="usd_per_hour x the run's elapsed_s")
     shipping: Optional[ShippingStatus] = Field(None, description="its shards' output against the "
                                                                  "destination, summed; null without one")
+    catching_up: bool = Field(False, description="the supervisor is reading this host's lines behind "
+                                                 "(it was stopped or starved): nothing is decided for its "
+                                                 "shards until they are read up to now")
+    behind_s: Optional[float] = Field(None, description="how old the newest line read was, while catching up")
 
 
 class SlurmTaskStatus(BaseModel):
@@ -608,7 +612,9 @@ def host_rows(hosts: dict[str, Host], views: list[ShardView], measured: list, ho
             replayed=h.replayed, usd_per_hour=h.usd_per_hour,
             usd_spent=_finite(h.usd_per_hour * hours) if h.usd_per_hour is not None and hours is not None
             else None,
-            shipping=shipping_sum([row.shipping for v, row in zip(views, rows) if v.host == h.name])))
+            shipping=shipping_sum([row.shipping for v, row in zip(views, rows) if v.host == h.name]),
+            catching_up=bool(h.reachable and h.catching_up),
+            behind_s=_finite(h.behind_s, 0) if h.reachable and h.catching_up else None))
     return out, disk_eta
 
 

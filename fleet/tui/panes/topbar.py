@@ -56,8 +56,13 @@ def lines(snap: FleetSnapshot, width: int, no_color: bool = False) -> list[Text]
 def head_parts(snap: FleetSnapshot, no_color: bool) -> list[tuple[int, Text]]:
     """The run's name and how many of its hosts are up: always shown, whatever else is known."""
     up = sum(1 for h in snap.hosts if h.reachable)
-    return [(0, Text.assemble(("fleet ", "bold"), (snap.run, "bold" if no_color else "bold cyan"))),
+    head = [(0, Text.assemble(("fleet ", "bold"), (snap.run, "bold" if no_color else "bold cyan"))),
             (1, Text(f"hosts {up}/{len(snap.hosts)}"))]
+    behind = [h for h in snap.hosts if h.catching_up]
+    if behind:
+        worst = max(h.behind_s or 0.0 for h in behind)
+        head.append((0, Text(f"catching up{f': {worst:.0f} s behind' if worst else ''}", "italic")))
+    return head
 
 
 def replaying_lines(snap: FleetSnapshot, head: list[tuple[int, Text]], width: int) -> list[Text]:
