@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from .snapshot import FleetSnapshot
+from .snapshot import FleetSnapshot, ShardStatus
 from .state import MEASURED, State
 from .units import bytes_text, duration, gib, number
 
@@ -86,11 +86,21 @@ def format_status(snap: FleetSnapshot) -> str:
     lines.append(f"{'shard':>5}  {'where':<14}{'state':<9}{'progress':>16}{'samples/s':>11}"
                  f"  {'restarts':<15}reason")
     for s in snap.shards:
-        prog = f"{s.done + s.skipped}/{s.total}"
+        prog = f"{s.done + s.skipped}/{s.total}" + ("⚠" if s.over_total else "")
         lines.append(f"{s.id:>5}  {s.host + ':' + str(s.gpu):<14}{s.state.value:<9}{prog:>16}"
                      f"{number(s.samples_per_s) if s.state in MEASURED else '—':>11}  "
-                     f"{restarts_text(s):<15}{s.reason or ''}")
+                     f"{restarts_text(s):<15}{' · '.join(filter(None, (s.reason, note(s))))}")
     return "\n".join(lines)
+
+
+def note(s: ShardStatus) -> str:
+    """What is worth a look beside its state: its record partly unreadable, progress past its total,
+    the worker's warning."""
+    if s.record_problem:
+        return f"⚠ {s.record_problem}"
+    if s.over_total:
+        return f"⚠ progress {s.done + s.skipped:,} is more than its total {s.total:,}: it counts more than its own work"
+    return f"⚠ {s.warning}" if s.warning else ""
 
 
 def transition_lines(changes: list[Transition], snap: FleetSnapshot) -> list[str]:

@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from worker import protocol
+
 from .figures import pace, pace_eta, progress_age
 from .judge import Rates, Verdict, rates
 from .record import ShardRecord
 from .state import FAULTY, MEASURED, SETTLED, State
+from .units import bytes_text
 
 if TYPE_CHECKING:
     from .store import Host
@@ -212,6 +215,10 @@ class ShardStatus(BaseModel):
     writer_wait_s: float = 0.0
     gpu_mem_bytes: Optional[int] = None
     warning: Optional[str] = None
+    record_problem: Optional[str] = Field(None, description="what of its record (events.jsonl) could not "
+                                                           "be read: its state is judged from the rest")
+    over_total: bool = Field(False, description="its progress counts more than its total: what it counts "
+                                                "(a [job]'s progress or files) is not only its own")
     detail: Optional[str] = Field(None, description="what LOADING is doing now (\"compiling the decoder layers\")")
     path: Optional[str] = Field(None, description="the worker's forward path and why (compiled, eager)")
     lease: Optional[str] = Field(None, description="the rows it holds and how it got them: its planned "
@@ -336,6 +343,7 @@ class ShardView:
     gpus: tuple[int, ...] = ()
     idle_s: float | None = None            # monotonic seconds since its last progress (the agent's)
     moved_to: str | None = None            # its host was lost and its rows went to this host
+    damage: protocol.RecordDamage | None = None   # what of its record its host's agent could not read
 
 
 # --- the one computation ------------------------------------------------------------------------
@@ -478,8 +486,17 @@ def shard_row(v: ShardView, host: Host, now: float) -> tuple[ShardStatus, Rates 
         max_restarts=v.max_restarts, failures=r.failures, last_failure=r.last_failure,
         writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
         detail=a.detail if a and state == State.LOADING else None, path=r.path,
-        shipping=shipping_of(r, hn), **lease_fields(v))
+        shipping=shipping_of(r, hn), **lease_fields(v),
+        record_problem=record_problem(v.damage), over_total=bool(r.total) and r.done + r.skipped > r.total)
     return row, rate
+
+
+def record_problem(damage: protocol.RecordDamage | None) -> str | None:
+    """A record's unreadable bytes, as a person reads them."""
+    if damage is None:
+        return None
+    lines = f"{damage.bad_lines} line(s), " if damage.bad_lines > 1 else ""
+    return f"events.jsonl: {lines}{bytes_text(damage.bad_bytes)} unreadable after line {damage.after_line:,}"
 
 
 def lease_fields(v: ShardView) -> dict:

@@ -136,6 +136,7 @@ class Shard:
     busy_mark: tuple = ()                # the record's busy_mark when it began
     slurm: protocol.SlurmTask | None = None      # what Slurm says now of its newest launch's task
     gpus: protocol.TaskGpus | None = None        # the GPUs that task reported
+    damage: protocol.RecordDamage | None = None  # what of its record could not be read
 
     @property
     def id(self) -> int:
@@ -329,6 +330,9 @@ class Store:
         elif isinstance(msg, protocol.Liveness):
             if (shard := self.shards.get(msg.shard)) is not None:
                 shard.liveness(msg)
+        elif isinstance(msg, protocol.RecordDamage):
+            if (shard := self.shards.get(msg.shard)) is not None:
+                shard.damage = msg
         elif isinstance(msg, protocol.SlurmTask):
             if (shard := self.shards.get(msg.shard)) is not None:
                 shard.slurm = msg
@@ -411,4 +415,5 @@ class Store:
         p = s.placement
         return self.engine.view(s, ShardView(
             s.id, p.host, p.gpu, s.record, self.verdict(s, now), s.alive, s.pid, self.policy.max_restarts,
-            gpus=p.all_gpus, idle_s=s.idle(), moved_to=self.moves.moved_to(p.host, s.record.leased_t)))
+            gpus=p.all_gpus, idle_s=s.idle(), moved_to=self.moves.moved_to(p.host, s.record.leased_t),
+            damage=s.damage))

@@ -50,7 +50,8 @@ class ShardFollower:
     def __init__(self, shard_dir: str):
         self.dir = shard_dir
         self.events_path = os.path.join(shard_dir, protocol.EVENTS_FILE)
-        self.offset = 0
+        self.tail = protocol.JsonlTail(self.events_path)
+        self.damage_sent: tuple | None = None   # (bad bytes, bad lines) as last told
         self.launch = 0
         self.ended = True
         self.alive: bool | None = None
@@ -65,7 +66,7 @@ class ShardFollower:
         self.gpus_mtime: float | None = None
 
     def read(self) -> list[dict]:
-        records, self.offset = protocol.read_jsonl_from(self.events_path, self.offset)
+        records = self.tail.read()
         for raw in records:
             ev = protocol.parse_event(raw)
             if ev is None:
@@ -83,6 +84,16 @@ class ShardFollower:
                 # (a replayed event); a stamp from the future (the wall clock stepped back) is now.
                 self.progress_mono = time.monotonic() - min(max(protocol.now() - ev.t, 0.0), 1e9)
         return records
+
+    def damage(self, k: int, replay: bool) -> protocol.RecordDamage | None:
+        """What of its record is unreadable, when that changed (or on a replay, when any is)."""
+        t = self.tail
+        now = (t.bad_bytes, t.bad_lines)
+        if now == (0, 0) or (now == self.damage_sent and not replay):
+            return None
+        self.damage_sent = now
+        return protocol.RecordDamage(shard=k, bad_bytes=t.bad_bytes, bad_lines=t.bad_lines,
+                                     after_line=t.bad_after or 0)
 
     def idle_s(self) -> float | None:
         return None if self.progress_mono is None else round(time.monotonic() - self.progress_mono, 2)
@@ -196,6 +207,8 @@ class Agent:
                 events = thin_progress(events)
             for raw in events:
                 self.send(protocol.EventMessage(shard=k, event=raw))
+            if (damage := f.damage(k, replay)) is not None:
+                self.send(damage)
             due = alive and time.monotonic() - f.idle_sent >= IDLE_EVERY_S
             if force_liveness or due or (alive, acting) != (f.alive, f.acting):
                 f.alive, f.acting, f.idle_sent = alive, acting, time.monotonic()
@@ -249,6 +262,8 @@ class Agent:
         state = f.state
         for raw in events:
             self.send(protocol.EventMessage(shard=k, event=raw))
+        if (damage := f.damage(k, replay)) is not None:
+            self.send(damage)
         alive = bool(state.n) and not f.ended and (view is None or view.live)
         if force_liveness or alive != f.alive:
             f.alive = alive

@@ -299,3 +299,29 @@ def test_an_address_the_resolver_refuses_is_a_one_line_host_error(tmp_path):
     line = next(line for line in r.stdout.splitlines() if line.startswith("host far: unreachable"))
     assert line.endswith(f"the address '{'x' * 70}.example' is not a host name the resolver takes "
                          f"(label empty or too long))"), r.stdout
+
+
+def test_an_unreadable_record_tail_and_progress_past_its_total_are_told(tmp_path):
+    """A finished [job] shard whose events.jsonl then gets 3 MiB of bytes that are no record, and
+    one whose progress line counts past its total: status --json and status name both, the
+    record's good lines counted independently."""
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nprint(f'processed {20 + 38 * int(sys.argv[1])}/20', flush=True)\n")
+    job = (f'\n[job]\ncommand = "{sys.executable} {script} {{shard}}"'
+           '\nprogress = "processed (?P<done>\\\\d+)/(?P<total>\\\\d+)"\n')
+    config = local_toml(tmp_path, '[run]\nname = "d"\noutput = "out"\n' + job)
+    text = open(config).read().replace("gpus = [0]", "gpus = [0, 1]")
+    open(config, "w").write(text)
+    assert fleet("up", "--headless", "-c", config).returncode == 0
+    record = tmp_path / "fleet" / "d" / "shards" / "0" / "events.jsonl"
+    good = sum(1 for line in open(record) if line.strip())
+    with open(record, "ab") as f:
+        f.write(b"\x00\xff" * (3 << 19))
+    snap = json.loads(fleet("status", "--json", "-c", config).stdout)
+    shards = {s["id"]: s for s in snap["shards"]}
+    assert shards[0]["record_problem"] == f"events.jsonl: 3.1 MB unreadable after line {good:,}", shards[0]
+    assert shards[0]["state"] == "DONE" and not shards[0]["over_total"]
+    assert shards[1]["over_total"] and (shards[1]["done"], shards[1]["total"]) == (58, 20), shards[1]
+    r = fleet("status", "-c", config)
+    assert f"events.jsonl: 3.1 MB unreadable after line {good:,}" in r.stdout, r.stdout
+    assert "58/20⚠" in r.stdout and "progress 58 is more than its total 20" in r.stdout, r.stdout

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from rich.text import Text
 from textual.widgets import Static
 
-from ...render import restarts_text
+from ...render import note, restarts_text
 from ...snapshot import FleetSnapshot, ShardStatus
 from ...state import MEASURED, SEVERITY as STATE_SEVERITY, State
 from ...units import duration, si
@@ -151,10 +151,10 @@ def shard_cells(s: ShardStatus, marked: bool, no_color: bool = False, replaying:
     pct = f"{s.progress:4.0%}" if s.progress is not None else "   ?"
     unmeasured = "?" if s.state in MEASURED else "—"      # not yet measured / not applicable
     no_tokens = "—" if s.tokens is None and s.total_tokens is None else unmeasured   # a [job] of samples
-    progress = f"{bar(s.progress or 0.0, 8)} {pct}"
+    progress = f"{bar(s.progress or 0.0, 8)} {pct}" + ("⚠" if s.over_total else "")
     event = f"{s.last_event or '—'} {duration(s.last_event_age_s)}" if s.last_event_age_s is not None \
         else (s.last_event or "—")
-    reason = s.reason or (f"⚠ {s.warning}" if s.warning else "")
+    reason = s.reason or note(s)
     return (("●" if marked else " ") + str(s.id), where(s), state_cell(s, no_color, False),
             progress, si(s.tokens_per_s) if s.tokens_per_s is not None else no_tokens,
             si(s.samples_per_s) if s.samples_per_s is not None else unmeasured,
@@ -235,9 +235,11 @@ def detail(s: ShardStatus | None, no_color: bool = False, marked: bool = False, 
     t.append(f"  restarts {restarts_text(s)}")
     if s.pid:
         t.append(f"  pid {s.pid}")
-    why = s.reason or (f"⚠ {s.warning}" if s.warning else None)
+    why = s.reason or note(s)
     t.append("\n")
     t.append(why or "no problem", "bold" if s.faulty else "italic")
+    if s.reason and note(s):
+        t.append(f"   {note(s)}", "italic")
     if s.last_failure and s.last_failure != s.reason:
         t.append(f"   last failure: {s.last_failure}", "italic")
     return t
