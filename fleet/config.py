@@ -109,7 +109,7 @@ class RunSpec(Strict):
     @classmethod
     def _output(cls, v: str | list[str]) -> str | list[str]:
         paths = [v] if isinstance(v, str) else v
-        if not paths or any(not p.strip() for p in paths):
+        if not paths or any(not p for p in paths):
             raise ValueError("a folder, or a list of folders (one per disk)")
         if len(set(paths)) < len(paths):
             raise ValueError("a folder listed twice")

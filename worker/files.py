@@ -69,6 +69,9 @@ def file_md5(path: str, chunk: int = 1 << 22) -> str:
 WORK_DIR = ".fleet"          # the writers' own files (owner, locks, ledgers); no reader lists it
 
 
+SHIPPING_LEFTOVERS = "shipping the files it left"   # a lock holder that is a mate shipping for it
+
+
 def lock_shard(out_dir: str, shard: int | str) -> tuple[IO | None, str | None]:
     """Take `<out_dir>/.fleet/<shard>.lock` without waiting, the one lock of a shard's writer:
     (the open file: keep it while writing there, None) or (None, who holds it, as the holder

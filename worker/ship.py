@@ -179,19 +179,20 @@ def ship_leftovers(out: str, dest: Destination, mates: Iterable[int], path_of: C
     crashed) has written files no launch of its own will ship. Each mate whose writer's lock is
     free is shipped for (under that lock, so its own relaunch waits for it), its figures told in
     its own record through `emit_for(mate)`. The mates shipped for."""
-    from .files import lock_shard, manifest_entries
-    shipped = []
+    from .files import SHIPPING_LEFTOVERS, lock_shard, manifest_entries
+    shipped, gone = [], moved_away(out)
     for k in sorted(set(mates)):
         name = os.path.basename(manifest_path(out, k))
         records = [rec for m, rec in manifest_entries(out) if m == name]
-        if not any("skipped" not in r and os.path.exists(path_of(r["index"])) for r in records):
-            continue
+        if not any("skipped" not in r and gone_to(gone, name, r["index"]) is None and os.path.exists(path_of(r["index"]))
+                   for r in records):
+            continue                         # nothing of its own left here (what moved away is not shipped)
         lock, _ = lock_shard(out, k)
         if lock is None:                     # alive, or another mate ships for it now
             continue
         try:
             lock.truncate(0)
-            lock.write(f"pid {os.getpid()}, shipping the files shard {k} left\n")
+            lock.write(f"pid {os.getpid()}, {SHIPPING_LEFTOVERS}\n")
             lock.flush()
             Shipper(out, dest, k, path_of, None, emit_for(k), spill).resume(records).finish(beat)
             shipped.append(k)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from . import fp8, protocol
-from .files import WORK_DIR, disk_of, file_md5, link_atomically, lock_shard, manifest_records, replace_atomically
+from .files import SHIPPING_LEFTOVERS, WORK_DIR, disk_of, file_md5, link_atomically, lock_shard, manifest_records, replace_atomically
 from .files import manifest_path  # noqa: F401  (extract's)
 from .formats import Layout
 from .layers import LayerPlan
@@ -124,6 +124,9 @@ def claim_output(out_dir: str, run: str | None, plan_created: float | None, shar
                 write_json_atomic(path, {"run": run, "plan_created": plan_created,
                                          "host": socket.gethostname(), "since": round(time.time(), 3)})
     lock, holder = lock_shard(out_dir, shard)
+    while lock is None and holder and SHIPPING_LEFTOVERS in holder:   # a mate ships what it left: wait
+        time.sleep(1.0)
+        lock, holder = lock_shard(out_dir, shard)
     if lock is None:
         what = f"shard {shard}" if isinstance(shard, int) else f"the {shard}"
         way = "stop it first (fleet down on the run that started it)" if isinstance(shard, int) \
