@@ -1,4 +1,5 @@
-"""A launch storm over SSH on loopback: N hosts x 8 GPUs of a sleeping [job], all launched at once.
+"""A launch storm over SSH on loopback: N hosts x 8 GPUs of a sleeping [job], all launched at once,
+then the supervisor stopped, and the commands a person runs beside it.
 
 Every host is a name for the same real sshd on 127.0.0.1 (its own run folder), so the whole fleet's
 launches, runners and sleeping jobs share this machine's cores, as the issue's 2-core probe did.
@@ -9,9 +10,16 @@ Reports, per fleet size:
                     shows them started: must be 0
   unreachable       hosts marked unreachable during the storm (no telemetry for the silence limit)
   supervisor_cpu_s  the supervisor process's CPU time from launch to all RUNNING + 10 s
-  status_s          wall time of `fleet status --json` (Python start included), median of 3
+  stopped           `fleet up --headless` re-attached, SIGSTOPped for --stop seconds, continued and
+                    watched for 30 s more: the false verdicts it printed (STALLED, FAILED, BACKOFF,
+                    UNKNOWN, FATAL, unreachable, an automatic action: must be 0), its CPU seconds
+                    and peak RSS, and whether it said it was catching up
+  ssh_round_s       one parallel round of `ssh host python3 -c 'import json'` to every host name
+  status_s, down_s  wall time of `fleet status --json` (median of 3) and of `fleet down --yes`
+                    (Python start included), against that round
+  load              the machine's 1-minute load average after the storm
 
-    python bench/launch_storm.py --hosts 16 32 --json docs/results/launch-storm.json
+    python bench/launch_storm.py --hosts 16 32 64 --stop 120 --json docs/results/launch-storm.json
 """
 
 from __future__ import annotations
@@ -82,14 +90,66 @@ async def storm(config_path: str, timeout: float) -> dict:
             "launch_failed_logs": sum("failed" in m for m in logs)}
 
 
+FALSE_VERDICTS = ("-> STALLED", "-> FAILED", "-> BACKOFF", "-> UNKNOWN", "-> FATAL", "unreachable", "(auto)")
+
+
+def proc_usage(pid: int) -> tuple[float, int]:
+    """(CPU seconds, peak RSS bytes) of a live process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    with open(f"/proc/{pid}/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return cpu, hwm
+
+
+def stopped_supervisor(cfg: str, stop_s: float) -> dict:
+    """`fleet up --headless` re-attached to the storm, SIGSTOPped `stop_s` seconds, continued and
+    watched 30 s: the false verdicts it printed."""
+    import signal
+    import threading
+    proc = subprocess.Popen([sys.executable, "-m", "fleet", "up", "--headless", "-c", cfg], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(l.rstrip() for l in proc.stdout), daemon=True).start()
+    deadline = time.monotonic() + 600
+    while not any("-> RUNNING" in l for l in lines) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(15)                                           # every host replayed and followed
+    os.kill(proc.pid, signal.SIGSTOP)
+    time.sleep(stop_s)
+    os.kill(proc.pid, signal.SIGCONT)
+    time.sleep(30)
+    cpu, rss = proc_usage(proc.pid)
+    proc.terminate()
+    proc.wait(60)
+    false = [l for l in lines if any(f in l for f in FALSE_VERDICTS)]
+    return {"stop_s": stop_s, "false_verdicts": len(false), "false_lines": false[:5],
+            "said_catching_up": any("catching up" in l for l in lines),
+            "up_cpu_s": round(cpu, 2), "up_peak_rss_mb": round(rss / 1e6, 1)}
+
+
+def ssh_round(server, hosts: int) -> float:
+    """Wall time of one parallel `ssh host python3 -c 'import json'` to each of the host names."""
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(["ssh", "-i", server.client_key, "-o", f"UserKnownHostsFile={server.known_hosts}",
+                               "-o", "BatchMode=yes", "-p", str(server.port), "root@127.0.0.1",
+                               sys.executable, "-c", "'import json'"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(hosts)]
+    for p in procs:
+        p.wait(300)
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hosts", type=int, nargs="+", default=[16, 32])
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--stop", type=float, default=0.0, help="seconds to SIGSTOP a re-attached fleet up (0: skip)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    out = {"machine": f"{os.cpu_count()} cores", "runs": []}
+    out = {"machine": f"{os.cpu_count()} cores", "command": " ".join(["python", *sys.argv]), "runs": []}
     for hosts in args.hosts:
         tmp = tempfile.mkdtemp(prefix="fleet-storm-")
         server, proc = start_sshd(os.path.join(tmp, "sshd"))
@@ -105,8 +165,14 @@ def main() -> None:
                 walls.append(time.perf_counter() - t0)
                 assert s.returncode in (0, 1), s.stderr
             r["status_s"] = round(statistics.median(walls), 2)
-            subprocess.run([sys.executable, "-m", "fleet", "down", "--yes", "-c", cfg], cwd=REPO,
-                           capture_output=True, timeout=600)
+            r["ssh_round_s"] = round(statistics.median(ssh_round(server, hosts) for _ in range(3)), 2)
+            r["load"] = round(os.getloadavg()[0], 1)
+            if args.stop:
+                r["stopped"] = stopped_supervisor(cfg, args.stop)
+            t0 = time.perf_counter()
+            d = subprocess.run([sys.executable, "-m", "fleet", "down", "--yes", "-c", cfg], cwd=REPO,
+                               capture_output=True, timeout=900, text=True)
+            r["down_s"], r["down_rc"] = round(time.perf_counter() - t0, 2), d.returncode
         finally:
             proc.terminate()
         print(json.dumps(r), flush=True)

@@ -398,6 +398,10 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
             click.echo(f"problem: {p}")
         if result.unrecorded_files:
             click.echo(f"note: {result.unrecorded_files} file(s) not in a manifest (a restart rewrites them)")
+        if result.checked_rows:
+            layers = " · ".join(f"{k} {c:.4f}" for k, c in zip(result.layer_ids or range(99), result.worst_cosine))
+            click.echo(f"reference checks: {result.checked_rows} row(s) re-computed alone; worst cosine per "
+                       f"layer: {layers}")
         for note in result.notes[:20]:
             click.echo(f"note: {note}")
         for command in dict.fromkeys(result.commands.values()):       # one line per distinct folder

@@ -86,6 +86,9 @@ class RunSpec(Strict):
     max_length: int | None = Field(None, gt=0)
     too_long: Literal["truncate", "skip"] = "skip"
     max_skip_fraction: float = Field(0.01, ge=0, le=1)  # more rows skipped than this fails the shard
+    # 1 in N rows (at least 8 a shard) re-computed alone through the model's plain forward and
+    # compared with what was written (worker/reference.py); "off": none
+    reference_checks: Union[int, Literal["off"]] = 2000
     gpus_per_shard: int = Field(1, ge=1, le=64)         # one shard spans this many GPUs of a host
     compile: Literal["auto", "on", "off"] = "auto"      # torch.compile the decoder layers (auto: GPU, dense)
     device: Literal["auto", "cuda", "cpu"] = "auto"
@@ -96,6 +99,13 @@ class RunSpec(Strict):
     # each host ships its finished files there as the run goes on. None: the output stays on the hosts.
     destination: str | None = None
     keep_local: int | None = None       # with a destination: the most bytes of output a host keeps
+
+    @field_validator("reference_checks")
+    @classmethod
+    def _reference_checks(cls, v):
+        if v != "off" and (isinstance(v, bool) or v < 1):
+            raise ValueError('1 in N rows: a whole number from 1, or "off"')
+        return v
 
     @field_validator("env")
     @classmethod

@@ -86,6 +86,7 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
             argv += ["--keep-local", str(run.keep_local // max(1, len(pool)))]
     argv += output_args(run) + ["--plan", os.path.join(config.run_dir(host), "plan.json"),
                                 "--max-skip-fraction", str(run.max_skip_fraction),
+                                "--reference-checks", "0" if run.reference_checks == "off" else str(run.reference_checks),
                                 "--compile", run.compile,
                                 "--cache-dir", os.path.join(config.host_path(host, host.root), "cache")]
     if run.last_layer_norm:

@@ -194,6 +194,7 @@ class ShardRecord:
     planned: tuple[int, int] | None = None   # the plan's rows of this shard
     leased_t: float | None = None         # when it last took a lease (newer than a relocation: holds rows)
     shipping: protocol.Shipping | None = None   # its files against the destination, as last told
+    checked: protocol.Checked | None = None     # its reference checks so far (worker/reference.py)
 
     def apply(self, ev: protocol.Record) -> None:
         """Fold one event of the shard's record, in file order."""
@@ -255,6 +256,8 @@ class ShardRecord:
             self.warning = ev.message
         elif isinstance(ev, protocol.Leased):
             self._leased(ev)
+        elif isinstance(ev, protocol.Checked):
+            self.checked = ev
         elif isinstance(ev, protocol.Shipping):
             self.shipping = ev
             a.shipping_note = ev.waiting or (f"shipping failed, retrying: {ev.error}" if ev.error else None)

@@ -29,6 +29,8 @@ def finished_summary(snap: FleetSnapshot, sep: str = ", ") -> str:
     if t.shipping is not None:
         parts.append(f"at {t.shipping.destination}" if t.shipping.finished
                      else shipping_text(t.shipping))
+    if t.reference is not None:
+        parts.append(t.reference.text)
     return sep.join(parts)
 
 

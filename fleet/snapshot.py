@@ -74,6 +74,49 @@ def gpu_totals(gpus: list[Gpu]) -> GpuTotals | None:
                      temp_max=max(temps) if temps else None, power_w=sum(g.power_w or 0 for g in seen))
 
 
+class ReferenceStatus(BaseModel):
+    """Rows re-computed alone through the model's plain forward and compared with what was written
+    (worker/reference.py; [run] reference_checks)."""
+    rows: int = Field(0, description="rows checked")
+    layer_ids: list[int] = Field(default_factory=list, description="the saved layers, as hs indices")
+    worst_cosine: list[float] = Field(default_factory=list, description="per layer, the lowest cosine")
+    worst_rel_err: list[float] = Field(default_factory=list, description="per layer, the largest relative error")
+    failed: Optional[str] = Field(None, description="the check that failed (the shard stopped for it)")
+
+    @property
+    def text(self) -> str:
+        """'checked 24 rows ✓ (worst cosine 0.9996, layer 32)', or what failed."""
+        if self.failed:
+            return f"check failed: {self.failed}"
+        if not self.worst_cosine:
+            return f"checked {self.rows} rows"
+        k = min(range(len(self.worst_cosine)), key=lambda j: self.worst_cosine[j])
+        layer = self.layer_ids[k] if k < len(self.layer_ids) else k
+        return f"checked {self.rows} rows ✓ (worst cosine {self.worst_cosine[k]:.4f}, layer {layer})"
+
+
+def reference_of(r: ShardRecord) -> ReferenceStatus | None:
+    ev = r.checked
+    return None if ev is None else ReferenceStatus(rows=ev.rows, layer_ids=ev.layer_ids, worst_cosine=ev.worst_cosine,
+                                                   worst_rel_err=ev.worst_rel_err, failed=ev.failed)
+
+
+def reference_sum(parts: list[ReferenceStatus | None]) -> ReferenceStatus | None:
+    """Several shards' checks as one (the run's): rows summed, the worst of each layer."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    out = ReferenceStatus(rows=sum(p.rows for p in parts), layer_ids=parts[0].layer_ids,
+                          failed=next((p.failed for p in parts if p.failed), None))
+    for p in parts:
+        if p.worst_cosine and p.layer_ids == out.layer_ids:
+            out.worst_cosine = [min(a, b) for a, b in zip(out.worst_cosine, p.worst_cosine)] if out.worst_cosine \
+                else list(p.worst_cosine)
+            out.worst_rel_err = [max(a, b) for a, b in zip(out.worst_rel_err, p.worst_rel_err)] \
+                if out.worst_rel_err else list(p.worst_rel_err)
+    return out
+
+
 class ShippingStatus(BaseModel):
     """Output against the run's destination ([run] destination; worker/ship.py)."""
     destination: str
@@ -219,6 +262,8 @@ class ShardStatus(BaseModel):
                                                            "be read: its state is judged from the rest")
     over_total: bool = Field(False, description="its progress counts more than its total: what it counts "
                                                 "(a [job]'s progress or files) is not only its own")
+    reference: Optional[ReferenceStatus] = Field(None, description="its rows checked against the model's plain "
+                                                                   "forward; null before any (or with none)")
     detail: Optional[str] = Field(None, description="what LOADING is doing now (\"compiling the decoder layers\")")
     path: Optional[str] = Field(None, description="the worker's forward path and why (compiled, eager)")
     lease: Optional[str] = Field(None, description="the rows it holds and how it got them: its planned "
@@ -300,6 +345,7 @@ class Totals(BaseModel):
     settled: bool = Field(False, description="every shard DONE, FATAL or STOPPED")
     shipping: Optional[ShippingStatus] = Field(None, description="the run's output against the "
                                                                  "destination, summed; null without one")
+    reference: Optional[ReferenceStatus] = Field(None, description="the shards' reference checks, summed")
 
 
 class FleetSnapshot(BaseModel):
@@ -487,7 +533,8 @@ def shard_row(v: ShardView, host: Host, now: float) -> tuple[ShardStatus, Rates 
         writer_wait_s=r.writer_wait_s, gpu_mem_bytes=r.gpu_mem_bytes, warning=r.warning,
         detail=a.detail if a and state == State.LOADING else None, path=r.path,
         shipping=shipping_of(r, hn), **lease_fields(v),
-        record_problem=record_problem(v.damage), over_total=bool(r.total) and r.done + r.skipped > r.total)
+        record_problem=record_problem(v.damage), over_total=bool(r.total) and r.done + r.skipped > r.total,
+        reference=reference_of(r))
     return row, rate
 
 
@@ -727,7 +774,8 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
                       rows_moved=sum(r.rows_moved_in for r in rows),
                       rows_relocated=relocated[0], rows_redone=relocated[1],
                       replayed=all_replayed(hosts.values()), settled=settled,
-                      shipping=shipping_sum([row.shipping for row in rows])))
+                      shipping=shipping_sum([row.shipping for row in rows]),
+                      reference=reference_sum([row.reference for row in rows])))
 
 
 def status_exit_code(snap: FleetSnapshot) -> int:

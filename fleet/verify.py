@@ -31,6 +31,9 @@ class VerifyResult:
     shared: dict[str, str] = field(default_factory=dict)      # host -> the host whose folder it shares
     commands: dict[str, str] = field(default_factory=dict)    # host -> the command that trains on its folder
     notes: list[str] = field(default_factory=list)            # what the trainer would miss, not wrong
+    checked_rows: int = 0                                     # rows the reference forward re-computed
+    layer_ids: list[int] = field(default_factory=list)
+    worst_cosine: list[float] = field(default_factory=list)   # per saved layer, over every host's checks
 
     @property
     def skip_fraction(self) -> float | None:
@@ -115,6 +118,11 @@ def _add_report(result: VerifyResult, owner: dict[int, str], host: str, rep: pro
         owner[i] = host
     result.written += sum(b - a for a, b in rep.written)
     result.skipped.update({int(i): why for i, why in rep.skipped.items()})
+    result.checked_rows += rep.checked_rows
+    result.layer_ids = result.layer_ids or list(rep.layer_ids)
+    if rep.worst_cosine:
+        result.worst_cosine = [min(a, b) for a, b in zip(result.worst_cosine, rep.worst_cosine)] \
+            if result.worst_cosine else list(rep.worst_cosine)
 
 
 async def verify_fleet(config: Config, transports: dict[str, Transport], deep: bool = True,

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from . import __version__, protocol, sizing
+from . import __version__, files, inject, protocol, sizing
 from .batching import make_batches, padded_length, row_bucket
 from .data import BadRow, DataError, Sample, open_dataset, row_to_sample, shard_range
 from .events import EventLog
@@ -44,6 +44,7 @@ from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, com
                     is_hybrid, load_model, missing_fast_kernels, model_devices, move, text_config,
                     uncompile_layers, unpacked_rows, use_fla_conv)
 from .ranges import ranges_text
+from .reference import EVERY, MIN_ROWS, CheckFailed, ReferenceChecks
 from .suspects import Suspects, suspects_path
 from .ship import ShipError
 from .text import parse_bytes
@@ -98,6 +99,10 @@ def _shard_arguments(p: argparse.ArgumentParser) -> None:
                    help="the shards (comma list, this one included) that write --out on this host and "
                         "share their rows: a dead one's are finished by the others, and the last rows "
                         "of a slow one are split (worker/leases.py). Default: this shard alone")
+    p.add_argument("--reference-checks", type=int, default=EVERY, metavar="N",
+                   help=f"re-compute 1 in N rows (at least {MIN_ROWS} a shard) alone through the model's plain "
+                        f"forward and compare with what was written; a row that differs stops the shard "
+                        f"(worker/reference.py). 0: off. Default {EVERY}")
     p.add_argument("--destination", default=None,
                    help="ship each finished sample file to this place as the run goes on and delete it "
                         "here once it landed with a matching checksum: s3://bucket/prefix, "
@@ -225,6 +230,18 @@ def host_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def inject_bugs(hidden: torch.Tensor, batch: list[Sample]) -> None:
+    """The content checks' test bugs (worker/inject.py), on the captured batch as the model gave it."""
+    if inject.bug("zero-layer") and hidden.shape[2] > 1:
+        hidden[:, :, 1] = 0                                    # one layer lost after the compiled region
+    if inject.bug("swap-rows") and len(batch) > 1:
+        hidden[[0, 1]] = hidden[[1, 0]].clone()                # two rows' states traded within the batch
+    if inject.bug("pad-leak") and len(batch) > 1:
+        r, T, S = len(batch) - 1, batch[-1].length, hidden.shape[1]
+        if T < S:                                              # the shortest row takes its padding's states
+            hidden[r, :T] = hidden[r, S - T:].clone()
+
+
 class Extractor:
     """Runs batches through the model. A batch that fails (out of GPU memory, or any error a
     sample can cause) is split in halves down to the samples that fail; those, and the rows of a
@@ -235,8 +252,9 @@ class Extractor:
 
     def __init__(self, model: torch.nn.Module, plan: LayerPlan, device: torch.device,
                  writer: BackgroundWriter, pad_multiple: int, micro_batches: int = 1,
-                 suspects: Suspects | None = None):
+                 suspects: Suspects | None = None, checks: ReferenceChecks | None = None):
         self.model = model
+        self.checks = checks
         self.later: list[Sample] = []        # retried alone after the rest
         self.suspects = suspects
         self.capture = Capture(find_decoder(model), plan)
@@ -253,6 +271,8 @@ class Extractor:
         step = -(-len(batch) // self.micro_batches)
         for i in range(0, len(batch), step):
             self.run(batch[i:i + step])
+        if self.checks is not None:
+            self.checks.run(self.capture)          # rows chosen for a check, written since the last batch
 
     def run(self, batch: list[Sample]) -> None:
         problem = self._try(batch)
@@ -298,7 +318,8 @@ class Extractor:
             line = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             problem = f"{type(e).__name__} in the forward pass: {line}"
         else:
-            self.writer.submit(batch, *result, final=alone)   # outside the try: not a sample's error
+            hidden, finite, lengths = result
+            self.writer.submit(batch, hidden, finite, final=alone, lengths=lengths)   # (not a sample's error)
             return None
         self.capture.slots = [None] * len(self.capture.slots)   # outside the except: frames freed
         if self.device.type == "cuda":
@@ -339,11 +360,13 @@ class Extractor:
         with torch.inference_mode(), unpacked_rows():            # no host sync in the forward
             self.model(input_ids=ids, use_cache=False)
             hidden = self.capture.take(self.out_device)          # [B, S, n, H] bf16
+            inject_bugs(hidden, batch)
             out = self.out_device
-            valid = torch.arange(width, device=out)[None, :] < move(lengths, out)[:, None]
+            lengths = move(lengths, out)
+            valid = torch.arange(width, device=out)[None, :] < lengths[:, None]
             bad = ~torch.isfinite(hidden).flatten(2).all(-1)     # [B, S]
             finite = ~(bad & valid).any(1)
-        return hidden, finite
+        return hidden, finite, lengths
 
 
 @dataclass
@@ -455,9 +478,10 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
                    plan: LayerPlan, out_dir: str, shard: int, device: torch.device, options: Options,
                    log: EventLog, stats: Stats, progress_interval: float = 2.0,
                    total: int | Callable[[], int] = 0, suspects: Suspects | None = None,
-                   shipper=None) -> Stats:
+                   shipper=None, checks: ReferenceChecks | None = None) -> Stats:
     """The GPU loop: sample chunks in, files out (in `options.format`); bad rows recorded as
-    skipped. Shared by the CLI and the benchmark."""
+    skipped; the chosen rows checked against the reference forward between batches (`checks`).
+    Shared by the CLI and the benchmark."""
     os.makedirs(out_dir, exist_ok=True)
     layout = Layout(options.format, plan, options.dtype)
     devices = model_devices(model, device)
@@ -466,9 +490,9 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
         depth=options.writer_queue, file_threads=options.writer_threads, device=devices[-1],
         on_skip=lambda index, reason: log.emit(protocol.SampleSkipped(index=index, reason=reason)),
         reserve_tokens=options.max_tokens_per_batch if device.type == "cuda" else 0, layout=layout,
-        shipper=shipper, spill=options.spill)
+        shipper=shipper, spill=options.spill, checks=checks)
     extractor = Extractor(model, plan, device, writer, options.pad_multiple,
-                          options.micro_batches or len(devices), suspects)
+                          options.micro_batches or len(devices), suspects, checks)
     def emit_progress() -> None:
         log.emit(protocol.Progress(total=total() if callable(total) else total, **stats.snapshot(),
                                    **gpu_memory(devices)))
@@ -481,6 +505,8 @@ def run_extraction(model: torch.nn.Module, items: Iterable[list[Sample] | BadRow
         feed(items, extractor, writer, log, options, progress.began)
         extractor.run_later()
         writer.close()
+        if checks is not None:
+            checks.run(extractor.capture)   # the last rows chosen
         if suspects is not None:
             suspects.settled()
     except Terminated:
@@ -567,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         how, source, origin, counted = "plan", None, None, pool.counted()
         sizer = sizing.Sizer(log, dataset, vocab_size, args.model, options, config, weight)
         stats = resumed_stats(load_finished(args.out), counted)
+        checks = ReferenceChecks(model, layout, args.out, args.shard_index, args.reference_checks, stop - start,
+                                 log.emit, path) if args.reference_checks > 0 else None
         lost = False
         def waiting() -> None:                     # a progress tick while it waits for a lease
             log.emit(protocol.Progress(**stats.snapshot(), total=sum(b - a for a, b in counted)))
@@ -587,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                                suspects.rows, cell)
             held.size()
             stats = run_extraction(model, items, plan, args.out, args.shard_index, device, options, log,
-                                   held.stats, args.progress_interval, held.total, suspects, shipper)
+                                   held.stats, args.progress_interval, held.total, suspects, shipper, checks)
             if cell.lost:                          # moved away (its host was lost): stop them, go on
                 log.emit(protocol.WarningEvent(message=cell.lost + ": stopped them"))
                 lost = True
@@ -604,11 +632,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.format == "speculators" and (shipper is None or not shipper.dest.is_store):
             from .prepared import write_prepared   # issue 22: speculators train reads its rows here
             write_prepared(args.out if shipper is None else shipper.dest.remote)   # (all hosts' rows there)
+        files.note_fatal(args.out, args.shard_index, None)
         log.emit(protocol.Done(**stats.snapshot(), total=sum(b - a for a, b in counted),
                                host_peak_bytes=host_peak_bytes(), **gpu_memory(shard_gpus)))
         lock.close()
         return 0
     except (Exception, KeyboardInterrupt) as e:
+        if isinstance(e, (NotRetryable, CheckFailed)):        # its output says so too (verify reads it)
+            files.note_fatal(args.out, args.shard_index, str(e))
         return _failure_exit(log, e)
 
 
@@ -732,6 +763,7 @@ def _pool_done(args: argparse.Namespace, log: EventLog, pool: Pool, shipper, lay
         beat = lambda: log.emit(protocol.Progress(**stats.snapshot(), total=sum(b - a for a, b in counted)))  # noqa: E731
         shipper.finish(beat=beat)
         _ship_leftovers(args, layout, shipper, beat)
+    files.note_fatal(args.out, args.shard_index, None)
     log.emit(protocol.Done(**stats.snapshot(), total=sum(b - a for a, b in counted)))
     return 0
 
@@ -779,6 +811,7 @@ def _write_run_meta(args: argparse.Namespace, config, dtype: torch.dtype, layout
         "num_samples": num_rows, "data": os.path.abspath(args.data),
         "random_weights": args.random_weights, "identity": identity,
         "max_length": args.max_length or yaml_max_length(args.layers),   # the window the mask was judged in
+        "max_skip_fraction": args.max_skip_fraction,                     # what verify allows too
         "versions": {"worker": __version__, "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__,
                      "safetensors": __import__("safetensors").__version__}})
@@ -813,7 +846,7 @@ def chat_tokenizer(model: str) -> Callable:
 def _failure_exit(log: EventLog, e: BaseException) -> int:
     """The failure event and exit code for what ended the shard: fatal where a restart would fail
     the same way (exit 1), a user's error (exit 2), a stop (143; quiet when one was asked for)."""
-    if isinstance(e, (NotRetryable, OwnerError)):
+    if isinstance(e, (NotRetryable, CheckFailed, OwnerError)):
         return fail(log, str(e), EXIT_FAILED, fatal=True)
     if isinstance(e, (DataError, ModelError, LayerError, FormatError, ShipError)):
         return fail(log, str(e), EXIT_USAGE, fatal=getattr(e, "fatal", False))

@@ -12,6 +12,7 @@ Standard library only (it travels to every host and `fleet` imports it).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -206,6 +207,31 @@ def retry_skips(out_dir: str, shard: int | str) -> list[int]:
     if dropped:
         write_atomic(path, "".join(line if line.endswith("\n") else line + "\n" for line in kept))
     return dropped
+
+
+def note_fatal(out_dir: str, shard: int | str, reason: str | None) -> None:
+    """Say in the output itself that shard `shard` stopped for good and why (`.fleet/<shard>.fatal`),
+    so a reader of the folder alone (verify) knows its rows are not all there and that what is
+    there may be wrong; None: it has finished since, the note goes."""
+    path = os.path.join(out_dir, WORK_DIR, f"{shard}.fatal")
+    if reason is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_atomic(path, reason + "\n")
+
+
+def fatal_notes(out_dir: str) -> dict[str, str]:
+    """shard -> why it stopped for good, of every shard whose note is in the output."""
+    folder = os.path.join(out_dir, WORK_DIR)
+    out = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith(".fatal"):
+            with contextlib.suppress(OSError):
+                out[name[:-len(".fatal")]] = open(os.path.join(folder, name)).read().strip()
+    return out
 
 
 def manifest_path(out_dir: str, shard: int | str) -> str:

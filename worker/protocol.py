@@ -328,6 +328,23 @@ class Reopened(Record):
 
 @event
 @dataclass
+class Checked(Record):
+    """The shard's reference checks so far (worker/reference.py): rows re-computed alone through
+    the model's plain forward and compared with what was written; per saved layer (`layer_ids`) the
+    worst cosine and relative error; `failed`: why the newest one failed (the shard stops)."""
+    KIND: ClassVar[str] = "checked"
+    t: float = field(default_factory=now)
+    launch: Optional[int] = None
+    rows: int = 0
+    layer_ids: list = field(default_factory=list)
+    worst_cosine: list = field(default_factory=list)
+    worst_rel_err: list = field(default_factory=list)
+    seconds: float = 0.0
+    failed: Optional[str] = None
+
+
+@event
+@dataclass
 class Shipping(Record):
     """Where the shard's finished files stand against the run's destination (worker/ship.py), sent
     every few seconds while any are moving or waiting. `shipped_*`: its files the destination holds
@@ -959,6 +976,9 @@ class VerifyReport(Reply):
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     command: Optional[str] = None                # the command that trains on the folder
+    checked_rows: int = 0                        # rows re-computed by the reference forward (worker/reference.py)
+    layer_ids: list[int] = field(default_factory=list)
+    worst_cosine: list[float] = field(default_factory=list)   # per saved layer, over those rows
 
 
 @dataclass

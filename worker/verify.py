@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import protocol
-from .files import file_md5, manifest_entries, remove_sample, retryable
+from .files import fatal_notes, file_md5, manifest_entries, remove_sample, retryable
 from .formats import FORMATS, FormatError, Layout
 from .layers import LayerPlan
 from .leases import gone_to, ledger_files, moved_away
@@ -55,6 +55,10 @@ def check_file(layout: Layout, out: str, rec: dict, hidden: int | None) -> str |
     problem = layout.check(tensors, rec.get("tokens"), hidden)
     if problem:
         return f"sample {index}: {path}: {problem}"
+    if isinstance(rec.get("stats"), list):
+        from .stats import changed, stats_of_file
+        if why := changed(rec["stats"], stats_of_file(layout, tensors), list(layout.plan.ids)):
+            return f"sample {index}: {path}: {why}"
     if rec.get("md5") and (md5 := file_md5(path)) != rec["md5"]:
         return f"sample {index}: {path} has MD5 {md5}, {rec['md5']} written: its bytes changed after writing"
     if layout.format == "speculators" and meta.get("sample_index") != str(index):
@@ -77,7 +81,8 @@ def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = F
     found = _read_manifests(out, meta.get("num_samples"))
     if deep and found.written:
         found.broken = _check_files(layout, out, found.written, meta.get("hidden_size"), threads)
-        found.problems += found.broken.values()
+    _odd_states(found, layout)
+    found.problems += found.broken.values()
     report = protocol.VerifyReport(num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
                                    checked=len(found.written), folder_id=meta.get("folder_id"))
     if repair:
@@ -93,8 +98,38 @@ def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = F
     from .trainers import trainer_problems, training_command      # issue 22: what trains on it
     more, report.notes = trainer_problems(out, meta)
     report.problems += more
-    report.command = training_command(meta, out) if meta else None
+    report.command = training_command(meta, os.path.abspath(out)) if meta else None
+    _whole_truth(out, meta, found, report)
     return report
+
+
+def _whole_truth(out: str, meta: dict, found: "_Findings", report: protocol.VerifyReport) -> None:
+    """What a reader of this folder alone must know besides its files: a shard that stopped for
+    good (its note in the output: its rows are not all done, and a failed check means what is
+    there may be wrong), more rows skipped than the run allowed, and what the reference checks
+    found (rows checked, the worst cosine of each layer)."""
+    for shard, why in fatal_notes(out).items():
+        report.problems.append(f"shard {shard} stopped for good: {why}")
+    limit, n = meta.get("max_skip_fraction"), meta.get("num_samples")
+    if limit is not None and n and len(found.skipped) > limit * n:
+        report.problems.append(f"{len(found.skipped)} of {n} rows skipped ({len(found.skipped) / n:.2%} > "
+                               f"max_skip_fraction {limit:g})")
+    from .reference import CHECKS_DIR
+    rows, worst = 0, []
+    for rec in manifest_records_in(os.path.join(out, CHECKS_DIR)):
+        cos = rec.get("cosine")
+        if isinstance(cos, list):
+            rows += 1
+            worst = [min(a, b) for a, b in zip(worst, cos)] if worst else list(cos)
+    report.checked_rows, report.worst_cosine = rows, worst
+    report.layer_ids = list(meta.get("layer_ids", []))
+
+
+def manifest_records_in(folder: str):
+    """Every record of every JSON-lines file in `folder` (the checks' files)."""
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith(".jsonl"):
+            yield from protocol.iter_jsonl(os.path.join(folder, name))
 
 
 def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | None = None,
@@ -131,6 +166,7 @@ def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | 
         layout = layout_of(meta)
         found = _read_manifests(here, meta.get("num_samples"))
         found.broken = _landed_wrong(layout, here, found.written, listing, url)
+        _odd_states(found, layout)
         report = protocol.VerifyReport(num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
                                        checked=len(found.written), folder_id=url)
         if out is not None and repair:
@@ -149,6 +185,15 @@ def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | 
                         + (", then `python -m worker.prepared DIR` (speculators reads DIR/prepared)"
                            if layout.format == "speculators" else "")] if out is None and dest.is_store else []
         return report
+
+
+def _odd_states(found: "_Findings", layout: Layout) -> None:
+    """The written samples whose recorded statistics no real model makes (stats.anomalies: a layer
+    all zero or constant, two layers alike, a sample the same as another with other tokens, an RMS
+    far outside the run's): broken, so verify fails and --repair has them redone."""
+    from .stats import anomalies
+    for i, why in anomalies(found.written, list(layout.plan.ids)).items():
+        found.broken.setdefault(i, f"sample {i}: {why}")
 
 
 def _unreachable(url: str, failed: subprocess.CompletedProcess) -> protocol.VerifyReport:

@@ -17,17 +17,19 @@ import os
 import queue
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from . import fp8, protocol
+from . import fp8, inject, protocol
 from .files import SHIPPING_LEFTOVERS, WORK_DIR, disk_of, file_md5, link_atomically, lock_shard, manifest_records, replace_atomically
 from .files import manifest_path  # noqa: F401  (extract's)
 from .formats import Layout
 from .layers import LayerPlan
+from .stats import batch_stats, rounded
 
 SPECULATORS = Layout("speculators", LayerPlan((), "none", 0))   # the layout when none is given
 
@@ -273,6 +275,7 @@ class BatchJob:
     finite: torch.Tensor          # bool [B] (host)
     ready: Any                    # torch.cuda.Event or None
     final: bool = False           # the rows' last try (alone): a non-finite row is skipped
+    stats: torch.Tensor | None = None   # [B, n, 4] (host): each row's statistics per layer (worker/stats.py)
 
 
 def file_bytes_at_most(job: BatchJob, row: int, tokens: int) -> int:
@@ -288,8 +291,10 @@ class BackgroundWriter:
     def __init__(self, out_dir: str, manifest: Manifest, metadata: dict[str, str], stats: Stats,
                  depth: int, file_threads: int, device: torch.device,
                  on_skip: Callable[[int, str], None], reserve_tokens: int = 0,
-                 layout: Layout = SPECULATORS, shipper: Any = None, spill: tuple[str, ...] = ()):
+                 layout: Layout = SPECULATORS, shipper: Any = None, spill: tuple[str, ...] = (),
+                 checks: Any = None):
         self.out_dir = out_dir
+        self.checks = checks                  # worker/reference.py: the chosen rows' contents go to it
         self.spill = spill                    # the other disks its samples' bytes go to in turn
         self.shipper = shipper                # worker/ship.py: files it records go to the destination
         self.layout = layout
@@ -312,18 +317,27 @@ class BackgroundWriter:
         self.thread.start()
 
     # --- called from the GPU loop ---------------------------------------------------------------
-    def submit(self, samples: list, hidden: torch.Tensor, finite: torch.Tensor, final: bool = False) -> None:
-        """Hand over one batch: hidden [B, S, n, H] bf16 on the device, finite bool [B].
+    def submit(self, samples: list, hidden: torch.Tensor, finite: torch.Tensor, final: bool = False,
+               lengths: torch.Tensor | None = None) -> None:
+        """Hand over one batch: hidden [B, S, n, H] bf16 on the device, finite bool [B], the rows'
+        lengths [B] on the device (None: made here from `samples`).
 
         fp8: `hidden` (the extractor's own stacked copy, which it is done with) is quantised in
-        place on the device, and only the fp8 values and their scales cross to the host."""
+        place on the device, and only the fp8 values and their scales cross to the host. Each row's
+        statistics per layer (worker/stats.py) are taken on the device from the values as stored
+        and cross with them."""
         self.raise_if_failed()
         shape = tuple(hidden.shape)
         n, H = shape[2], shape[3]
         scales = None
-        if self.dtype == "fp8":
-            with torch.inference_mode():
+        if lengths is None:
+            lengths = torch.tensor([s.length for s in samples], device=hidden.device)
+        with torch.inference_mode():
+            if self.dtype == "fp8":
                 hidden, scales = fp8.quantize(hidden, inplace=True)
+            stats = batch_stats(hidden, lengths, scales)
+            if inject.bug("fp8-no-scales") and scales is not None:
+                scales.fill_(1.0)                      # (a test's bug: the scales lost on the way)
         reserve = batch_bytes((1, self.reserve_tokens, n, H), self.dtype) if self.reserve_tokens else 0
         buf, waited = self.buffers.acquire(batch_bytes(shape, self.dtype), reserve=reserve)
         with self.stats.lock:
@@ -337,14 +351,16 @@ class BackgroundWriter:
                     dst.copy_(src, non_blocking=True)
                     src.record_stream(self.copy_stream)
                 finite_host = finite.to("cpu", non_blocking=True)
+                stats_host = stats.to("cpu", non_blocking=True)
                 finite.record_stream(self.copy_stream)
+                stats.record_stream(self.copy_stream)
                 ready = torch.cuda.Event()
                 ready.record(self.copy_stream)
         else:
             for dst, src in sources:
                 dst.copy_(src)
-            finite_host, ready = finite.clone(), None
-        self.jobs.put(BatchJob(samples, buf, target, target_scales, finite_host, ready, final))
+            finite_host, stats_host, ready = finite.clone(), stats, None
+        self.jobs.put(BatchJob(samples, buf, target, target_scales, finite_host, ready, final, stats_host))
 
     def skip(self, index: int, reason: str) -> None:
         """Record a sample that will not be written (malformed row, too long, OOM)."""
@@ -394,13 +410,20 @@ class BackgroundWriter:
             except BaseException as e:       # surfaced to the GPU loop at its next submit
                 self.error = e
 
-    def _write(self, sample, hidden: torch.Tensor, scales: torch.Tensor | None, meta: dict[str, str]) -> dict:
-        """The sample's file written; its manifest record. A file that will be shipped carries its
-        MD5, read back from the disk: verify compares the destination's copy with it."""
+    def _write(self, sample, hidden: torch.Tensor, scales: torch.Tensor | None, meta: dict[str, str],
+               stats: torch.Tensor | None = None) -> dict:
+        """The sample's file written; its manifest record: with the statistics of each layer as
+        stored and a checksum of its tokens (verify's content checks), and, for a file that will be
+        shipped, its MD5 read back from the disk (verify compares the destination's copy with it)."""
         tensors = self.layout.pack(hidden, torch.from_numpy(sample.input_ids),
                                    torch.from_numpy(sample.loss_mask), scales)
         size = write_sample_file(self.layout, self.out_dir, sample.index, tensors, meta, self.spill)
+        if self.checks is not None and self.checks.wanted(sample.index):
+            self.checks.written(sample.index, tensors)   # (pack made them fresh copies: they outlive the buffer)
         record = {"index": sample.index, "tokens": sample.length, "bytes": size}
+        if stats is not None:
+            record["stats"] = rounded(stats)
+            record["ids_crc"] = zlib.crc32(sample.input_ids.astype("<i8").tobytes())
         if self.shipper is not None:
             record["md5"] = file_md5(self.layout.path(self.out_dir, sample.index))
         return record
@@ -435,7 +458,8 @@ class BackgroundWriter:
                     futures.append((sample, None, "shape mismatch"))
                     continue
                 meta = dict(self.metadata, sample_index=str(sample.index))
-                futures.append((sample, self.files.submit(self._write, sample, hidden, scales, meta), None))
+                row_stats = job.stats[row] if job.stats is not None else None
+                futures.append((sample, self.files.submit(self._write, sample, hidden, scales, meta, row_stats), None))
             records, first_error = [], None
             for sample, fut, problem in futures:
                 if problem is not None:

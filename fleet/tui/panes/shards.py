@@ -242,6 +242,8 @@ def detail(s: ShardStatus | None, no_color: bool = False, marked: bool = False, 
         t.append(f"   {note(s)}", "italic")
     if s.last_failure and s.last_failure != s.reason:
         t.append(f"   last failure: {s.last_failure}", "italic")
+    if s.reference is not None:
+        t.append(f"   {s.reference.text}", "bold" if s.reference.failed else "italic")
     return t
 
 
