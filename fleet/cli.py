@@ -146,7 +146,10 @@ def output_verdicts(config: Config, results: list, groups: list, allow_partial: 
                                              "shard is live; finished samples are kept")
 @click.option("--allow-partial", is_flag=True, help="launch even where preflight projects more output "
                                                     "than the disk holds: shards stop when it is full")
-def up(config_path: str, headless: bool, replan: bool, allow_partial: bool) -> None:
+@click.option("--metrics", metavar="HOST:PORT", default=None,
+              help="serve the run's figures for Prometheus on http://HOST:PORT/metrics while supervising "
+                   "(e.g. 127.0.0.1:9400)")
+def up(config_path: str, headless: bool, replan: bool, allow_partial: bool, metrics: str | None) -> None:
     """Deploy the worker, launch a shard on every GPU and supervise them.
 
     The first `fleet up` fixes the run's plan (which shard runs where, and the identity of the
@@ -163,6 +166,8 @@ def up(config_path: str, headless: bool, replan: bool, allow_partial: bool) -> N
         async with Supervisor(config, on_log=lambda m: click.echo(f"  {time.monotonic() - t0:5.1f}s  {m}",
                                                                   err=True)) as sup:
             await deploy_and_plan(sup, replan, allow_partial)
+            if metrics:
+                await serve_metrics(sup, metrics)
             if not headless:
                 from .tui.app import run_tui
                 message = await run_tui(sup)
@@ -171,6 +176,25 @@ def up(config_path: str, headless: bool, replan: bool, allow_partial: bool) -> N
                 return 0
             return await supervise_headless(sup)
     run_async(go)
+
+
+async def serve_metrics(sup: Supervisor, address: str) -> None:
+    """/metrics on `address`, from a snapshot the supervisor's loop takes every 2 s (the HTTP
+    thread never reads the store itself); the server ends with the supervisor."""
+    from .metrics import serve
+    newest: dict = {"snap": None}
+
+    async def keep() -> None:
+        while True:
+            newest["snap"] = sup.snapshot()
+            await asyncio.sleep(2.0)
+    try:
+        server = serve(address, lambda: newest["snap"])
+    except (OSError, ValueError) as e:
+        fail(f"--metrics {address}: cannot serve there: {e}", EXIT_CONFIG)
+    task = asyncio.get_running_loop().create_task(keep())
+    sup.on_close(lambda: (task.cancel(), server.shutdown(), server.server_close()))
+    click.echo(f"metrics: http://{address}/metrics", err=True)
 
 
 async def supervise_headless(sup: Supervisor) -> int:
@@ -206,7 +230,9 @@ async def supervise_headless(sup: Supervisor) -> int:
 @click.option("--json", "as_json", is_flag=True, help="print the snapshot as JSON (schema fleet.status/2)")
 @click.option("--json-schema", "as_schema", is_flag=True,
               help="print the JSON schema of --json's output and exit (reads no fleet.toml)")
-def status(config_path: str, as_json: bool, as_schema: bool) -> None:
+@click.option("--prometheus", "as_prometheus", is_flag=True,
+              help="print the snapshot in Prometheus' text format (for node_exporter's textfile collector)")
+def status(config_path: str, as_json: bool, as_schema: bool, as_prometheus: bool) -> None:
     """One snapshot of the run: hosts, GPUs, shards, throughput, ETA.
 
     The same verdicts `fleet up` acts on (fleet status acts on none). Exit 0 healthy, done or
@@ -227,6 +253,9 @@ def status(config_path: str, as_json: bool, as_schema: bool) -> None:
             await sup.close()
         if as_json:
             click.echo(snap.to_json())
+        elif as_prometheus:
+            from .metrics import text
+            click.echo(text(snap), nl=False)
         elif not snap.shards and all(h.reachable for h in snap.hosts):
             click.echo(f"run {config.run.name}: nothing launched yet (fleet up starts it)")
         else:

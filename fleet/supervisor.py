@@ -59,6 +59,7 @@ class Supervisor:
         self.runner: asyncio.Task | None = None
         self._moving: dict[relocate.Order, float] = {}    # order -> not again before (in flight: inf)
         self._behind: set[str] = set()                    # hosts we were catching up with, as last told
+        self._closers: list[Callable[[], object]] = []     # run at close
         self.notifier = Notifier(config.spec.notify, config.base_dir, lambda m: self.on_log(m)) \
             if config.spec.notify else None
 
@@ -353,8 +354,15 @@ class Supervisor:
     def resolve_shard(self, ref: str) -> int:
         return self.store.resolve(ref)
 
+    def on_close(self, callback: Callable[[], object]) -> None:
+        """Run `callback` when the supervisor closes (a server beside it, say)."""
+        self._closers.append(callback)
+
     async def close(self) -> None:
         """Stop following (telling what just changed first); the workers keep running."""
+        for callback in self._closers:
+            callback()
+        self._closers = []
         if self.runner is not None:
             now = time.time()                           # the last changes are told
             self.publish({k: self.verdict(s, now) for k, s in self.shards.items()}, now)

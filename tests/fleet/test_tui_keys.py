@@ -528,3 +528,28 @@ async def test_the_chart_axis_fits_the_run(seconds):
         oldest = labels[0]
         ago = int(oldest[1:-1]) * (60 if oldest.endswith("m") else 1)
         assert ago <= axis, (labels, axis)
+
+
+async def test_focus_returns_to_the_pane_that_had_it_after_the_palette_or_a_modal(ui):
+    """Issue 39: after ctrl+p then esc, Down and space did nothing until a click. The pane that had
+    the focus has it again when the command palette, the help or a question closes."""
+    f, app, pilot, table = ui
+    assert table.has_focus
+    await pilot.press("down")
+    for keys in (("ctrl+p",), ("question_mark",), ("r",)):
+        await pilot.press(*keys)
+        await pilot.pause(0.2)
+        await pilot.press("escape")
+        await pilot.pause(0.2)
+        assert table.has_focus, keys
+    before = table.selected_shard
+    await pilot.press("down")
+    assert table.selected_shard == before + 1
+    log = app.main.query_one("#log", LogView)
+    await pilot.press("tab")
+    assert log.has_focus
+    await pilot.press("ctrl+p")
+    await pilot.pause(0.2)
+    await pilot.press("escape")
+    await pilot.pause(0.2)
+    assert log.has_focus                                         # the other pane, as it was
