@@ -23,7 +23,7 @@ async def settle(pilot):
     await pilot.pause(0.5)
 
 
-@pytest.mark.parametrize("size", [(80, 24), (120, 40), (220, 60)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 40), (200, 60), (220, 60)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_snapshot_main_screen_with_failures(snap_compare, size):
     app = troubled() if size[0] < 200 else troubled(hosts=8, gpus=8)
     assert snap_compare(app, terminal_size=size, run_before=settle)
