@@ -278,7 +278,8 @@ class Supervisor:
                     s.launch_failed(LaunchFailure(link.host.host_now(time.time()), a.by, why))
                 else:
                     s.done_acting()
-            self.on_log(f"shards {_ids([a.shard for a in actions])}: {actions[0].kind} failed: {why}")
+            told = "failed" if isinstance(e, HostUnusable) else "not confirmed (the host's record will say)"
+            self.on_log(f"shards {_ids([a.shard for a in actions])}: {actions[0].kind} {told}: {why}")
             self.on_change()
             return [protocol.ActResult(shard=a.shard, status="error", detail=str(e)) for a in actions]
         told: dict[tuple, list[int]] = {}
