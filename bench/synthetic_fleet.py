@@ -236,10 +236,13 @@ class SyntheticFleet:
 
     def _transitions(self) -> list[Transition]:
         """What changed since the last call, as the supervisor's decide pass computes it."""
-        current = [(k, State.UNKNOWN if self.hosts[host].reachable is False else
-                    judge(r, self.alive[k], self.now, self.policy).state, r.failures)
-                   for k, (host, _, r) in enumerate(self.shards)]
+        current = [(k, self.verdict(k).state, r.failures) for k, (_, _, r) in enumerate(self.shards)]
         return changes(self.shown, current, self.now)
+
+    def verdict(self, k: int):
+        """The judge's verdict on shard k, its host's state given as the supervisor gives it."""
+        host, _, r = self.shards[k]
+        return judge(r, self.alive[k], self.now, self.policy, host_down=self.hosts[host].down_reason)
 
     def _publish(self) -> None:
         if self.listeners and (told := self._transitions()):
@@ -278,8 +281,7 @@ class SyntheticFleet:
 
     # --- the FleetSource -----------------------------------------------------------------------------
     def snapshot(self) -> FleetSnapshot:
-        views = [ShardView(k, host, gpu, r, judge(r, self.alive[k], self.now, self.policy),
-                           self.alive[k], None, self.policy.max_restarts)
+        views = [ShardView(k, host, gpu, r, self.verdict(k), self.alive[k], None, self.policy.max_restarts)
                  for k, (host, gpu, r) in enumerate(self.shards)]
         return build_snapshot("synthetic", views, self.hosts, self.now, self.expected)
 
@@ -288,8 +290,8 @@ class SyntheticFleet:
                                   self.now, step, points)
 
     def refusal(self, k: int, kind: str) -> str | None:
-        _, _, r = self.shards[k]
-        return refusal(kind, judge(r, self.alive[k], self.now, self.policy).state, k)
+        v = self.verdict(k)
+        return refusal(kind, v.state, k, why=v.reason)
 
     async def restart(self, ids: list[int]) -> list[str]:
         for k in ids:

@@ -25,11 +25,12 @@ UNDER_WAY = frozenset({"started", "submitted", "refused", "stopping", "restartin
 KINDS = ("restart", "stop")
 
 
-def refusal(kind: str, state: State, shard: int, verifiable: bool = True) -> str | None:
+def refusal(kind: str, state: State, shard: int, verifiable: bool = True, why: str | None = None) -> str | None:
     """Why the user's `kind` (restart | stop) cannot apply to a shard in `state`; None if it can
-    (`verifiable`: the built-in worker's, whose files `fleet verify` checks; not a [job]'s)."""
+    (`verifiable`: the built-in worker's, whose files `fleet verify` checks; not a [job]'s; `why`:
+    the verdict's reason, which an UNKNOWN refusal repeats as the screen shows it)."""
     if state == State.UNKNOWN:
-        return f"shard {shard}: its host is unreachable"
+        return f"shard {shard}: {why or 'its host is unreachable'}"
     if state == State.STOPPING:
         return f"shard {shard} is already stopping"
     if kind == "restart" and state == State.DONE:

@@ -81,6 +81,7 @@ class Verdict:
     due_t: float | None = None            # host time a pending restart is due (STOPPING: the SIGKILL)
     attempts: int = 0                     # automatic attempts counted toward max_restarts
     by: str = "auto"                      # RESTART: the relaunch's `by` (manual: the user's restart)
+    recorded: State | None = None         # UNKNOWN (its host cannot be read): the state its record last gave
 
 
 def backoff_delay(attempt: int, base: float, cap: float) -> float:
@@ -91,11 +92,22 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
 def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Policy,
           launch_failures: tuple[LaunchFailure, ...] = (),
           slurm: protocol.SlurmTask | None = None, acting: bool | None = None,
-          idle_s: float | None = None) -> Verdict:
+          idle_s: float | None = None, host_down: str | None = None) -> Verdict:
     """`slurm`: what Slurm says now of the newest launch's task (ignored if it is another's).
     `acting`: a stop or restart is being carried out on the host now (None: nothing acts there).
     `idle_s`: seconds since the last progress on monotonic clocks (the host agent's): stalls are
-    judged on it when given, so a step of the host's wall clock neither stalls nor hides a shard."""
+    judged on it when given, so a step of the host's wall clock neither stalls nor hides a shard.
+    `host_down`: why its host cannot be read now: the shard is UNKNOWN (no action; the state its
+    record last gave kept as `recorded`), the one rule every reader of a verdict follows."""
+    v = _judged(record, alive, host_now, policy, launch_failures, slurm, acting, idle_s)
+    if host_down is not None:
+        return Verdict(State.UNKNOWN, host_down, attempts=v.attempts, recorded=v.state)
+    return v
+
+
+def _judged(record: ShardRecord, alive: bool | None, host_now: float, policy: Policy,
+            launch_failures: tuple[LaunchFailure, ...], slurm: protocol.SlurmTask | None,
+            acting: bool | None, idle_s: float | None) -> Verdict:
     a = record.attempt
     if slurm is not None and (a is None or slurm.launch != a.n):
         slurm = None

@@ -413,10 +413,6 @@ def all_replayed(hosts) -> bool:
     return all(h.replayed or h.reachable is False for h in hosts)
 
 
-def shown_state(view: ShardView, host: Host) -> State:
-    return State.UNKNOWN if host.reachable is False else view.verdict.state
-
-
 def eta(remaining: float, rate: float | None) -> float | None:
     """Seconds to do `remaining` at `rate`; None when not measured or not moving."""
     return remaining / rate if rate is not None and rate > 0 else None
@@ -512,13 +508,12 @@ NOT_EXPECTED = (State.DONE, State.STOPPED, State.UNKNOWN, State.QUEUED)   # GPUs
 def shard_row(v: ShardView, host: Host, now: float) -> tuple[ShardStatus, Rates | None]:
     """One shard's row and its rates (None: not measured), from its record and verdict."""
     hn = host.host_now(now)
-    state = shown_state(v, host)
+    state = v.verdict.state                                  # UNKNOWN where its host cannot be read: the judge's
     r, a = v.record, v.record.attempt
     rate = rates(r, state, hn) if host.reachable else None
     row = ShardStatus(
         id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), slurm=v.slurm, state=state,
-        reason=(f"host {'unusable' if host.unusable else 'unreachable'}: {host.error}" if host.reachable is False
-                else v.verdict.reason),
+        reason=v.verdict.reason,
         faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
         progress=shard_progress(r, state),
         tokens=r.tokens if counts_tokens(r) else None, total_tokens=r.total_tokens,

@@ -81,6 +81,13 @@ class Host:
         self.stale = True
 
     @property
+    def down_reason(self) -> str | None:
+        """Why the host cannot be read now (its shards are UNKNOWN for it), or None."""
+        if self.reachable is not False:
+            return None
+        return f"host {'unusable' if self.unusable else 'unreachable'}: {self.error}"
+
+    @property
     def catching_up(self) -> bool:
         return self.stale or self.behind_s > CATCH_UP_S
 
@@ -235,6 +242,7 @@ class Store:
         self.plan: protocol.Plan | None = None
         self.shown: dict[int, tuple[State, int]] = {}    # shard -> (state, failures) last published
         self.moves = Moves()                              # rows moved between hosts (fleet/relocate.py)
+        self.decided: dict[int, Verdict] = {}             # the last decide pass's verdicts (Store.decide)
 
     @property
     def num_shards(self) -> int:
@@ -250,10 +258,11 @@ class Store:
         self.plan = plan
         self.placements = self.engine.placements(plan)
         self.shards = {p.shard: self._new(p) for p in self.placements}
+        self.decided = {}
 
     def forget(self) -> None:
         """No plan, no shards (a one-shot read starts here and finds them)."""
-        self.shards, self.placements, self.plan, self.moves = {}, [], None, Moves()
+        self.shards, self.placements, self.plan, self.moves, self.decided = {}, [], None, Moves(), {}
 
     def host_facts(self, verdicts: dict[int, Verdict], now: float, after: float | None) -> list[HostFacts]:
         """Each host as fleet/relocate.py needs it: lost or usable, whether it had work, its rows."""
@@ -267,7 +276,8 @@ class Store:
             out.append(HostFacts(
                 name, tuple(s.id for s in mine), host.lost(now, after),
                 usable=host.reachable is True and host.replayed,
-                had_work=any(verdicts[s.id].state != State.DONE for s in mine if s.id in verdicts),
+                had_work=any((verdicts[s.id].recorded or verdicts[s.id].state) != State.DONE
+                             for s in mine if s.id in verdicts),
                 finished_rows=sum(s.record.done + s.record.skipped for s in mine),
                 planned=tuple(planned_rows({s.id: s.record.planned for s in mine}, num_rows, self.num_shards))))
         return out
@@ -383,14 +393,20 @@ class Store:
         return any(s.busy_since is not None for s in self.shards.values())
 
     def verdict(self, shard: Shard, now: float | None = None) -> Verdict:
+        """The judge's verdict on the shard now: the decide pass's own, where one was taken at
+        `now` or later (every reader — the snapshot, the view, a refusal — reads that one), else
+        judged afresh (a one-shot read)."""
+        taken = self.decided.get(shard.id)
+        if taken is not None and now is None:
+            return taken
         host = self.hosts[shard.placement.host]
         now = time.time() if now is None else now
         return judge(shard.record, shard.alive, host.host_now(now), self.policy,
-                     tuple(shard.launch_failures), shard.slurm, shard.acting, shard.idle())
+                     tuple(shard.launch_failures), shard.slurm, shard.acting, shard.idle(), host.down_reason)
 
-    def shown_state(self, shard: Shard, verdict: Verdict) -> State:
-        """The state a person sees: UNKNOWN while its host cannot be read."""
-        return State.UNKNOWN if self.hosts[shard.placement.host].reachable is False else verdict.state
+    def decide(self, verdicts: dict[int, Verdict]) -> None:
+        """The decide pass's verdicts, published: what everyone reads until the next pass."""
+        self.decided = dict(verdicts)
 
     def transitions(self, verdicts: dict[int, Verdict], now: float) -> list[Transition]:
         """The shards whose shown state changed, or that failed again, since the last call (each
@@ -400,7 +416,7 @@ class Store:
             s = self.shards[k]
             host = self.hosts[s.placement.host]
             if host.replayed or host.reachable is False:
-                current.append((k, self.shown_state(s, v), s.record.failures))
+                current.append((k, v.state, s.record.failures))
         return changes(self.shown, current, now)
 
     def snapshot(self, now: float | None = None) -> FleetSnapshot:
@@ -413,7 +429,8 @@ class Store:
 
     def _view(self, s: Shard, now: float) -> ShardView:
         p = s.placement
+        verdict = self.decided.get(s.id) or self.verdict(s, now)      # the decision's own, where taken
         return self.engine.view(s, ShardView(
-            s.id, p.host, p.gpu, s.record, self.verdict(s, now), s.alive, s.pid, self.policy.max_restarts,
+            s.id, p.host, p.gpu, s.record, verdict, s.alive, s.pid, self.policy.max_restarts,
             gpus=p.all_gpus, idle_s=s.idle(), moved_to=self.moves.moved_to(p.host, s.record.leased_t),
             damage=s.damage))

@@ -187,6 +187,7 @@ class Supervisor:
             if action is not None:
                 s.begin(now, busy_mark(s.record))
                 due.setdefault(s.placement.host, []).append(action)
+        self.store.decide(verdicts)                     # what the snapshot and every refusal read
         for host, actions in due.items():
             self._spawn(self.carry_out(self.links[host], actions))
         self.relocate(verdicts, now)
@@ -300,7 +301,8 @@ class Supervisor:
         s = self.shards.get(shard_id)
         if s is None:
             return f"no shard {shard_id}"
-        return action_refusal(kind, self.verdict(s).state, shard_id, verifiable=self.config.spec.job is None)
+        v = self.verdict(s)                         # the decision the screen shows
+        return action_refusal(kind, v.state, shard_id, verifiable=self.config.spec.job is None, why=v.reason)
 
     async def request(self, shard_ids: list[int], kind: str,
                       wait: float = 0.0) -> dict[int, protocol.ActResult]:

@@ -33,9 +33,10 @@ def running(total=100, total_tokens=None, until=11, tokens_per_sample=100, start
     return evs
 
 
-def view(k, host, events, now, alive=True, policy=POLICY):
+def view(k, host, events, now, alive=True, policy=POLICY, down=None):
+    """The shard as the store gives it to the snapshot (`down`: why its host cannot be read)."""
     r = fold(events)
-    return ShardView(k, host, k, r, judge(r, alive, now, policy), alive, None, policy.max_restarts)
+    return ShardView(k, host, k, r, judge(r, alive, now, policy, host_down=down), alive, None, policy.max_restarts)
 
 
 def hosts(**prices):
@@ -66,7 +67,7 @@ def test_expected_is_per_gpu_times_gpus_planned_and_a_failure_lowers_the_ratio_n
     t = build_snapshot("r", [shards[0], stopped, done, dead], h, 10, EXP).totals
     assert (t.gpus_planned, t.gpus_expected, t.expected_per_s, t.ratio) == (4, 2, 2.0, 0.5)
     h["b"].reachable = False
-    t = build_snapshot("r", [shards[0], view(1, "b", running(), 10)], h, 10, EXP).totals
+    t = build_snapshot("r", [shards[0], view(1, "b", running(), 10, down=h["b"].down_reason)], h, 10, EXP).totals
     assert (t.gpus_planned, t.gpus_expected, t.by_state) == (2, 1, {"RUNNING": 1, "UNKNOWN": 1})
     # A shard over two GPUs (gpus_per_shard = 2) is expected to do two GPUs' work.
     wide = ShardView(0, "a", 0, fold(running()), judge(fold(running()), True, 10, POLICY), True, None, 3, gpus=(0, 1))

@@ -22,6 +22,7 @@ from fleet.record import fold
 from fleet.state import State
 from fleet import setup
 from fleet.supervisor import Supervisor
+from tests.conftest import REPO
 from worker import protocol
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "scripted_job.py")
@@ -308,5 +309,31 @@ async def test_a_shard_that_stops_is_amber_at_three_of_its_intervals_long_before
         assert late.state == State.RUNNING and late.progress_interval_s == pytest.approx(1.0, abs=0.3)
         assert 3.0 <= late.progress_age_s <= 5.0, late          # 3 intervals (and 3 s), not the 30 s stall
         assert not any(is_late for age, is_late in seen if age is not None and age <= 2.9), seen
+    finally:
+        await sup.close()
+
+
+async def test_one_verdict_a_shard_of_an_unreachable_host_is_unknown_and_refused_as_the_screen_says(tmp_path):
+    """The verdict is the judge's alone, UNKNOWN included (issue 37): a shard whose host cannot be
+    read is UNKNOWN in the decide pass's verdicts, in the snapshot and for a user's r, with the
+    same reason, and what its record last said is kept for relocation's word."""
+    from fleet.transport import HostError
+    config = job_toml(tmp_path, {"0": [[["print", "extract-only mode"]]], "1": [[["print", "extract-only mode"]]]})
+    up = subprocess.run([sys.executable, "-m", "fleet.cli", "up", "--headless", "-c", config], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    sup = Supervisor(load_config(config))
+    try:
+        await sup.read_once()
+        sup.links["local"].host.down(HostError("local: connection refused"))
+        now = time.time()
+        sup.decide(now)
+        decided = sup.store.decided[0]
+        assert (decided.state, decided.reason, decided.recorded) == \
+            (State.UNKNOWN, "host unreachable: connection refused", State.DONE)
+        row = sup.snapshot().shards[0]
+        assert (row.state, row.reason) == (State.UNKNOWN, decided.reason)
+        assert sup.refusal(0, "restart") == f"shard 0: {row.reason}"
+        assert sup.refusal(1, "stop") == f"shard 1: {row.reason}"
     finally:
         await sup.close()

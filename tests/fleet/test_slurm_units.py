@@ -384,6 +384,9 @@ def test_the_snapshot_shows_a_slurm_shard_on_its_node_and_groups_gpus_by_node():
     assert [g.index for g in snap.host("node07").gpus] == [0, 2]
     # Unreachable login node: every node is unknown too, never zero.
     login.reachable, login.error = False, "connection refused"
+    import dataclasses                                   # the store judges them with the host's word
+    views = [dataclasses.replace(v, verdict=judge(v.record, True, 8, POLICY, host_down=login.down_reason))
+             for v in views]
     snap = build_snapshot("r", views, {"slurm": login, **slurm_nodes(login, readings)}, now=8,
                           expected=ExpectedSpec())
     assert {s.state for s in snap.shards} == {State.UNKNOWN} and snap.host("node07").gpus is None
