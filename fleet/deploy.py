@@ -6,45 +6,19 @@ an unchanged worker is never uploaded twice, and processes still running old cod
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
-import tarfile
 import textwrap
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Callable, Protocol, TypeVar
 
-import worker
 from worker import protocol
 from worker.text import bytes_text, last_line, printable_data
 
 from .config import Config, HostSpec
+from .bundle import code_dir, worker_hash, worker_tarball
 from .jobs import output_args
 from .transport import HostError, HostUnusable, Transport
-
-WORKER_DIR = os.path.dirname(os.path.abspath(worker.__file__))
-
-
-def worker_files() -> list[str]:
-    """What travels to the hosts: worker/*.py."""
-    return sorted(f for f in os.listdir(WORKER_DIR) if f.endswith(".py"))
-
-
-@cache
-def worker_hash() -> str:
-    digest = hashlib.sha256()
-    for name in worker_files():
-        digest.update(name.encode() + b"\0")
-        with open(os.path.join(WORKER_DIR, name), "rb") as f:
-            digest.update(f.read() + b"\0")
-    return digest.hexdigest()[:16]
-
-
-def code_dir(config: Config, host: HostSpec) -> str:
-    return os.path.join(config.run_dir(host), "code", worker_hash())
-
 
 def _python_argv(config: Config, host: HostSpec, module: str, *args: str,
                  env: dict[str, str] | None = None) -> list[str]:
@@ -124,15 +98,6 @@ try:
 except OSError:  # a concurrent deploy got there first: same content
     shutil.rmtree(tmp, ignore_errors=True)
 """
-
-
-def worker_tarball() -> bytes:
-    """worker/*.py as a gzip'd tar whose top folder is `worker/`."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name in worker_files():
-            tar.add(os.path.join(WORKER_DIR, name), arcname=f"worker/{name}")
-    return buf.getvalue()
 
 
 async def upload_worker(t: Transport, config: Config, host: HostSpec) -> bool:

@@ -70,7 +70,7 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
                                  pool=sorted(pool) if len(pool) > 1 else None).to_dict() if job.rows else None
         return ShardCommand(argv, env, cwd, rows)
     if "PYTHONPATH" in env:          # the user's own paths, after the deployed worker (not instead)
-        from .deploy import code_dir
+        from .bundle import code_dir
         env["PYTHONPATH"] = f"{code_dir(config, host)}:{env['PYTHONPATH']}"
     argv = [python, "-m", "worker.extract", "--model", values["model"], "--data", values["data"],
             "--out", values["output"], *[a for f in config.output_dirs(host)[1:] for a in ("--spill", f)],

@@ -17,7 +17,7 @@ from worker import protocol
 
 from . import deploy
 from .config import Config, HostSpec, SlurmSpec
-from .deploy import code_dir
+from .bundle import code_dir
 from .jobs import Placement, sentinel_spec, shard_command
 from .launcher import _Engine
 from .record import ShardRecord

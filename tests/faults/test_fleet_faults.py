@@ -99,8 +99,6 @@ root = "fleet"
 def test_out_of_memory_end_to_end_through_fleet(tmp_path, dense_model):
     """The real worker under fleet, on a 'GPU' that runs out of memory above 256 tokens a batch:
     batches split, the one sample that never fits is skipped and reported, the run completes."""
-    from fleet.config import load_config
-    from fleet.deploy import code_dir
     rows = [{"input_ids": [7] * n} for n in [40] * 30 + [300, 20]]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     path = tmp_path / "fleet.toml"

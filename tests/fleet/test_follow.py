@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from fleet.config import load_config
-from fleet.deploy import code_dir
+from fleet.bundle import code_dir
 from fleet.supervisor import Supervisor
 from fleet.transport import Stream, Transport
 

@@ -15,7 +15,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from tests.conftest import read_events, run_worker
 from worker.verify import check_folder
