@@ -311,7 +311,7 @@ def main() -> None:
                         "later ones the steady state)")
     p.add_argument("--quick-tuning", action="store_true",
                    help="the warm-up (--warm) times Triton's autotuning candidates briefly "
-                        "(worker.model.quick_tuning, as the worker's load does)")
+                        "(worker.tuning.quick_tuning, as the worker's load does)")
     p.add_argument("--worker-tuning", action="store_true",
                    help="before anything else runs fla's kernels: tune them once, at the run's own main batch "
                         "shape, on one linear-attention block, and warm every batch shape of the run; other "
@@ -438,7 +438,7 @@ def main() -> None:
             from worker.extract import row_buckets, warm_rows
             buckets = row_buckets(args.budget, pad)
             steps = []
-            from worker.model import quick_tuning
+            from worker.tuning import quick_tuning
             with quick_tuning() if args.quick_tuning else contextlib.nullcontext():
                 result["warm_s"] = round(warm_rows(base, torch.device(DEVICE), [(r, max(pad, 8)) for r in buckets],
                                                    lambda i: steps.append(time.perf_counter())), 1)

@@ -23,27 +23,27 @@ import time
 import traceback
 import uuid
 from collections import Counter
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 
 from . import __version__, files, inject, protocol, sizing
 from .batching import make_batches, padded_length, row_bucket
-from .data import BadRow, DataError, Sample, open_dataset, row_to_sample, shard_range
+from .data import BadRow, DataError, Sample, open_dataset, shard_range
 from .events import EventLog
 from .files import retry_skips, retryable
 from .formats import (FORMATS, LOSS_MASK_CONVENTIONS, LOSS_MASKS, FormatError, Layout,
-                      supervision_problem, trainer_setting)
+                      trainer_setting)
 from .identity import (IdentityError, differences, model_shape, output_identity, output_mismatch,
                        upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers, yaml_max_length
 from .launches import LaunchState
-from .leases import Cell, Lease, Move, Pool, tell_taken
+from .leases import Lease, Move, Pool, tell_taken
 from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, compute_dtype, find_decoder,
                     is_hybrid, load_model, missing_fast_kernels, model_devices, move, text_config,
                     uncompile_layers, unpacked_rows, use_fla_conv)
 from .ranges import ranges_text
+from .rows import Later, Options, iter_shard
 from .reference import EVERY, MIN_ROWS, CheckFailed, ReferenceChecks
 from .suspects import Suspects, suspects_path
 from .ship import ShipError
@@ -198,25 +198,6 @@ def _checked_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
     return args
 
 
-@dataclass
-class Options:
-    max_tokens_per_batch: int = 16384
-    max_length: int | None = None
-    too_long: str = "skip"
-    writer_queue: int = 3
-    writer_threads: int = 4
-    sort_window: int = 20000
-    pad_multiple: int = 8
-    loss_mask: str = "assistant"
-    format: str = "speculators"
-    max_positions: int | None = None     # the model's longest sequence; longer rows are skipped
-    bucket_rows: bool = False            # batch row counts from a few buckets (batching.row_bucket)
-    dtype: str = "bf16"                  # hidden states as stored: bf16 | fp8
-    micro_batches: int | None = None     # row groups per batch (None: one per GPU of the shard)
-    window: int | None = None            # the trainer's window (from:<run.yaml> data.max_length)
-    spill: tuple[str, ...] = ()          # other disks' folders the samples' bytes go to in turn
-
-
 def gpu_memory(devices: torch.device | list[torch.device]) -> dict:
     """Allocated and peak bytes, summed over the shard's GPUs."""
     devices = [d for d in (devices if isinstance(devices, list) else [devices]) if d.type == "cuda"]
@@ -367,61 +348,6 @@ class Extractor:
             bad = ~torch.isfinite(hidden).flatten(2).all(-1)     # [B, S]
             finite = ~(bad & valid).any(1)
         return hidden, finite, lengths
-
-
-@dataclass
-class Later:
-    """Samples that run after the rest, each alone (the suspects of an earlier crash)."""
-    samples: list[Sample]
-
-
-def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: int,
-               tokenizer: Callable, options: Options, later: set[int] = frozenset(),
-               cell: Cell | None = None) -> Iterator[list[Sample] | BadRow | Later]:
-    """Unfinished rows of [start, stop): valid samples in chunks of at most `sort_window`, and a
-    BadRow for each row that will not be extracted (malformed, too long); the valid samples of
-    `later` come last, held back as one Later. With a lease's `cell`, a row is read only once the
-    cell admits it (a steal may have moved the lease's end), in chunks of the cell's window, so
-    that a steal finds rows not yet read."""
-    chunk: list[Sample] = []
-    held: list[Sample] = []
-    window = options.sort_window
-    for index, row in dataset.rows(start, stop):
-        if cell is not None:
-            if not chunk:
-                window = cell.window(index, options.sort_window)
-            if not cell.admit(index):
-                break
-        if index in finished:
-            continue
-        sample = row_to_sample(index, row, vocab_size, tokenizer, options.loss_mask)
-        if isinstance(sample, BadRow):
-            yield sample
-            continue
-        if options.max_length and sample.length > options.max_length:
-            if options.too_long == "skip":
-                yield BadRow(index, f"too long: {sample.length} tokens > --max-length {options.max_length}")
-                continue
-            sample = Sample(index, sample.input_ids[: options.max_length],
-                            sample.loss_mask[: options.max_length])
-        if options.max_positions and sample.length > options.max_positions:
-            yield BadRow(index, f"longer than the model's {options.max_positions} positions: "
-                                f"{sample.length} tokens")
-            continue
-        if problem := supervision_problem(options.format, sample.loss_mask, options.max_length or options.window):
-            yield BadRow(index, problem)
-            continue
-        if index in later:
-            held.append(sample)
-            continue
-        chunk.append(sample)
-        if len(chunk) >= window:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-    if held:
-        yield Later(held)
 
 
 class ProgressTicker:

@@ -30,12 +30,12 @@ from typing import Callable
 
 from .data import BadRow
 from .events import EventLog
+from .rows import iter_shard
 
 
 def shard_work(dataset, start: int, stop: int, vocab_size: int, tokenizer, options) -> tuple[int, int, int]:
     """(rows, tokens, sum of tokens squared) of every row of [start, stop) that the extraction will
     write (done or not)."""
-    from .extract import iter_shard                     # extract imports this module
     one_by_one = dataclasses.replace(options, sort_window=1)
     rows = tokens = sq = 0
     for item in iter_shard(dataset, start, stop, set(), vocab_size, tokenizer, one_by_one):

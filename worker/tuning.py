@@ -342,3 +342,24 @@ class Tuner:
     def join(self) -> "Tuner":
         self._thread.join()
         return self
+
+
+@contextlib.contextmanager
+def quick_tuning(warmup_ms: int = 5, rep_ms: int = 20):
+    """Triton's autotuner times every candidate config for 25 + 100 ms; fla has several kernels of
+    many configs each, tuned again per batch row count, which made a 27B hybrid's first load
+    spend minutes timing. Inside this block each candidate is timed for `warmup_ms` + `rep_ms`
+    (the winner is clear at that length: the candidates differ by far more than the noise). A
+    no-op without Triton; the attributes set are those of Triton 2.x (num_warmups, num_reps) and
+    3.x (do_bench)."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except Exception:
+        yield
+        return
+    bench = Autotuner._bench
+    Autotuner._bench = brief_bench(bench, warmup_ms, rep_ms)
+    try:
+        yield
+    finally:
+        Autotuner._bench = bench
