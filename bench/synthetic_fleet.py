@@ -46,9 +46,11 @@ from fleet.actions import refusal
 from fleet.config import ExpectedSpec
 from fleet.judge import Policy, judge, throughput_history
 from fleet.record import ShardRecord
-from fleet.snapshot import Disk, FleetSnapshot, Gpu, ShardView, build_snapshot
+from fleet.schema import Disk, FleetSnapshot, Gpu
+from fleet.snapshot import ShardView, build_snapshot
 from fleet.state import State
-from fleet.store import Host, Transition, changes
+from fleet.hosts import Host
+from fleet.store import Transition, changes
 from worker import protocol
 
 RUNS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "runs")

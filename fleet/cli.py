@@ -25,7 +25,8 @@ from worker.ranges import runs_text
 from . import render, setup
 from .actions import describe
 from .config import Config, ConfigError, load_config
-from .snapshot import json_schema, status_exit_code
+from .schema import json_schema
+from .snapshot import status_exit_code
 from .state import SETTLED
 from .supervisor import Supervisor
 from .plan import PlanError, refusal, spec_of

@@ -25,7 +25,8 @@ from . import deploy, render
 from .config import Config, HostSpec
 from .launcher import Launcher
 from .state import State
-from .store import Host, Store
+from .hosts import Host
+from .store import Store
 from .transport import HostError, HostUnusable, Stream, Transport
 
 AGENT_START_S = 30.0          # a new agent stream: its Python start and replay, on a loaded host

@@ -30,7 +30,8 @@ from . import deploy
 from .config import Config, HostSpec
 from .jobs import Placement, sentinel_spec, shard_command, shard_dir
 from .snapshot import ShardView
-from .store import Host, Shard, Store
+from .hosts import Host
+from .store import Shard, Store
 from .transport import HostUnusable, Transport
 
 ACT_TIMEOUT_S = 60.0          # one host's act command (it only records, signals and spawns)

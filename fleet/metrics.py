@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .snapshot import FleetSnapshot
+from .schema import FleetSnapshot
 from .state import State
 
 

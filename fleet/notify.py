@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .render import finished_summary
 from .units import duration
-from .snapshot import FleetSnapshot, ShardStatus, Totals
+from .schema import FleetSnapshot, ShardStatus, Totals
 from .state import State
 from .store import Transition
 

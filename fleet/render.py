@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from .snapshot import FleetSnapshot, ShardStatus
+from .schema import FleetSnapshot, ShardStatus
 from .state import MEASURED, State
 from .units import bytes_text, duration, gib, number
 

@@ -21,8 +21,10 @@ from .bundle import code_dir
 from .jobs import Placement, sentinel_spec, shard_command
 from .launcher import _Engine
 from .record import ShardRecord
-from .snapshot import Gpu, ShardView, SlurmTaskStatus
-from .store import Host, Shard, Store
+from .schema import Gpu, SlurmTaskStatus
+from .snapshot import ShardView
+from .hosts import Host
+from .store import Shard, Store
 from .transport import Transport
 
 

@@ -28,9 +28,10 @@ from .follow import HostLink, read_all
 from .judge import LaunchFailure, Verdict, policy_for
 from .engines import make_launcher
 from .notify import Notifier
-from .snapshot import FleetSnapshot
+from .schema import FleetSnapshot
 from .state import LIVE, SETTLED, State
-from .store import CATCH_UP_S, Shard, Store, Transition
+from .hosts import CATCH_UP_S
+from .store import Shard, Store, Transition
 from .transport import HostError, HostUnusable, make_transport
 
 ACTION_TIMEOUT_S = 60.0       # an action whose outcome never shows up in the record: judge again

@@ -19,7 +19,7 @@ from textual.binding import Binding
 from textual.message import Message
 
 from ..render import QUIT_MESSAGE, quit_message
-from ..snapshot import FleetSnapshot
+from ..schema import FleetSnapshot
 from .main import MainScreen
 from .screens import HelpScreen
 

@@ -19,7 +19,7 @@ from textual.suggester import SuggestFromList
 from textual.widgets import Footer, Input, Static
 
 from .. import notify
-from ..snapshot import FleetSnapshot
+from ..schema import FleetSnapshot
 from ..state import RESTARTABLE
 from .commands import COMMANDS, CommandError, parse
 from .panes.gpus import GpuPane, GpuTable

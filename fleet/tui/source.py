@@ -13,7 +13,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 from ..actions import describe
 from ..judge import throughput_history
-from ..snapshot import FleetSnapshot
+from ..schema import FleetSnapshot
 from ..store import Transition
 from ..supervisor import Supervisor
 from ..transport import HostError

@@ -63,7 +63,7 @@ def test_two_hosts_ship_to_one_store_within_keep_local_and_speculators_reads_it_
             sh = snap["totals"]["shipping"]
             assert sh["finished"] and sh["shipped_files"] == ROWS and sh["pending_files"] == 0
             assert sorted(h["shipping"]["shipped_files"] for h in snap["hosts"]) == [ROWS // 2, ROWS // 2]
-            from fleet.snapshot import Totals
+            from fleet.schema import Totals
             from fleet.tui.panes.topbar import fact_parts
             shown = [str(text) for _, text in fact_parts(Totals.model_validate(snap["totals"]))]
             assert f"shipped {sh['shipped_bytes'] / 1e6:.1f} MB" in shown         # the live view's top bar

@@ -40,7 +40,7 @@ from fleet.judge import Policy, Rates, _at, batch_ends, judge, rates
 from fleet.record import ShardRecord, fold
 from fleet.snapshot import ShardView, build_snapshot, shard_eta
 from fleet.state import State
-from fleet.store import Host
+from fleet.hosts import Host
 from tests.worker.test_leases import run_pool, shard_events
 from worker import protocol
 from worker.demo import make_token_dataset

@@ -14,8 +14,9 @@ import subprocess
 from fleet.config import ExpectedSpec
 from fleet.footprint import Need, bytes_in, needs, verdicts
 from fleet.record import fold
-from fleet.snapshot import Disk, build_snapshot
-from fleet.store import Host
+from fleet.schema import Disk
+from fleet.snapshot import build_snapshot
+from fleet.hosts import Host
 from tests.faults.test_hostile_inputs import local_toml
 from tests.faults.test_worker_faults import small_tmpfs  # noqa: F401  (fixture)
 from tests.fleet.conftest import fleet

@@ -11,7 +11,7 @@ from fleet.config import ExpectedSpec
 from fleet.judge import Action, LaunchFailure, Policy, backoff_delay, judge, rates
 from fleet.record import ShardRecord, fold
 from fleet.snapshot import ShardView, build_snapshot, status_exit_code
-from fleet.store import Host
+from fleet.hosts import Host
 from fleet.state import SETTLED, State
 from worker import protocol as p
 from worker.agent import thin_progress
@@ -174,9 +174,10 @@ def test_rates_are_measured_over_batches_and_fall_when_the_next_is_late():
     assert rates(fold(evs), State.RUNNING, 13) is None
 
 
-def view(k, host, events, now, alive=True, policy=POLICY):
+def view(k, host, events, now, alive=True, policy=POLICY, down=None):
+    """The shard as the store gives it to the snapshot (`down`: why its host cannot be read)."""
     r = fold(events)
-    return ShardView(k, host, k, r, judge(r, alive, now, policy), alive, None, policy.max_restarts)
+    return ShardView(k, host, k, r, judge(r, alive, now, policy, host_down=down), alive, None, policy.max_restarts)
 
 
 def test_snapshot_totals_expected_alert_unknown_hosts_and_exit_codes():
@@ -195,6 +196,7 @@ def test_snapshot_totals_expected_alert_unknown_hosts_and_exit_codes():
     assert '"schema": "fleet.status/2"' in snap.to_json()
     # An unreachable host: its shards are UNKNOWN, unmeasured, and not expected to produce.
     hosts["b"].reachable, hosts["b"].error = False, "connection refused"
+    views[2] = view(2, "b", running, 10, down=hosts["b"].down_reason)        # judged with its host's word
     snap = build_snapshot("r", views, hosts, now=10, expected=exp)
     row = snap.shards[2]
     assert row.state == State.UNKNOWN and row.samples_per_s is None and "connection refused" in row.reason

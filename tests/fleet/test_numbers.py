@@ -12,7 +12,8 @@ from fleet.judge import STALL_SHOWN_S, Policy, judge, rates, throughput_history
 from fleet.notify import alert_notice, notices
 from fleet.record import fold
 from fleet.snapshot import ShardView, build_snapshot
-from fleet.store import Host, changes
+from fleet.hosts import Host
+from fleet.store import changes
 from fleet.state import State
 from worker import protocol as p
 

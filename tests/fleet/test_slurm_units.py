@@ -16,7 +16,7 @@ from fleet.plan import make_plan, plan_differences
 from fleet.record import fold
 from fleet.slurm import sbatch_options, submission
 from fleet.snapshot import ShardView, build_snapshot
-from fleet.store import Host
+from fleet.hosts import Host
 from fleet.state import SETTLED, State
 from tests.fleet.test_config import error_of, write
 from tests.fleet.test_judge import World, assert_within_restart_budget

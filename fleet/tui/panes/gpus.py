@@ -18,7 +18,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Static
 
-from ...snapshot import FleetSnapshot, HostStatus
+from ...schema import FleetSnapshot, HostStatus
 from ...units import gib, usd
 from ..style import (bar, level_style, memory_level, power_level, spark, temp_level,
                      util_level)

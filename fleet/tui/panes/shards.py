@@ -15,7 +15,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from ...render import note, restarts_text
-from ...snapshot import FleetSnapshot, ShardStatus
+from ...schema import FleetSnapshot, ShardStatus
 from ...state import MEASURED, SEVERITY as STATE_SEVERITY, State
 from ...units import duration, si
 from ..style import GLYPH, bar, state_style

@@ -17,7 +17,7 @@ from rich.style import Style
 from textual.strip import Strip
 from textual.widget import Widget
 
-from ...snapshot import FleetSnapshot
+from ...schema import FleetSnapshot
 from ...units import duration, si
 
 BUCKET_S = 10.0                      # one column of the chart

@@ -10,7 +10,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from ...render import finished_summary
-from ...snapshot import FleetSnapshot
+from ...schema import FleetSnapshot
 from ...state import SEVERITY as STATE_SEVERITY
 from ...units import bytes_text, duration, si, usd
 from ..style import ALERT, GLYPH, bar, state_style
