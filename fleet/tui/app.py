@@ -21,7 +21,9 @@ from textual.message import Message
 from ..render import QUIT_MESSAGE, quit_message
 from ..schema import FleetSnapshot
 from .main import MainScreen
-from .screens import HelpScreen
+from .panes.gpus import GpuTable
+from .panes.log import LogView
+from .screens import NOT_BINDINGS, HelpScreen, LogScreen, binding_lines
 
 __all__ = ["FleetApp", "QUIT_MESSAGE", "run_tui"]
 
@@ -123,7 +125,7 @@ class FleetApp(App[str]):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            self.push_screen(HelpScreen(help_text(self)))
 
     def action_quit_fleet(self) -> None:
         self.exit(quit_message(self.snap))
@@ -146,3 +148,22 @@ async def run_tui(sup) -> str | None:
         return source
 
     return await FleetApp(open_source=open_source).run_async()
+
+
+def help_text(app) -> str:
+    """Every key of every screen, one line each, never wrapped: generated from the bindings."""
+    sections = [
+        ("Shards (the main screen)", binding_lines(app, MainScreen.BINDINGS)),
+        ("GPU pane", binding_lines(app, GpuTable.BINDINGS)),
+        ("Log view (l or enter)", binding_lines(app, LogScreen.BINDINGS + LogView.BINDINGS)),
+        ("Anywhere", binding_lines(app, FleetApp.BINDINGS) + NOT_BINDINGS[0][1]),
+        NOT_BINDINGS[1],
+    ]
+    width = max(len(k) for _, lines in sections for k, _ in lines)
+    out = ["[i]esc, q or ? closes this help; up / down / page keys scroll it[/i]", ""]
+    for title, lines in sections:
+        out.append(f"[b]{title}[/b]")
+        out += [f"  {k.ljust(width)}  {what}" for k, what in lines]
+        out.append("")
+    out.append("A restarted shard resumes: it skips every sample in its manifest.")
+    return "\n".join(out)

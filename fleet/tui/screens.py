@@ -63,34 +63,17 @@ def binding_lines(app, bindings) -> list[tuple[str, str]]:
     return [(" / ".join(keys[a]), what[a]) for a in keys]
 
 
-def help_text(app) -> str:
-    """Every key of every screen, one line each, never wrapped: generated from the bindings."""
-    from .app import FleetApp
-    from .main import MainScreen
-    from .panes.gpus import GpuTable
-    sections = [
-        ("Shards (the main screen)", binding_lines(app, MainScreen.BINDINGS)),
-        ("GPU pane", binding_lines(app, GpuTable.BINDINGS)),
-        ("Log view (l or enter)", binding_lines(app, LogScreen.BINDINGS + LogView.BINDINGS)),
-        ("Anywhere", binding_lines(app, FleetApp.BINDINGS) + NOT_BINDINGS[0][1]),
-        NOT_BINDINGS[1],
-    ]
-    width = max(len(k) for _, lines in sections for k, _ in lines)
-    out = ["[i]esc, q or ? closes this help; up / down / page keys scroll it[/i]", ""]
-    for title, lines in sections:
-        out.append(f"[b]{title}[/b]")
-        out += [f"  {k.ljust(width)}  {what}" for k, what in lines]
-        out.append("")
-    out.append("A restarted shard resumes: it skips every sample in its manifest.")
-    return "\n".join(out)
-
-
 class HelpScreen(ModalScreen[None]):
+    """The keys, as the app lists them (`text`: FleetApp's help_text, generated from every binding)."""
     BINDINGS = [Binding("escape,q,question_mark", "dismiss_help", "close")]
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
-            yield Static(help_text(self.app), id="help-text")
+            yield Static(self.text, id="help-text")
 
     def action_dismiss_help(self) -> None:
         self.dismiss(None)

@@ -16,7 +16,8 @@ from fleet.tui.panes.gpus import GpuTable
 from fleet.tui.panes.lines import cell_text, fit_columns
 from fleet.tui.panes.log import LogView, shape
 from fleet.tui.panes.shards import COLUMN_KEYS, COLUMNS, ShardDetail, ShardTable
-from fleet.tui.screens import HelpScreen, LogScreen, help_text
+from fleet.tui.app import help_text
+from fleet.tui.screens import HelpScreen, LogScreen
 
 
 def fleet(**kw) -> SyntheticFleet:
