@@ -104,15 +104,16 @@ def test_an_export_never_mixes_into_a_run_or_writes_over_its_own_source(runs, tm
     meta.json over 199 files of another model), a link to the source itself, a folder inside it:
     each refused in one line, and nothing there changed."""
     import shutil
+    src = runs["specforge-dflash"]                               # (a pair the layers allow: see above)
     other = str(tmp_path / "other")
-    shutil.copytree(runs["specforge-dflash"], other)
+    shutil.copytree(runs["speculators"], other)
     before = open(os.path.join(other, "meta.json")).read()
     link = tmp_path / "link"
-    link.symlink_to(runs["speculators"])
+    link.symlink_to(src)
     for out, says in ((other, "holds a run's output (its meta.json is no export's)"),
-                      (str(link), f"is the output it would export ({runs['speculators']})"),
-                      (os.path.join(runs["speculators"], "sub"), "is inside the output it would export")):
-        r = export(runs["speculators"], "--format", "specforge-dflash", "--out", out)
+                      (str(link), f"is the output it would export ({src})"),
+                      (os.path.join(src, "sub"), "is inside the output it would export")):
+        r = export(src, "--format", "speculators", "--out", out)
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert open(os.path.join(other, "meta.json")).read() == before
-    assert not os.path.exists(os.path.join(runs["speculators"], "sub", "meta.json"))
+    assert not os.path.exists(os.path.join(src, "sub", "meta.json"))
