@@ -13,6 +13,8 @@ Invariants (tests/fleet/test_actions.py drives them through real processes):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from worker import protocol
 
 from .judge import Action, Verdict
@@ -102,3 +104,28 @@ def describe(r: protocol.ActResult) -> str:
     if r.status not in ("stale", "busy", "done") and r.detail:
         what += f" ({r.detail})"
     return f"shard {r.shard}: {what}"
+
+
+@dataclass(frozen=True)
+class HostStop:
+    """One host's part of a run stop (`Supervisor.stop_all`): each shard's outcome as its host
+    reported it (stopped, killed, still running, not running…), or why the host could not be asked."""
+    host: str
+    shards: dict[int, str] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def stopped(self) -> list[int]:
+        return sorted(k for k, v in self.shards.items() if v in ("stopped", "killed"))
+
+    @property
+    def still_running(self) -> list[int]:
+        return sorted(k for k, v in self.shards.items() if v == "still running")
+
+    def text(self) -> str:
+        """'box1: stopped 3 shard(s) (0, 1, 2)', with what is still running, or the host's error."""
+        if self.error is not None:
+            return f"{self.host}: {self.error}"
+        stopped, left = self.stopped, self.still_running
+        return (f"{self.host}: stopped {len(stopped)} shard(s)" + (f" ({', '.join(map(str, stopped))})" if stopped else "")
+                + (f"; still running after SIGKILL: {', '.join(map(str, left))}" if left else ""))

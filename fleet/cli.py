@@ -291,16 +291,12 @@ def down(config_path: str, yes: bool, timeout: float) -> None:
         finally:
             await sup.close()
         code = 0
-        for host, r in results.items():
-            if "error" in r:
-                click.echo(f"{host}: {r['error']}", err=True)
+        for r in results:
+            click.echo(r.text(), err=r.error is not None)
+            if r.error is not None:
                 code = EXIT_UNREACHABLE
-                continue
-            stopped = [k for k, v in r.items() if v in ("stopped", "killed")]
-            left = [k for k, v in r.items() if v == "still running"]
-            click.echo(f"{host}: stopped {len(stopped)} shard(s)" + (f" ({', '.join(stopped)})" if stopped else "")
-                       + (f"; still running after SIGKILL: {', '.join(left)}" if left else ""))
-            code = EXIT_FAULT if left and not code else code
+            elif r.still_running and not code:
+                code = EXIT_FAULT
         return code
     run_async(go)
 

@@ -125,12 +125,12 @@ class HostLauncher(_Engine):
         return (f"{n} shard(s) on the CPU" if self.config.run.device == "cpu" or not result.report.gpu_count
                 else f"{n} GPU(s)")
 
-    def launch_spec(self, host: HostSpec, place: Placement, num_shards: int, pool: list[int]) -> dict:
+    def launch_spec(self, host: HostSpec, place: Placement, num_shards: int, pool: list[int]) -> protocol.LaunchSpec:
         """`pool`: the host's shards, which share their rows (worker/leases.py): a host's GPUs
         finish a dead one's rows without a supervisor."""
         cmd = shard_command(self.config, host, place, num_shards, pool)
-        return {"argv": cmd.argv, "env": cmd.env, "cwd": cmd.cwd, "gpu": place.gpu,
-                "sentinels": sentinel_spec(self.config, host), "rows": cmd.rows}
+        return protocol.LaunchSpec(argv=cmd.argv, env=cmd.env, cwd=cmd.cwd, gpu=place.gpu,
+                                   sentinels=sentinel_spec(self.config, host), rows=cmd.rows)
 
     async def act(self, t: Transport, host: HostSpec, actions: list[protocol.ShardAction],
                   places: dict[int, Placement], num_shards: int,

@@ -147,7 +147,9 @@ class Store:
         self.plan: protocol.Plan | None = None
         self.shown: dict[int, tuple[State, int]] = {}    # shard -> (state, failures) last published
         self.moves = Moves()                              # rows moved between hosts (fleet/relocate.py)
-        self.decided: dict[int, Verdict] = {}             # the last decide pass's verdicts (Store.decide)
+        self.decided: dict[int, Verdict] = {}             # the last decide pass's verdicts (Store.decide)...
+        self._decided_on: tuple = ()                      # ...and the inputs they were judged from
+        self.applied = 0                                  # agent messages folded so far
 
     @property
     def num_shards(self) -> int:
@@ -221,6 +223,7 @@ class Store:
               now: float | None = None) -> protocol.Record | None:
         """One message of a host's agent; the event it carried, once folded. Raises HostError
         where it says the host cannot be used."""
+        self.applied += 1
         host = self.hosts[host_name]
         sent = None if isinstance(msg, protocol.TaskGpus) else getattr(msg, "t", None)   # (its reading's time)
         host.heard(sent, time.time() if now is None else now)
@@ -301,8 +304,7 @@ class Store:
         """The judge's verdict on the shard now: the decide pass's own, where one was taken at
         `now` or later (every reader — the snapshot, the view, a refusal — reads that one), else
         judged afresh (a one-shot read)."""
-        taken = self.decided.get(shard.id)
-        if taken is not None and now is None:
+        if now is None and (taken := self.current(shard.id)) is not None:
             return taken
         host = self.hosts[shard.placement.host]
         now = time.time() if now is None else now
@@ -310,8 +312,19 @@ class Store:
                      tuple(shard.launch_failures), shard.slurm, shard.acting, shard.idle(), host.down_reason)
 
     def decide(self, verdicts: dict[int, Verdict]) -> None:
-        """The decide pass's verdicts, published: what everyone reads until the next pass."""
-        self.decided = dict(verdicts)
+        """The decide pass's verdicts, published: what everyone reads until the next pass, or until
+        something they were judged from changes (a line folded, a host up or down, a launch that
+        failed), whichever comes first — never a stale picture."""
+        self.decided, self._decided_on = dict(verdicts), self.inputs()
+
+    def current(self, shard_id: int) -> Verdict | None:
+        """The decide pass's verdict on the shard, while what it was judged from is unchanged."""
+        return self.decided.get(shard_id) if self._decided_on == self.inputs() else None
+
+    def inputs(self) -> tuple:
+        """What the verdicts are judged from, as far as it changes between passes."""
+        return (self.applied, tuple((h.reachable, h.unusable) for h in self.hosts.values()),
+                sum(len(s.launch_failures) for s in self.shards.values()))
 
     def transitions(self, verdicts: dict[int, Verdict], now: float) -> list[Transition]:
         """The shards whose shown state changed, or that failed again, since the last call (each
@@ -334,7 +347,7 @@ class Store:
 
     def _view(self, s: Shard, now: float) -> ShardView:
         p = s.placement
-        verdict = self.decided.get(s.id) or self.verdict(s, now)      # the decision's own, where taken
+        verdict = self.current(s.id) or self.verdict(s, now)      # the decision's own, where current
         return self.engine.view(s, ShardView(
             s.id, p.host, p.gpu, s.record, verdict, s.alive, s.pid, self.policy.max_restarts,
             gpus=p.all_gpus, idle_s=s.idle(), moved_to=self.moves.moved_to(p.host, s.record.leased_t),

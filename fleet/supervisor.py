@@ -22,7 +22,7 @@ from worker import protocol
 from worker.ranges import runs_text
 
 from . import deploy, relocate
-from .actions import UNDER_WAY, busy_mark, policy_action, refusal as action_refusal, user_action
+from .actions import HostStop, UNDER_WAY, busy_mark, policy_action, refusal as action_refusal, user_action
 from .config import Config
 from .follow import HostLink, read_all
 from .judge import LaunchFailure, Verdict, policy_for
@@ -325,28 +325,28 @@ class Supervisor:
             out.update((r.shard, r) for r in batch)
         return dict(sorted(out.items()))
 
-    async def stop_all(self, timeout: float | None = None) -> dict[str, dict]:
+    async def stop_all(self, timeout: float | None = None) -> list[HostStop]:
         """`fleet down` / D: a run stop of every shard on every host, whatever its state (a shard
         waiting for a restart, or never launched, is STOPPED too); waits for each to be carried out.
-        Returns, per host, shard -> status, or {"error": ...} for a host that could not be reached."""
+        Returns each host's part: its shards' outcomes, or why it could not be reached."""
         grace = self.sup.stop_grace if timeout is None else timeout
         if not self.shards:                      # a one-shot command: the plan's shards, or the records'
             await self.read_once()
 
-        async def one(link: HostLink) -> tuple[str, dict]:
+        async def one(link: HostLink) -> HostStop:
             try:
                 await link.transport.connect()
             except HostError as e:
-                return link.name, {"error": str(e)}
+                return HostStop(link.name, error=str(e))
             ids = [p.shard for p in self.store.on(link.name)]
             if not ids:
-                return link.name, {}
+                return HostStop(link.name)
             actions = [protocol.ShardAction(shard=k, kind="stop", why="run", grace=grace) for k in ids]
             results = await self.carry_out(link, actions, wait=grace + 30)
             if results and all(r.status == "error" for r in results):
-                return link.name, {"error": results[0].detail or "error"}
-            return link.name, {str(r.shard): (r.detail or r.status) for r in results}
-        return dict(await asyncio.gather(*(one(l) for l in self.links.values())))
+                return HostStop(link.name, error=results[0].detail or "error")
+            return HostStop(link.name, {r.shard: (r.detail or r.status) for r in results})
+        return list(await asyncio.gather(*(one(l) for l in self.links.values())))
 
     async def log_lines(self, shard_id: int, last: int = 200, follow: bool = True):
         """A shard's log: its last `last` lines, then (`follow`) new ones until the stream ends.

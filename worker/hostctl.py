@@ -505,12 +505,12 @@ def _held(path: str) -> bool:
 
 
 def _launch_spec(a: protocol.ShardAction, shard_dir: str) -> dict:
-    spec = dict(a.launch_spec or {})
-    if not spec.get("argv"):
+    """`launch`'s arguments from the action's LaunchSpec."""
+    spec = a.launch_spec
+    if spec is None or not spec.argv:
         raise ValueError(f"shard {a.shard}: a {a.kind} needs the shard's command")
-    return {"shard_dir": shard_dir, "argv": list(spec["argv"]), "env": dict(spec.get("env") or {}),
-            "cwd": spec.get("cwd"), "by": a.by, "gpu": spec.get("gpu"), "sentinels": spec.get("sentinels"),
-            "rows": spec.get("rows")}
+    return {"shard_dir": shard_dir, "argv": list(spec.argv), "env": dict(spec.env or {}), "cwd": spec.cwd,
+            "by": a.by, "gpu": spec.gpu, "sentinels": spec.sentinels, "rows": spec.rows}
 
 
 def act(run_dir: str, action: protocol.ShardAction) -> protocol.ActResult:

@@ -626,7 +626,7 @@ class ShardAction(Record):
     the caller's verdict was about: a launch or restart is carried out only if the shard's newest
     launch is still that one, so two supervisors acting on the same verdict act once ("stale" for
     the second). A stop is always carried out (it applies to whatever runs). `launch_spec` holds
-    what `hostctl launch` takes (argv, env, cwd, gpu, sentinels)."""
+    what `hostctl launch` takes (a LaunchSpec)."""
     TAG: ClassVar[str] = "action"
     KIND: ClassVar[str] = "shard"
     shard: int = 0
@@ -636,15 +636,46 @@ class ShardAction(Record):
     reason: Optional[str] = None
     expect_launch: Optional[int] = None
     grace: float = 10.0
-    launch_spec: Optional[dict] = None
+    launch_spec: Optional["LaunchSpec"] = None
     policy: bool = False              # the supervisor's own decision: refused where a user's stop stands
+
+    def __post_init__(self) -> None:
+        if isinstance(self.launch_spec, dict):          # as read back from its JSON line
+            self.launch_spec = LaunchSpec.from_dict(self.launch_spec)
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        if self.launch_spec is not None:
+            out["launch_spec"] = self.launch_spec.to_dict()
+        return out
+
+
+@dataclass
+class LaunchSpec:
+    """What `hostctl launch` takes to start a shard's attempt: its command line, environment and
+    working folder, its first GPU, a [job]'s sentinels (`sentinels.SentinelSpec`'s keys) and, for a
+    [job] taking its rows, its `RowShare` (as a dict)."""
+    argv: list = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    cwd: Optional[str] = None
+    gpu: Optional[int] = None
+    sentinels: Optional[dict] = None
+    rows: Optional[dict] = None
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LaunchSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass
 class RowShare(Record):
     """A [job] whose command takes its rows (`{start}`/`{end}`): what its runner needs to hold
     leases of its host's pool instead of one fixed range (worker/ranged.py). Carried in a
-    launch's `launch_spec["rows"]`."""
+    launch's `LaunchSpec.rows`."""
     TAG: ClassVar[str] = "rows"
     KIND: ClassVar[str] = "share"
     num_rows: int = 0                 # the run's rows: {start}/{end} are global indices within them

@@ -73,9 +73,7 @@ class SupervisorSource:
         return [describe(r) for r in (await self.sup.request(shard_ids, "stop")).values()]
 
     async def stop_all(self) -> list[str]:
-        results = await self.sup.stop_all()
-        return [f"{host}: {r.get('error') or ', '.join(f'{k} {v}' for k, v in r.items()) or 'nothing to stop'}"
-                for host, r in results.items()]
+        return [r.text() for r in await self.sup.stop_all()]
 
     async def follow_log(self, shard_id: int) -> AsyncIterator[str]:
         """The shard's log tail, then new lines; raises HostError when the stream drops (the

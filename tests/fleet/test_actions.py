@@ -93,7 +93,7 @@ async def test_fleet_down_during_a_backoff_leaves_nothing_running_and_nothing_re
         await other.read_once()
         results = await other.stop_all(timeout=0.5)
         await other.close()
-        assert results["local"] == {"0": "not running", "1": "killed"}
+        assert [(r.host, r.shards, r.error) for r in results] == [("local", {0: "not running", 1: "killed"}, None)]
         await until(lambda: [shard(sup, k).state for k in (0, 1)] == [State.STOPPED, State.STOPPED],
                     what="both STOPPED")
         for k in (0, 1):                                      # long past shard 0's backoff
