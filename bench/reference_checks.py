@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,9 +34,13 @@ DENSE7B = dict(vocab_size=VOCAB, hidden_size=4096, intermediate_size=12288, num_
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
                tie_word_embeddings=False, model_type="qwen3", architectures=["Qwen3ForCausalLM"],
                rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu", torch_dtype="bfloat16")
+HYBRID7B = {**DENSE7B, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
+            "layer_types": ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(36)],
+            "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
 TINY = {**DENSE7B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16}          # --shape tiny: the same code paths on a CPU, in seconds
-SHAPES = {"dense7b": DENSE7B, "dense27": SHAPE, "hybrid27": HYBRID27, "tiny": TINY}
+SHAPES = {"dense7b": DENSE7B, "hybrid7b": HYBRID7B, "dense27": SHAPE, "hybrid27": HYBRID27, "tiny": TINY}
 
 
 def events(state: str) -> list[dict]:
@@ -83,6 +88,7 @@ def main() -> None:
            "layer_ids": last.get("layer_ids"), "worst_cosine": last.get("worst_cosine"),
            "worst_rel_err": last.get("worst_rel_err"), "failed": last.get("failed"),
            "stderr_tail": r.stderr[-1500:] if r.returncode else ""}
+    shutil.rmtree(work, ignore_errors=True)                  # the output is tens of GB: gone once read
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

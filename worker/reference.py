@@ -35,9 +35,11 @@ from .model import find_decoder, model_devices
 CHECKS_DIR = "checks"
 EVERY = 2000                     # 1 in this many rows, by default
 MIN_ROWS = 8                     # and at least this many a shard
-# What the comparison allows, by how the states are stored (the README's table): a batch of one
-# against a padded batch in bf16 differs by a few per cent; fp8 adds its 3 mantissa bits.
-TOLERANCE = {"bf16": {"cosine": 0.99, "rel_err": 0.10}, "fp8": {"cosine": 0.98, "rel_err": 0.20}}
+# What the comparison allows, by how the states are stored (the README's table). Measured on an
+# H100 (docs/benchmarks.md): a batch of one, eager, against the compiled, padded batch differs by
+# up to 0.079 relative error (cosine 0.9969) at the 27B hybrid's last layer in bf16, 0.066 at a 7B's
+# in fp8; every bug the tests inject is far beyond (cosine under 0.95, relative error over 0.5).
+TOLERANCE = {"bf16": {"cosine": 0.98, "rel_err": 0.15}, "fp8": {"cosine": 0.97, "rel_err": 0.25}}
 
 
 class CheckFailed(Exception):
