@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -116,7 +115,7 @@ def test_the_store_cut_off_by_the_network_pauses_shipping_and_loses_nothing(tmp_
     restored: shipping waits and resumes, nothing leaves the local disk that the store does not
     hold, the local bound holds, nothing counts twice, and the shard never fails for it."""
     from tests.s3_store import S3Store
-    from tests.worker.test_ship import KEEP, extract, local_samples, written
+    from tests.worker.test_ship import KEEP, extract, local_samples, nothing_lost, written
     from worker.demo import make_chat_dataset
     rows = make_chat_dataset(str(tmp_path / "chat.jsonl"), 240, mean_words=30)
     out, state = str(tmp_path / "out"), str(tmp_path / "state")
@@ -128,13 +127,7 @@ def test_the_store_cut_off_by_the_network_pauses_shipping_and_loses_nothing(tmp_
             wait_for(lambda: any(e["shipped_files"] > 0 for e in shipping()), 120, what="first files shipped")
             ip("link", "set", link, "down")
             wait_for(lambda: any(e.get("waiting") for e in shipping()[-3:]), 180, what="the writer waiting")
-            for _ in range(10):              # cut off: every written file is here or there
-                recorded, here, there = written(out), local_samples(out), store.files("run")
-                for i in recorded:
-                    name = f"hs_{i}.safetensors"
-                    assert name in here or there.get(name) == recorded[i], f"sample {i} is neither here nor there"
-                assert sum(here.values()) <= KEEP
-                time.sleep(0.5)
+            nothing_lost(out, store, rounds=10)   # cut off
             assert proc.poll() is None       # waiting, not failed
             ip("link", "set", link, "up")
             _, err = proc.communicate(timeout=600)

@@ -52,6 +52,18 @@ def at_store_md5(store, prefix: str) -> dict[str, str]:
             for name in store.files(prefix) if name.startswith("hs_")}
 
 
+def nothing_lost(out: str, store, rounds: int) -> None:
+    """Every written file is here or at the store whole, and the local ones within KEEP, sampled
+    `rounds` times half a second apart (the invariant while the store cannot be reached)."""
+    for _ in range(rounds):
+        recorded, here, there = written(out), local_samples(out), store.files("run")
+        for i in recorded:
+            name = f"hs_{i}.safetensors"
+            assert name in here or there.get(name) == recorded[i], f"sample {i} is neither here nor there"
+        assert sum(here.values()) <= KEEP
+        time.sleep(0.5)
+
+
 def extract(model: str, data: str, out: str, state: str, dest: str, env: dict, *more: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "worker.extract", "--model", model, "--data", data, "--out", out,
@@ -165,13 +177,7 @@ def test_the_store_killed_and_restarted_pauses_shipping_loses_nothing_and_fails_
         store.kill()
         wait_for(lambda: any(e.get("error") for e in shipping()), 120, what="the outage told")
         wait_for(lambda: any(e.get("waiting") for e in shipping()[-3:]), 120, what="the writer waiting")
-        for _ in range(5):                   # during the outage: every written file is somewhere
-            recorded, here, there = written(out), local_samples(out), store.files("run")
-            for i in recorded:
-                name = f"hs_{i}.safetensors"
-                assert name in here or there.get(name) == recorded[i], f"sample {i} is neither here nor there"
-            assert sum(here.values()) <= KEEP
-            time.sleep(0.5)
+        nothing_lost(out, store, rounds=5)   # during the outage
         assert proc.poll() is None           # waiting, not failed
         store.start()
         _, err = proc.communicate(timeout=600)
