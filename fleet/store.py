@@ -340,14 +340,15 @@ class Store:
     def snapshot(self, now: float | None = None) -> FleetSnapshot:
         """The picture of the run at `now` (supervisor clock): a projection, nothing changes."""
         now = time.time() if now is None else now
-        views = [self._view(s, now) for s in sorted(self.shards.values(), key=lambda s: s.id)]
+        decided = self.decided if self._decided_on == self.inputs() else {}     # (judged once for all)
+        views = [self._view(s, now, decided.get(s.id)) for s in sorted(self.shards.values(), key=lambda s: s.id)]
         hosts = {**self.hosts, **self.engine.nodes(self)}
         return build_snapshot(self.config.run.name, views, hosts, now, self.config.spec.expected,
                               (self.moves.rows, self.moves.redone), verifiable=self.config.spec.job is None)
 
-    def _view(self, s: Shard, now: float) -> ShardView:
+    def _view(self, s: Shard, now: float, decided: Verdict | None) -> ShardView:
         p = s.placement
-        verdict = self.current(s.id) or self.verdict(s, now)      # the decision's own, where current
+        verdict = decided or self.verdict(s, now)                 # the decision's own, where current
         return self.engine.view(s, ShardView(
             s.id, p.host, p.gpu, s.record, verdict, s.alive, s.pid, self.policy.max_restarts,
             gpus=p.all_gpus, idle_s=s.idle(), moved_to=self.moves.moved_to(p.host, s.record.leased_t),
