@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import sys
 import threading
@@ -31,6 +30,7 @@ import torch
 from . import protocol
 from .formats import Layout
 from .model import find_decoder, model_devices
+from .writer import disk_full_says
 
 CHECKS_DIR = "checks"
 EVERY = 2000                     # 1 in this many rows, by default
@@ -97,11 +97,25 @@ class ReferenceChecks:
             todo, self.pending = self.pending, []
         for index, tensors in todo:
             t0 = time.perf_counter()
-            cos, rel = self.compare(index, tensors)
-            if capture is not None:                    # its hooks fired: their tensors are not a batch's
-                capture.slots = [None] * len(capture.slots)
-            self.seconds += time.perf_counter() - t0
-            self._record(index, cos, rel)
+            try:
+                cos, rel = self.compare(index, tensors)
+            except Exception as e:                     # the check could not run (out of memory alone with
+                cos = rel = None                       # every layer kept, say): said, never the data's fault
+                self.not_run(index, e)
+            finally:
+                if capture is not None:                # its hooks fired: their tensors are not a batch's
+                    capture.slots = [None] * len(capture.slots)
+                self.seconds += time.perf_counter() - t0
+            if cos is not None:
+                self._record(index, cos, rel)
+
+    def not_run(self, index: int, e: Exception) -> None:
+        """A check that could not run: a warning naming the row, and the GPU's cache emptied."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        self.emit(protocol.WarningEvent(message=f"reference check of row {index:,} not run: "
+                                                f"{type(e).__name__}: {why}"))
 
     def compare(self, index: int, tensors: dict) -> tuple[list[float], list[float]]:
         """Each saved layer's (cosine, relative error) of the written states against the reference."""
@@ -134,8 +148,8 @@ class ReferenceChecks:
         tol = TOLERANCE[self.layout.dtype]
         self._count(cos, rel)
         line = {"index": index, "cosine": [round(c, 6) for c in cos], "rel_err": [round(r, 6) for r in rel]}
-        with open(self.file, "a") as f:
-            f.write(json.dumps(line, separators=(",", ":")) + "\n")
+        with disk_full_says(self.file):
+            protocol.append_jsonl(self.file, line)
         ids = list(self.layout.plan.ids)
         bad = [(k, c, r) for k, c, r in zip(ids, cos, rel) if c < tol["cosine"] or r > tol["rel_err"]]
         self.emit(protocol.Checked(rows=self.count, layer_ids=ids, worst_cosine=[round(c, 6) for c in self.worst_cos],

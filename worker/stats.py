@@ -23,7 +23,11 @@ from collections import defaultdict
 import torch
 
 FINGERPRINT_SEED = 20261206
-ROBUST_Z = 12.0             # |log rms - median| over 1.4826 MAD beyond this: an outlier
+ROBUST_Z = 12.0             # |log rms - median| over 1.4826 MAD beyond this...
+OUTLIER_FACTOR = 10.0       # ...and a factor of this from the run's median: an outlier (a real layer's
+                            # RMS varies by a small factor over rows; a lost scale or a zeroed stage
+                            # moves it by orders of magnitude, and a tight run's MAD alone would
+                            # flag a one-token row)
 MIN_FOR_OUTLIERS = 20       # samples of a layer before outliers are judged
 _probes: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -145,7 +149,7 @@ def anomalies(records: list[dict], layer_ids: list[int]) -> dict[int, str]:
             continue
         for v, i in values:
             z = abs(v - median) / mad
-            if z > ROBUST_Z:
+            if z > ROBUST_Z and abs(v - median) > math.log(OUTLIER_FACTOR):
                 out.setdefault(i, f"layer {layer_name(layer_ids, k)}: rms {math.exp(v):.4g}, the run's is "
                                   f"{math.exp(median):.4g} (robust z {z:.0f})")
     return out
