@@ -419,7 +419,8 @@ class BackgroundWriter:
                                    torch.from_numpy(sample.loss_mask), scales)
         size = write_sample_file(self.layout, self.out_dir, sample.index, tensors, meta, self.spill)
         if self.checks is not None and self.checks.wanted(sample.index):
-            self.checks.written(sample.index, tensors)   # (pack made them fresh copies: they outlive the buffer)
+            # copies: speculators' states are a view of the host buffer, which the next batch reuses
+            self.checks.written(sample.index, {k: v.clone() for k, v in tensors.items()})
         record = {"index": sample.index, "tokens": sample.length, "bytes": size}
         if stats is not None:
             record["stats"] = rounded(stats)

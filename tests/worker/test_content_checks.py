@@ -154,3 +154,16 @@ env = {{ OMP_NUM_THREADS = "1" }}
     assert fleet("up", "--headless", "-c", config, timeout=600).returncode == 0
     assert not (tmp_path / "out-off" / "checks").exists()
     assert json.loads(fleet("status", "--json", "-c", config).stdout)["shards"][0]["reference"] is None
+
+
+def test_a_checked_row_is_compared_with_what_was_written_not_with_a_reused_buffer(models, chats, tmp_path):
+    """A writer that lags (it waits for shipping at keep_local) lets the next batches be copied into
+    the very host buffer a checked row's states were written from before its check runs: the check
+    holds its own copy, so a clean run passes (a shipping run in CI failed every such row when it
+    held a view of the buffer)."""
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    r = extract(models["qwen3"], chats[1], out, state, "--writer-queue", "1", "--destination",
+                str(tmp_path / "dest"), "--keep-local", "60000")
+    assert r.returncode == 0, r.stderr[-2000:]
+    checked = [e for e in read_events(state) if e["event"] == "checked"][-1]
+    assert checked["rows"] == ROWS and checked.get("failed") is None
