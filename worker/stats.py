@@ -135,9 +135,11 @@ def anomalies(records: list[dict], layer_ids: list[int]) -> dict[int, str]:
         if twins:
             a, b = twins[0]
             out.setdefault(i, f"layers {layer_name(layer_ids, a)} and {layer_name(layer_ids, b)} hold the same values")
-        key = tuple(map(tuple, stats))
+        # the same statistics over as many tokens, from other tokens: another sample's states (a row
+        # of one token repeated gives the same states at any length, so the length is part of it)
+        key = (rec.get("tokens"), tuple(map(tuple, stats)))
         j, crc = seen.setdefault(key, (i, rec.get("ids_crc")))
-        if j != i and crc != rec.get("ids_crc"):            # (the same tokens make the same states)
+        if j != i and crc != rec.get("ids_crc"):
             out.setdefault(i, f"the same states as sample {j}, whose tokens differ")
     for k, values in logs.items():
         if len(values) < MIN_FOR_OUTLIERS:

@@ -96,8 +96,9 @@ def test_files_edited_after_the_fact_are_named_and_repair_redoes_exactly_them(mo
 
 def test_the_statistics_name_what_no_model_writes(models, chats, tmp_path):
     """The anomalies of worker/stats.py over a real run's records, edited as a bug would leave them:
-    a layer all zero, two layers alike, a sample's states the same as another's with other tokens,
-    an RMS a thousand times the run's."""
+    a layer all zero, two layers alike, a sample's states the same as another's of its length with
+    other tokens, an RMS a thousand times the run's; and rows of one token repeated, whose states are
+    the same at any length, are no anomaly."""
     from worker.stats import anomalies
     out = str(tmp_path / "out")
     assert extract(models["qwen3"], chats[3], out, str(tmp_path / "s"), "--reference-checks", "0").returncode == 0
@@ -108,7 +109,8 @@ def test_the_statistics_name_what_no_model_writes(models, chats, tmp_path):
     a, b, c, d = (edited[k]["index"] for k in range(4))
     edited[0]["stats"][1] = [0.0, 0.0, 1.0, 0.0]
     edited[1]["stats"][2] = list(edited[1]["stats"][3])
-    edited[2]["stats"] = [list(row) for row in edited[4]["stats"]]
+    edited[2]["stats"] = [list(row) for row in edited[4]["stats"]]    # another row's states, as many tokens
+    edited[2]["tokens"] = edited[4]["tokens"]
     edited[3]["stats"][0][0] *= 1000
     edited[3]["stats"][0][1] *= 1000
     e = edited[4]["index"]
@@ -119,6 +121,12 @@ def test_the_statistics_name_what_no_model_writes(models, chats, tmp_path):
     assert found[b] == f"layers {ids[2]} and {ids[3]} hold the same values"
     assert found[twin] == f"the same states as sample {c + e - twin}, whose tokens differ"
     assert found[d].startswith(f"layer {ids[0]}: rms ")
+    # one token repeated: every position's state is the same, whatever the length
+    out2 = str(tmp_path / "out2")
+    (tmp_path / "same.jsonl").write_text("".join(json.dumps({"input_ids": [7] * n}) + "\n" for n in (40, 20, 30)))
+    assert extract(models["qwen3"], str(tmp_path / "same.jsonl"), out2, str(tmp_path / "s2"),
+                   "--reference-checks", "0").returncode == 0
+    assert anomalies([json.loads(line) for line in open(os.path.join(out2, "manifest", "0.jsonl"))], ids) == {}
 
 
 def test_fleet_shows_the_checks_where_people_look(models, chats, tmp_path):
