@@ -14,24 +14,30 @@ if TYPE_CHECKING:
 
 
 def finished_summary(snap: FleetSnapshot, sep: str = ", ") -> str:
-    """A finished run in one line, as status, the quit message, the live view's banner and the
-    finished notice all say it: '2/2 shards DONE in 1m17s, avg 1,433 tok/s/GPU, 456.7 MB, $0.12'."""
+    """A finished run in one line, as status, the quit message and the finished notice all say it:
+    '2/2 shards DONE in 1m17s, avg 1,433 tok/s/GPU, 456.7 MB, $0.12'."""
+    return sep.join(finished_parts(snap))
+
+
+def finished_parts(snap: FleetSnapshot) -> list[str]:
+    """finished_summary's parts, most telling first (the live view's banner drops from the end
+    what does not fit its width)."""
     t = snap.totals
     done = t.by_state.get(State.DONE.value, 0)
     parts = [f"{done}/{t.shards} shards DONE in {duration(t.elapsed_s)}"
              + (f" ({t.rows_moved:,} rows moved between GPUs)" if t.rows_moved else "")]
+    if t.reference is not None:
+        parts.append(t.reference.text)
+    if t.shipping is not None:
+        parts.append(f"at {t.shipping.destination}" if t.shipping.finished
+                     else shipping_text(t.shipping))
     if t.avg_tokens_per_s_per_gpu:
         parts.append(f"avg {t.avg_tokens_per_s_per_gpu:,.0f} tok/s/GPU")
     if t.bytes_written is not None:
         parts.append(bytes_text(t.bytes_written))
     if t.usd_spent is not None:
         parts.append(f"${t.usd_spent:,.2f}")
-    if t.shipping is not None:
-        parts.append(f"at {t.shipping.destination}" if t.shipping.finished
-                     else shipping_text(t.shipping))
-    if t.reference is not None:
-        parts.append(t.reference.text)
-    return sep.join(parts)
+    return parts
 
 
 def shipping_text(sh) -> str:

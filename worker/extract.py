@@ -65,6 +65,11 @@ class NotRetryable(Exception):
     skipped): the failure event says so, and the judge gives up at once."""
 
 
+class ForeignOutput(NotRetryable):
+    """The output folder holds another run's work: nothing is written into it, not even the note
+    that this shard stopped (that run's verify would read it as its own shard's)."""
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = _argument_parser()
     return _checked_args(p, p.parse_args(argv))
@@ -564,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         lock.close()
         return 0
     except (Exception, KeyboardInterrupt) as e:
-        if isinstance(e, (NotRetryable, CheckFailed)):        # its output says so too (verify reads it)
+        if isinstance(e, (NotRetryable, CheckFailed)) and not isinstance(e, ForeignOutput):  # verify reads it
             files.note_fatal(args.out, args.shard_index, str(e))
         return _failure_exit(log, e)
 
@@ -1007,7 +1012,7 @@ def check_identity(args: argparse.Namespace, plan: LayerPlan) -> dict:
             raise NotRetryable(f"this shard's work differs from the run's plan ({args.plan}): "
                                + "; ".join(diffs) + " (fleet up --replan after fleet down, or restore it)")
     if diffs := output_mismatch(args.out, identity):
-        raise NotRetryable(f"{args.out} holds another run's work (its meta.json): " + "; ".join(diffs)
+        raise ForeignOutput(f"{args.out} holds another run's work (its meta.json): " + "; ".join(diffs)
                            + ": use another --out")
     return identity
 

@@ -235,7 +235,8 @@ def _repair_at(dest, out: str, layout: Layout, found: "_Findings") -> protocol.R
     """Mend this host's part of the destination: a sample whose copy there is missing or wrong is
     shipped again by the next launch where its file is still here and whole (its wrong copy
     removed); else its manifest entry is dropped (and the copy there removed), so the next launch
-    of its shard redoes it. The manifests are then copied there, so the destination's agree."""
+    of its shard redoes it; files here of rows that moved away go (`_moved_strays`). The manifests
+    are then copied there, so the destination's agree."""
     from .ship import rclone
     reship = {i for i in found.broken if _whole_here(layout, out, i, found.written)}
     for i in sorted(found.broken):
@@ -245,6 +246,8 @@ def _repair_at(dest, out: str, layout: Layout, found: "_Findings") -> protocol.R
     found.broken = {i: why for i, why in found.broken.items() if i not in reship}
     repaired = _repair(out, layout, found) or protocol.Repair()
     repaired.reshipped = sorted(reship)
+    unrecorded = set(layout.scan(out)) - {r["index"] for r in found.written}
+    repaired.removed_files += len(_moved_strays(out, layout, unrecorded, found))
     found.broken = kept                       # still missing there until the next launch ships them
     folder = os.path.join(out, protocol.MANIFEST_DIR)
     records = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".jsonl")]

@@ -65,7 +65,8 @@ def test_another_model_or_dataset_into_the_same_output_is_refused(tmp_path, sshd
     failed = [json.loads(l) for l in open(os.path.join(state, "events.jsonl")) if '"failed"' in l]
     assert failed[-1]["fatal"] is True
     assert open(tmp_path / "out" / "meta.json").read() == meta
-    assert fleet("verify", "-c", config).returncode == 0
+    v = fleet("verify", "-c", config)
+    assert v.returncode == 0, v.stdout + v.stderr
 
 
 def test_the_layout_is_fixed_at_the_first_launch_and_followed_by_every_command(

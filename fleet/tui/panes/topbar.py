@@ -9,7 +9,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from ...render import finished_summary
+from ...render import finished_parts
 from ...schema import FleetSnapshot
 from ...state import SEVERITY as STATE_SEVERITY
 from ...units import bytes_text, duration, si, usd
@@ -17,11 +17,11 @@ from ..style import ALERT, GLYPH, bar, state_style
 from .lines import show_text
 
 
-def fit(parts: list[tuple[int, Text]], width: int, sep: str = "  ") -> Text:
+def fit(parts: list[tuple[int, Text]], width: int, sep: str | Text = "  ") -> Text:
     """Join parts in order, dropping the highest-numbered priorities until the line fits."""
     parts = list(parts)
     while parts:
-        line = Text(sep).join(t for _, t in parts)
+        line = (Text(sep) if isinstance(sep, str) else sep).join(t for _, t in parts)
         if line.cell_len <= width or len(parts) == 1:
             line.truncate(width, overflow="ellipsis")
             return line
@@ -49,8 +49,8 @@ def lines(snap: FleetSnapshot, width: int, no_color: bool = False) -> list[Text]
     head += state_counts(snap, no_color)
     facts = fact_parts(t)
     banner = run_banner(snap, no_color)
-    middle = [(0, banner)] if banner is not None else rate_parts(t, no_color)
-    return [fit(head, width), fit(middle, width), fit(facts, width)]
+    middle = fit(banner, width, Text(" · ", banner[0][1].style)) if banner is not None else fit(rate_parts(t, no_color), width)
+    return [fit(head, width), middle, fit(facts, width)]
 
 
 def head_parts(snap: FleetSnapshot, no_color: bool) -> list[tuple[int, Text]]:
@@ -110,17 +110,20 @@ def money_parts(t) -> list[tuple[int, Text]]:
     return [m for m in money if m[1].plain]
 
 
-def run_banner(snap: FleetSnapshot, no_color: bool) -> Text | None:
-    """Instead of the rate, once nothing runs: what the finished run took, or that it needs a
-    restart; None while shards run."""
+def run_banner(snap: FleetSnapshot, no_color: bool) -> list[tuple[int, Text]] | None:
+    """Instead of the rate, once nothing runs: what the finished run took (what does not fit goes
+    from the end, the pointer at `fleet verify` stays), or that it needs a restart; None while
+    shards run."""
     t = snap.totals
     if t.finished:
-        return Text(f"✓ {finished_summary(snap, ' · ')} → fleet verify",
-                    "bold reverse" if no_color else "bold white on dark_green")
+        style = "bold reverse" if no_color else "bold white on dark_green"
+        first, *rest = finished_parts(snap)
+        return [(0, Text(f"✓ {first}", style)), *((i, Text(p, style)) for i, p in enumerate(rest, 1)),
+                (0, Text("→ fleet verify", style))]
     if t.settled:
         counts = ", ".join(f"{n} {s}" for s, n in t.by_state.items())
-        return Text(f"nothing is running: {counts} · r restarts the selected, R every failed one",
-                    "bold reverse" if no_color else "bold black on yellow")
+        return [(0, Text(f"nothing is running: {counts} · r restarts the selected, R every failed one",
+                         "bold reverse" if no_color else "bold black on yellow"))]
     return None
 
 
