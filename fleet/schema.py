@@ -53,18 +53,21 @@ class ReferenceStatus(BaseModel):
     layer_ids: list[int] = Field(default_factory=list, description="the saved layers, as hs indices")
     worst_cosine: list[float] = Field(default_factory=list, description="per layer, the lowest cosine")
     worst_rel_err: list[float] = Field(default_factory=list, description="per layer, the largest relative error")
+    masks: int = Field(0, description="of the rows checked, raw chats whose loss mask was checked against the "
+                                      "chat template's rendering")
     failed: Optional[str] = Field(None, description="the check that failed (the shard stopped for it)")
 
     @property
     def text(self) -> str:
-        """'checked 24 rows ✓ (worst cosine 0.9996, layer 32)', or what failed."""
+        """'checked 24 rows ✓ (worst cosine 0.9996, layer 32; 24 masks)', or what failed."""
         if self.failed:
             return f"check failed: {self.failed}"
+        masks = f"; {self.masks} masks" if self.masks else ""
         if not self.worst_cosine:
-            return f"checked {self.rows} rows"
+            return f"checked {self.rows} rows" + (f" ({masks[2:]})" if masks else "")
         k = min(range(len(self.worst_cosine)), key=lambda j: self.worst_cosine[j])
         layer = self.layer_ids[k] if k < len(self.layer_ids) else k
-        return f"checked {self.rows} rows ✓ (worst cosine {self.worst_cosine[k]:.4f}, layer {layer})"
+        return f"checked {self.rows} rows ✓ (worst cosine {self.worst_cosine[k]:.4f}, layer {layer}{masks})"
 
 
 class ShippingStatus(BaseModel):

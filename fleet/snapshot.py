@@ -40,7 +40,8 @@ def gpu_totals(gpus: list[Gpu]) -> GpuTotals | None:
 def reference_of(r: ShardRecord) -> ReferenceStatus | None:
     ev = r.checked
     return None if ev is None else ReferenceStatus(rows=ev.rows, layer_ids=ev.layer_ids, worst_cosine=ev.worst_cosine,
-                                                   worst_rel_err=ev.worst_rel_err, failed=ev.failed)
+                                                   worst_rel_err=ev.worst_rel_err, masks=ev.masks,
+                                                   failed=ev.failed)
 
 
 def reference_sum(parts: list[ReferenceStatus | None]) -> ReferenceStatus | None:
@@ -48,7 +49,7 @@ def reference_sum(parts: list[ReferenceStatus | None]) -> ReferenceStatus | None
     parts = [p for p in parts if p is not None]
     if not parts:
         return None
-    out = ReferenceStatus(rows=sum(p.rows for p in parts), layer_ids=parts[0].layer_ids,
+    out = ReferenceStatus(rows=sum(p.rows for p in parts), masks=sum(p.masks for p in parts), layer_ids=parts[0].layer_ids,
                           failed=next((p.failed for p in parts if p.failed), None))
     for p in parts:
         if p.worst_cosine and p.layer_ids == out.layer_ids:

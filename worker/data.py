@@ -27,6 +27,7 @@ class Sample:
     index: int
     input_ids: np.ndarray      # int64 [T]
     loss_mask: np.ndarray      # uint8 [T]
+    chat: list[dict] | None = None   # a raw chat's messages (the mask check renders them again)
 
     @property
     def length(self) -> int:
@@ -221,7 +222,7 @@ def _turn_span(messages: list[dict], i: int, text: str, tokenizer: Any) -> tuple
         raise DataError("the chat template adds no generation prompt (add_generation_prompt "
                         "changes nothing), so an assistant turn's start is unknown: use "
                         "loss_mask = \"assistant-content\" or \"all\"")
-    start = len(os.path.commonprefix([before, text]))
+    start = common_prefix(before, text, tokenizer)
     if not text.startswith(plain) or start < len(plain):
         raise ValueError(f"turn {i}: the chat template renders the conversation before it "
                          f"differently on its own")
@@ -238,6 +239,21 @@ def _turn_span(messages: list[dict], i: int, text: str, tokenizer: Any) -> tuple
     if text.startswith(turn, start):                 # no special end marker: the turn as rendered
         return start, start + len(turn)
     raise ValueError(f"turn {i}: cannot find where it ends in the rendered conversation")
+
+
+def common_prefix(a: str, b: str, tokenizer: Any) -> int:
+    """How far two renderings agree, never into an added token (`<|im_end|>`, `<think>`) either of
+    them has there: a prompt ending in `<think>` and a turn that is only `<|im_end|>` agree on the
+    `<`, and a turn would start inside its end-of-turn token (and, that searched on, run into the
+    next user turn)."""
+    at = len(os.path.commonprefix([a, b]))
+    for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        s = getattr(token, "content", "")
+        for p in range(max(0, at - len(s) + 1), at):
+            if a.startswith(s, p) or b.startswith(s, p):
+                at = p
+                break
+    return at
 
 
 def _prompt_before(messages: list[dict], i: int, tokenizer: Any, text: str) -> tuple[str, str]:
@@ -285,6 +301,7 @@ def row_to_sample(index: int, row: Any, vocab_size: int,
         return row
     if not isinstance(row, dict):
         return BadRow(index, "row is not an object")
+    chat = None
     try:
         if row.get("input_ids") is not None:
             raw = row["input_ids"]
@@ -299,7 +316,8 @@ def row_to_sample(index: int, row: Any, vocab_size: int,
             else:
                 mask = np.ones(len(ids), dtype=np.uint8)
         elif "conversations" in row or "messages" in row:
-            ids, mask = tokenize_chat(_chat_messages(row), tokenizer(), loss_mask)
+            chat = _chat_messages(row)
+            ids, mask = tokenize_chat(chat, tokenizer(), loss_mask)
         else:
             return BadRow(index, "row has none of input_ids, conversations, messages")
     except (ValueError, TypeError, OverflowError) as e:
@@ -310,4 +328,4 @@ def row_to_sample(index: int, row: Any, vocab_size: int,
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         return BadRow(index, f"token id {bad} out of range for vocab size {vocab_size}")
-    return Sample(index, ids, mask)
+    return Sample(index, ids, mask, chat)

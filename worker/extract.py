@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         sizer = sizing.Sizer(log, dataset, vocab_size, args.model, options, config, weight)
         stats = resumed_stats(load_finished(args.out), counted)
         checks = ReferenceChecks(model, layout, args.out, args.shard_index, args.reference_checks, stop - start,
-                                 log.emit, path) if args.reference_checks > 0 else None
+                                 log.emit, path, tokenizer, args.loss_mask) if args.reference_checks > 0 else None
         lost = False
         def waiting() -> None:                     # a progress tick while it waits for a lease
             log.emit(protocol.Progress(**stats.snapshot(), total=sum(b - a for a, b in counted)))

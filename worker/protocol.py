@@ -340,6 +340,7 @@ class Checked(Record):
     worst_cosine: list = field(default_factory=list)
     worst_rel_err: list = field(default_factory=list)
     seconds: float = 0.0
+    masks: int = 0                  # of them, raw chats whose loss mask was checked (worker/maskcheck.py)
     failed: Optional[str] = None
 
 

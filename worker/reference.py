@@ -11,8 +11,12 @@ dequantised): cosine and relative error against a tolerance per stored dtype. A 
 stops the shard for good, naming the layer, the row and the numbers: nothing is worse than output
 that is wrong without a word.
 
+A checked row that was a raw chat has its loss mask, as written, compared with the chat template's
+rendering too (worker/maskcheck.py); a mask off the assistant turns stops the shard the same way.
+
 Each check is a line of `<out>/checks/<shard>.jsonl` (the row, each layer's cosine and relative
-error), which verify reads, and a `checked` event with the shard's count and worst cosine per layer.
+error, the mask's counts), which verify reads, and a `checked` event with the shard's count and
+worst cosine per layer.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 
 from . import protocol
 from .formats import Layout
+from .maskcheck import check_mask
 from .model import find_decoder, model_devices
 from .writer import disk_full_says
 
@@ -68,37 +73,44 @@ class ReferenceChecks:
     its thread), the GPU loop runs them between batches (`run`, raising CheckFailed)."""
 
     def __init__(self, model: torch.nn.Module, layout: Layout, out_dir: str, shard: int, every: int,
-                 rows: int, emit, path_note: str = ""):
+                 rows: int, emit, path_note: str = "", tokenizer=None, loss_mask: str = "assistant"):
         self.model, self.layout, self.emit = model, layout, emit
+        self.tokenizer, self.loss_mask = tokenizer, loss_mask   # a raw chat's mask is checked too
         self.every, self.stride = every, stride_for(rows)
         self.path_note = path_note                 # which forward path the shard runs (the failure names it)
         self.file = checks_path(out_dir, shard)
         os.makedirs(os.path.dirname(self.file), exist_ok=True)
         self.decoder = find_decoder(model)
         self.device = model_devices(model, next(model.parameters()).device)[0]
-        self.pending: list[tuple[int, dict]] = []
+        self.pending: list[tuple[int, dict, list | None]] = []
         self.lock = threading.Lock()
-        self.count, self.worst_cos, self.worst_rel, self.seconds = 0, None, None, 0.0
+        self.count, self.masks, self.worst_cos, self.worst_rel, self.seconds = 0, 0, None, None, 0.0
         for rec in protocol.iter_jsonl(self.file):         # an earlier launch's checks count on
             if isinstance(rec.get("cosine"), list) and isinstance(rec.get("rel_err"), list):
                 self._count(rec["cosine"], rec["rel_err"])
+                self.masks += isinstance(rec.get("mask"), dict)
 
     def wanted(self, index: int) -> bool:
         return chosen(index, self.every, self.stride)
 
-    def written(self, index: int, tensors: dict) -> None:
-        """A chosen row's file contents, as written (the writer's thread)."""
+    def written(self, index: int, tensors: dict, chat: list | None = None) -> None:
+        """A chosen row's file contents, as written, and its chat's messages where it was one (the
+        writer's thread)."""
         with self.lock:
-            self.pending.append((index, tensors))
+            self.pending.append((index, tensors, chat))
 
     def run(self, capture=None) -> None:
         """Every chosen row written so far, checked (on the GPU loop's thread, between batches)."""
         with self.lock:
             todo, self.pending = self.pending, []
-        for index, tensors in todo:
+        for index, tensors, chat in todo:
             t0 = time.perf_counter()
+            mask = None
             try:
                 cos, rel = self.compare(index, tensors)
+                if chat is not None and self.tokenizer is not None:
+                    _, ids, written = self.layout.unpack(tensors)
+                    mask = check_mask(chat, ids.numpy(), written.numpy(), self.tokenizer(), self.loss_mask)
             except Exception as e:                     # the check could not run (out of memory alone with
                 cos = rel = None                       # every layer kept, say): said, never the data's fault
                 self.not_run(index, e)
@@ -107,7 +119,7 @@ class ReferenceChecks:
                     capture.slots = [None] * len(capture.slots)
                 self.seconds += time.perf_counter() - t0
             if cos is not None:
-                self._record(index, cos, rel)
+                self._record(index, cos, rel, mask)
 
     def not_run(self, index: int, e: Exception) -> None:
         """A check that could not run: a warning naming the row, and the GPU's cache emptied."""
@@ -144,19 +156,24 @@ class ReferenceChecks:
         self.worst_cos = [min(a, b) for a, b in zip(self.worst_cos, cos)] if self.worst_cos else list(cos)
         self.worst_rel = [max(a, b) for a, b in zip(self.worst_rel, rel)] if self.worst_rel else list(rel)
 
-    def _record(self, index: int, cos: list[float], rel: list[float]) -> None:
+    def _record(self, index: int, cos: list[float], rel: list[float], mask=None) -> None:
         tol = TOLERANCE[self.layout.dtype]
         self._count(cos, rel)
         line = {"index": index, "cosine": [round(c, 6) for c in cos], "rel_err": [round(r, 6) for r in rel]}
+        if mask is not None:
+            self.masks += 1
+            line["mask"] = mask.line() | ({"problem": mask.problem} if mask.problem else {})
         with disk_full_says(self.file):
             protocol.append_jsonl(self.file, line)
         ids = list(self.layout.plan.ids)
         bad = [(k, c, r) for k, c, r in zip(ids, cos, rel) if c < tol["cosine"] or r > tol["rel_err"]]
+        why = failure(bad[0], index, self.path_note) if bad else \
+            f"row {index:,}: its loss mask: {mask.problem}" if mask is not None and mask.problem else None
         self.emit(protocol.Checked(rows=self.count, layer_ids=ids, worst_cosine=[round(c, 6) for c in self.worst_cos],
                                    worst_rel_err=[round(r, 6) for r in self.worst_rel], seconds=round(self.seconds, 3),
-                                   failed=None if not bad else failure(bad[0], index, self.path_note)))
-        if bad:
-            raise CheckFailed(failure(bad[0], index, self.path_note))
+                                   masks=self.masks, failed=why))
+        if why:
+            raise CheckFailed(why)
 
 
 def failure(bad: tuple[int, float, float], index: int, path: str) -> str:

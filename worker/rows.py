@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from . import inject
 from .data import BadRow, Sample, row_to_sample
 from .formats import supervision_problem
 from .leases import Cell
@@ -67,7 +68,7 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
                 yield BadRow(index, f"too long: {sample.length} tokens > --max-length {options.max_length}")
                 continue
             sample = Sample(index, sample.input_ids[: options.max_length],
-                            sample.loss_mask[: options.max_length])
+                            sample.loss_mask[: options.max_length], sample.chat)
         if options.max_positions and sample.length > options.max_positions:
             yield BadRow(index, f"longer than the model's {options.max_positions} positions: "
                                 f"{sample.length} tokens")
@@ -75,6 +76,8 @@ def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: i
         if problem := supervision_problem(options.format, sample.loss_mask, options.max_length or options.window):
             yield BadRow(index, problem)
             continue
+        if inject.bug("mask-early") and sample.chat is not None:
+            sample.loss_mask = inject.mask_early(sample.loss_mask)
         if index in later:
             held.append(sample)
             continue

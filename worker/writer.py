@@ -420,7 +420,7 @@ class BackgroundWriter:
         size = write_sample_file(self.layout, self.out_dir, sample.index, tensors, meta, self.spill)
         if self.checks is not None and self.checks.wanted(sample.index):
             # copies: speculators' states are a view of the host buffer, which the next batch reuses
-            self.checks.written(sample.index, {k: v.clone() for k, v in tensors.items()})
+            self.checks.written(sample.index, {k: v.clone() for k, v in tensors.items()}, sample.chat)
         record = {"index": sample.index, "tokens": sample.length, "bytes": size}
         if stats is not None:
             record["stats"] = rounded(stats)

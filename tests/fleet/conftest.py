@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 
-import pytest
 
 from tests.conftest import REPO, host_python
 

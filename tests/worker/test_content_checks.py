@@ -51,6 +51,22 @@ def test_each_silent_bug_is_caught_naming_layer_and_row_and_the_shard_stops(mode
     assert any(p == f"shard 0 stopped for good: {reason}" for p in report.problems), report.problems
 
 
+def test_a_mask_moved_off_the_assistant_turns_stops_the_shard_naming_the_row(models, chats, tmp_path):
+    """The loss mask moved onto the prompt before each assistant turn (what a template change that
+    shifts the mask looks like) is named by the checked row's mask check, against the chat
+    template's rendering; the states themselves are right, so only the mask check can see it."""
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    r = extract(models["qwen3"], chats[1], out, state, env={"FLEET_INJECT_BUG": "mask-early"})
+    assert r.returncode == 1, r.stderr[-2000:]
+    failed = [e for e in read_events(state) if e["event"] == "failed"]
+    assert len(failed) == 1 and failed[0]["fatal"], failed
+    reason = failed[0]["reason"]
+    assert reason.startswith("row ") and ": its loss mask: " in reason and "turn" in reason, reason
+    line = [json.loads(x) for x in open(os.path.join(out, "checks", "0.jsonl"))][-1]
+    assert line["mask"]["problem"] in reason and min(line["cosine"]) > 0.99     # the states were right
+    assert f"shard 0 stopped for good: {reason}" in check_folder(out).problems
+
+
 @pytest.mark.parametrize("arch,dtype", [("qwen3", "bf16"), ("qwen3", "fp8"), ("qwen3_5_text", "bf16")])
 def test_a_clean_run_passes_every_check_over_several_datasets(models, chats, tmp_path, arch, dtype):
     for seed, data in chats.items():
@@ -59,6 +75,7 @@ def test_a_clean_run_passes_every_check_over_several_datasets(models, chats, tmp
         assert r.returncode == 0, r.stderr[-2000:]
         checked = [e for e in read_events(state) if e["event"] == "checked"][-1]
         assert checked["rows"] == ROWS and checked.get("failed") is None      # --reference-checks 1: every row
+        assert checked["masks"] == ROWS                                       # raw chats: each mask too
         lines = [json.loads(line) for line in open(os.path.join(out, "checks", "0.jsonl"))]
         assert sorted(line["index"] for line in lines) == list(range(ROWS))
         report = check_folder(out)

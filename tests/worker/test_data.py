@@ -217,6 +217,18 @@ def test_real_templates_mask_what_the_model_generates(real, name, chat):
     assert [tok.decode(r) for r in supervised_runs(sample.input_ids, sample.loss_mask)] == EXPECTED[name, chat]
 
 
+def test_an_empty_turn_ends_at_its_own_end_of_turn_token(real):
+    """Qwen3-Thinking-2507's prompt ends in `<think>`, an empty turn is only `<|im_end|>`: the two
+    agree on the `<`, and the turn once started inside its end-of-turn token and ran on through the
+    next user turn (found by worker/maskcheck.py's property test)."""
+    tok = real["qwen3_thinking_2507"]
+    chat = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""},
+            {"role": "user", "content": "the the"}, {"role": "assistant", "content": ""}]
+    sample = row_to_sample(0, {"messages": chat}, len(tok), lambda: tok)
+    assert [tok.decode(r) for r in supervised_runs(sample.input_ids, sample.loss_mask)] == \
+        ["<|im_end|>", "\n</think>\n\n<|im_end|>"]
+
+
 def test_either_key_style_under_either_list_name(real):
     tok = real["qwen3"]
     styles = [{"conversations": [{"role": m["role"], "content": m["content"]} for m in THINK_CHAT]},

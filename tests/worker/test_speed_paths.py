@@ -5,7 +5,6 @@ cannot compile falls back to eager with an event saying why."""
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 import pytest
