@@ -47,7 +47,7 @@ from .rows import Later, Options, iter_shard
 from .reference import EVERY, MIN_ROWS, CheckFailed, ReferenceChecks
 from .suspects import Suspects, suspects_path
 from .ship import ShipError
-from .text import parse_bytes
+from .text import bytes_text, parse_bytes
 from .writer import (BackgroundWriter, DiskFullError, Manifest, OwnerError, Stats, claim_output,
                      load_finished, manifest_path, remove_stale_temps, write_json_atomic)
 
@@ -506,7 +506,10 @@ def main(argv: list[str] | None = None) -> int:
         _check_gpus_visible(device, devices)
         first = lease or Lease(start, stop, 0, start)
         tuner = start_tuner(args, dataset, first.start, first.stop, set(finished), device, dtype, shape, log)
-        model = load_model(args.model, devices, dtype, args.random_weights)
+        model = load_model(args.model, devices, dtype, args.random_weights, interval=args.progress_interval,
+                           on_read=lambda done, total, rate: log.emit(protocol.Loading(
+                               model=args.model, detail=f"reading the weights: {bytes_text(done)} of "
+                                                        f"{bytes_text(total)} ({bytes_text(rate)}/s)")))
         shard_gpus = model_devices(model, device)
         vocab_size = model.get_input_embeddings().num_embeddings
         config = text_config(model)

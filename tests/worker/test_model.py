@@ -149,3 +149,30 @@ def test_preflight_names_the_fix_for_a_hybrid_without_fla(models):
     assert warning and warning.startswith("qwen3_5_text is a Gated DeltaNet hybrid")
     assert "pip install 'flash-linear-attention>=0.4'" in warning and "tokens/s" in warning
     assert hybrid_kernels(models["qwen3"]) is None
+
+
+def test_loading_says_how_far_the_reading_of_the_weights_has_got(models, tmp_path):
+    """Through the real worker on a real checkpoint (not --random-weights): LOADING's detail counts
+    the bytes read against the weight files' size on disk, and the model loaded is the checkpoint's."""
+    import os
+
+    from tests.conftest import read_events, run_worker
+    from worker.demo import make_token_dataset
+    from worker.text import bytes_text
+
+    model = models["qwen3"]
+    size = sum(os.path.getsize(os.path.join(model, n)) for n in os.listdir(model) if n.endswith(".safetensors"))
+    data = make_token_dataset(str(tmp_path / "d.jsonl"), 4, vocab_size=500, mean_tokens=20)
+    state = str(tmp_path / "state")
+    r = run_worker("--model", model, "--data", data, "--out", str(tmp_path / "out"), "--state", state,
+                   "--device", "cpu", "--progress-interval", "0.001")
+    assert r.returncode == 0, r.stderr[-2000:]
+    reading = [e["detail"] for e in read_events(state) if e["event"] == "loading" and e.get("detail")
+               and e["detail"].startswith("reading the weights: ")]
+    assert reading and all(f" of {bytes_text(size)} (" in d and d.endswith("/s)") for d in reading), reading
+    ours = load_model(model, "cpu", torch.float32)
+    from safetensors.torch import load_file
+    saved = {k: v for n in os.listdir(model) if n.endswith(".safetensors") for k, v in
+             load_file(os.path.join(model, n)).items()}
+    name, weight = next((k, v) for k, v in saved.items() if k.endswith("layers.0.mlp.up_proj.weight"))
+    assert torch.equal(dict(ours.named_parameters())[name.removeprefix("model.")].float(), weight.float())
