@@ -32,7 +32,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -45,6 +44,7 @@ from worker.events import EventLog
 from worker.extract import Options, run_extraction
 from worker.layers import resolve_layers
 from worker.model import Capture, compile_layers, find_decoder, uncompile_layers
+from worker.probe import timed_writes
 from worker.writer import SPECULATORS, Stats, write_sample_file
 
 
@@ -145,22 +145,8 @@ def ours(base, samples, plan, out_dir, budget, pad=8, first_s=60.0, bucket_rows=
 
 def disk_bandwidth(root: str, file_bytes: int, total_bytes: int, threads: int = 8) -> float:
     """Bytes per second written to `root` as the writer writes: one file per sample, fsync'd."""
-    d = tempfile.mkdtemp(dir=root, prefix="fleet-disk-")
-    block = os.urandom(file_bytes)
     n = max(total_bytes // file_bytes, threads)
-
-    def one(i: int) -> None:
-        path = os.path.join(d, f"f{i}")
-        with open(path, "wb") as f:
-            f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, range(n)))
-    seconds = time.perf_counter() - t0
-    shutil.rmtree(d)
-    return n * file_bytes / seconds
+    return n * file_bytes / timed_writes(root, file_bytes, n, threads)
 
 
 def reference_error(lm, base, samples, plan) -> float:

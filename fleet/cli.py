@@ -122,11 +122,16 @@ def output_needs(sup: Supervisor, results: list, replan: bool) -> list:
 
 def output_verdicts(config: Config, results: list, groups: list, allow_partial: bool) -> list[str]:
     """Print the whole run's projection (and where it ships) and the warnings; return the refusals."""
-    from .footprint import describe, shipping_lines, verdicts
+    from .footprint import describe, disk_warnings, gb, shipping_lines, verdicts
     fp = next((r.report.footprint for r in results if r.report.footprint), None)
     refusals, warnings = verdicts(groups, allow_partial)
     if fp:
         click.echo(describe(fp), err=True)
+        rates = {r.host: r.report.write_bps for r in results if r.report.write_bps}
+        if rates:
+            click.echo("output disks measured: " + ", ".join(f"{h} {gb(b)}/s" for h, b in sorted(rates.items()))
+                       + " (fsync'd files, 8 at once)", err=True)
+        warnings += disk_warnings(fp, groups, config.spec.expected.tokens_per_s_per_gpu, rates)
         if config.run.destination is not None:
             line, slow = shipping_lines(fp, config.run.destination, config.run.keep_local, groups,
                                         config.spec.expected.tokens_per_s_per_gpu,

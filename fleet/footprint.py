@@ -122,6 +122,23 @@ def verdicts(groups: list[Need], allow_partial: bool) -> tuple[list[str], list[s
     return refusals, warnings
 
 
+def outpaced(fp: Footprint, groups: list[Need], tokens_per_s_per_gpu: float | None,
+             rates: dict[str, float | None]) -> list[tuple[str, int, float, float]]:
+    """(host, its GPUs, the bytes/s they write at the expected rate, `rates`' figure) of each host
+    whose GPUs would write faster than its measured rate: there that, not the GPU, sets the pace."""
+    gpus_of = {h: len(g.shards) // max(1, len(g.hosts)) for g in groups for h in g.hosts}
+    slow = []
+    for host, rate in sorted((h, r) for h, r in rates.items() if r):
+        gpus = gpus_of.get(host)
+        if tokens_per_s_per_gpu and gpus and (needed := tokens_per_s_per_gpu * gpus * fp.bytes_per_token) > rate:
+            slow.append((host, gpus, needed, rate))
+    return slow
+
+
+def _writes(host: str, gpus: int, needed: float, tokens_per_s_per_gpu: float) -> str:
+    return f"{host}: its {gpus} GPU(s) write {gb(needed)}/s at the expected {tokens_per_s_per_gpu:,.0f} tokens/s a GPU"
+
+
 def shipping_lines(fp: Footprint, destination: str, keep_local: int | None, groups: list[Need],
                    tokens_per_s_per_gpu: float | None, uplinks: dict[str, float | None]) -> tuple[str, list[str]]:
     """(the line: where the output goes, what each host keeps at its peak, each host's measured
@@ -134,17 +151,21 @@ def shipping_lines(fp: Footprint, destination: str, keep_local: int | None, grou
     measured = {h: r for h, r in uplinks.items() if r}
     if measured:
         line += "; upload measured: " + ", ".join(f"{h} {gb(r)}/s" for h, r in sorted(measured.items()))
-    warnings = []
-    gpus_of = {h: len(g.shards) // max(1, len(g.hosts)) for g in groups for h in g.hosts}
-    for host, rate in sorted(measured.items()):
-        gpus = gpus_of.get(host)
-        if not (tokens_per_s_per_gpu and gpus):
-            continue
-        needed = tokens_per_s_per_gpu * gpus * fp.bytes_per_token
-        if needed > rate:
-            cheaper = ('; dtype = "fp8" halves the bytes' if fp.bytes_per_token_fp8 else "")
-            warnings.append(f"{host}: its {gpus} GPU(s) write {gb(needed)}/s at the expected "
-                            f"{tokens_per_s_per_gpu:,.0f} tokens/s a GPU, its upload to {destination} "
-                            f"measured {gb(rate)}/s: the uplink, not the GPU, sets the pace (about "
-                            f"{rate / needed:.0%} of expected once keep_local is full){cheaper}")
+    cheaper = '; dtype = "fp8" halves the bytes' if fp.bytes_per_token_fp8 else ""
+    warnings = [f"{_writes(host, gpus, needed, tokens_per_s_per_gpu)}, its upload to {destination} measured "
+                f"{gb(rate)}/s: the uplink, not the GPU, sets the pace (about {rate / needed:.0%} of expected "
+                f"once keep_local is full){cheaper}"
+                for host, gpus, needed, rate in outpaced(fp, groups, tokens_per_s_per_gpu, uplinks)]
     return line, warnings
+
+
+def disk_warnings(fp: Footprint, groups: list[Need], tokens_per_s_per_gpu: float | None,
+                  write_rates: dict[str, float | None]) -> list[str]:
+    """Each host whose GPUs will write faster, at the expected rate, than its output disks took
+    files at preflight (worker.probe.write_rate) — the disk, not the GPU, would set the pace — with
+    the ways out: fp8, another disk, fewer layers."""
+    fixes = ('dtype = "fp8" halves the bytes; ' if fp.bytes_per_token_fp8 else "") + \
+        "another disk in [run] output = [...] adds its rate; fewer layers write fewer bytes"
+    return [f"{_writes(host, gpus, needed, tokens_per_s_per_gpu)}, its output disk(s) took {gb(rate)}/s at "
+            f"preflight: the disk, not the GPU, sets the pace (about {rate / needed:.0%} of expected); {fixes}"
+            for host, gpus, needed, rate in outpaced(fp, groups, tokens_per_s_per_gpu, write_rates)]

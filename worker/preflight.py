@@ -30,7 +30,7 @@ from .identity import (IdentityError, model_shape, output_identity, output_misma
                        work_identity)
 from .layers import LayerError, LayerPlan, resolve_layers
 from .plan import read_plan
-from .probe import disk_space
+from .probe import disk_space, write_rate
 from .text import bytes_text
 
 MIN_PYTHON = (3, 9)
@@ -517,7 +517,8 @@ def _gpu_checks(args: argparse.Namespace, shape, layers: LayerPlan | None, gpus:
 def _measure_output(args: argparse.Namespace, shape, layers: LayerPlan | None,
                     report: protocol.PreflightReport) -> list[protocol.Check]:
     """Free space and the folder's id at the output, whether it is writable, and (built-in worker)
-    the output's projected size; a projection that fails must not stop the run: it says why."""
+    the output's projected size and, with rows still to write, the disks' write rate; a projection
+    that fails must not stop the run: it says why."""
     checks, devices = [], {}
     for folder in (args.output, *args.spill):        # several disks: their free space summed
         space = disk_space(folder)
@@ -535,6 +536,8 @@ def _measure_output(args: argparse.Namespace, shape, layers: LayerPlan | None,
         else:
             report.footprint = fp
             report.estimated_bytes = sum(fp.remaining)
+            if report.estimated_bytes:                # fleet compares it with what the GPUs will write
+                report.write_bps = write_rate([args.output, *args.spill])
     return checks
 
 

@@ -969,6 +969,7 @@ class PreflightReport(Reply):
     footprint: Optional[Footprint] = None
     estimated_bytes: Optional[int] = None        # still to write for the whole run
     uplink_bps: Optional[float] = None           # measured upload to the run's destination
+    write_bps: Optional[float] = None            # measured write rate of the output disks (worker.probe)
     slurm: Optional[SlurmCheck] = None           # with [slurm]: the login node's check (fleet adds it)
 
     @property

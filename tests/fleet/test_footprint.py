@@ -132,3 +132,36 @@ max_restarts = 0
     assert report["problems"] == [] and report["dtype"] == "fp8" and report["written"] == [[0, 120]]
     v = fleet("verify", "-c", config("f", "fp8", out))
     assert v.returncode == 0 and "(format speculators, fp8)" in v.stdout and "verify: OK" in v.stdout, v.stdout
+
+
+def test_preflight_measures_the_output_disk_and_says_when_it_would_set_the_pace(tmp_path, dense_model):
+    """Through the real preflight on a real disk: `fleet up` prints what the output disk took
+    (fsync'd files, 8 at once) and, where the GPUs at the expected rate would write faster, says
+    the disk sets the pace, with the ways out; at a rate the disk keeps up with, it says nothing."""
+    from worker.demo import make_token_dataset
+    data = make_token_dataset(str(tmp_path / "d.jsonl"), 40, vocab_size=500, mean_tokens=30, seed=3)
+
+    def up(run: str, tokens_per_s: float):
+        return fleet("up", "--headless", "-c", local_toml(tmp_path, f"""
+[run]
+name = "{run}"
+model = {json.dumps(dense_model)}
+data = {json.dumps(data)}
+output = {json.dumps(str(tmp_path / run))}
+device = "cpu"
+env = {{ OMP_NUM_THREADS = "1" }}
+
+[expected]
+tokens_per_s_per_gpu = {tokens_per_s}
+"""))
+    fast = up("fast", 1e12)                       # 1e12 tokens/s x 4 layers x 64 x 2 bytes: no disk takes that
+    assert fast.returncode == 0, fast.stderr
+    measured = [l for l in fast.stderr.splitlines() if l.startswith("output disks measured: local ")]
+    assert len(measured) == 1 and measured[0].endswith("/s (fsync'd files, 8 at once)"), fast.stderr
+    warning = [l for l in fast.stderr.splitlines() if "the disk, not the GPU, sets the pace" in l]
+    assert len(warning) == 1 and warning[0].startswith("warning: local: its 1 GPU(s) write ") and \
+        "at the expected 1,000,000,000,000 tokens/s a GPU, its output disk(s) took " in warning[0], warning
+    assert 'dtype = "fp8" halves the bytes; another disk in [run] output = [...] adds its rate' in warning[0]
+    slow = up("slow", 10)                         # 10 tokens/s: a few kB/s
+    assert slow.returncode == 0 and "output disks measured: local " in slow.stderr, slow.stderr
+    assert "sets the pace" not in slow.stderr, slow.stderr
