@@ -20,7 +20,7 @@ from worker.identity import differences
 
 from worker.formats import FORMATS
 from worker.protocol import Plan
-from worker.ranges import runs_text
+from worker.text import runs_text
 
 from . import render, setup
 from .actions import describe

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from worker.protocol import Footprint, PreflightReport
-from worker.ranges import ranges_text, shard_range
+from worker.ranges import shard_range
+from worker.text import ranges_text
 
 from .units import bytes_text
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from .schema import FleetSnapshot, ShardStatus
 from .state import MEASURED, State
-from .units import bytes_text, duration, gib, number
+from .units import bytes_text, duration, eta, gib, number, usd
 
 if TYPE_CHECKING:
     from .store import Transition
@@ -36,8 +36,13 @@ def finished_parts(snap: FleetSnapshot) -> list[str]:
     if t.bytes_written is not None:
         parts.append(bytes_text(t.bytes_written))
     if t.usd_spent is not None:
-        parts.append(f"${t.usd_spent:,.2f}")
+        parts.append(usd(t.usd_spent))
     return parts
+
+
+def run_eta_text(t) -> str:
+    """'ETA ~1h02m (tokens)': the run's ETA as `fleet status` and the live view's top bar say it."""
+    return f"ETA {eta(t.eta_s, t.eta_rough)}" + (f" ({t.eta_unit})" if t.eta_unit and t.eta_s is not None else "")
 
 
 def shipping_text(sh) -> str:
@@ -63,8 +68,8 @@ def restarts_text(s) -> str:
 
 def format_status(snap: FleetSnapshot) -> str:
     t = snap.totals
-    cost = (f", ${t.usd_spent:,.2f} spent" + (f" (${t.usd_projected:,.2f} projected)"
-                                              if t.usd_projected is not None and not t.settled else "")
+    cost = (f", {usd(t.usd_spent)} spent" + (f" ({usd(t.usd_projected)} projected)"
+                                             if t.usd_projected is not None and not t.settled else "")
             if t.usd_spent is not None else "")
     if t.finished:
         lines = [f"run {snap.run}: finished, {finished_summary(snap)}" + VERIFY_NEXT.get(snap.verifiable, "")]
@@ -73,8 +78,7 @@ def format_status(snap: FleetSnapshot) -> str:
                  + (f"{number(t.tokens_per_s, 0)} tokens/s, " if t.tokens is not None else "")
                  + f"{number(t.samples_per_s)} samples/s"
                  + (f" ({t.ratio:.0%} of expected in {t.ratio_unit})" if t.ratio is not None else "")
-                 + (f", ETA {duration(t.eta_s)}" + (f" ({t.eta_unit})" if t.eta_unit else "")
-                    if not t.settled else ", nothing running")
+                 + (f", {run_eta_text(t)}" if not t.settled else ", nothing running")
                  + (f", written {bytes_text(t.bytes_written)}" if t.bytes_written is not None else "") + cost]
         if t.shipping is not None:
             lines.append(f"output: {shipping_text(t.shipping)}")

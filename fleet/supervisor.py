@@ -19,7 +19,7 @@ import time
 from typing import Callable
 
 from worker import protocol
-from worker.ranges import runs_text
+from worker.text import runs_text
 
 from . import deploy, relocate
 from .actions import HostStop, UNDER_WAY, busy_mark, policy_action, refusal as action_refusal, user_action

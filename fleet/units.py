@@ -27,6 +27,16 @@ def duration(s: float | None) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def eta(s: float | None, rough: bool = False) -> str:
+    """Seconds left as '12m05s', '~12m05s' while the pace behind it is short (`rough`)."""
+    return UNKNOWN if s is None else ("~" if rough else "") + duration(s)
+
+
+def ago(s: int) -> str:
+    """'now', '-2h', '-5m', '-30s': a time axis' tick, in the largest unit that divides it."""
+    return "now" if s == 0 else f"-{s // 3600}h" if s % 3600 == 0 else f"-{s // 60}m" if s % 60 == 0 else f"-{s}s"
+
+
 def number(x: float | None, digits: int = 1) -> str:
     """A figure in full with thousands separators: '2,617.0'."""
     return UNKNOWN if x is None else f"{x:,.{digits}f}"

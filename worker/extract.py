@@ -42,7 +42,7 @@ from .leases import Lease, Move, Pool, tell_taken
 from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, compute_dtype, find_decoder,
                     is_hybrid, load_model, missing_fast_kernels, model_devices, move, text_config,
                     uncompile_layers, unpacked_rows, use_fla_conv)
-from .ranges import ranges_text
+from .text import ranges_text
 from .rows import Later, Options, iter_shard
 from .reference import EVERY, MIN_ROWS, CheckFailed, ReferenceChecks
 from .suspects import Suspects, suspects_path

@@ -2,8 +2,8 @@
 
 Standard library only (it travels to every host and `fleet` imports it; fleet never imports numpy
 or torch). A shard owns a contiguous range of global indices; a set of indices is told as
-half-open runs `[[start, stop), ...]` on the wire (verify's reports) and as text "0-2,5,7-8" to a
-person or to Slurm (`--array`).
+half-open runs `[[start, stop), ...]` on the wire (verify's reports); their text "0-2,5,7-8" (to a
+person, or to Slurm's `--array`) is worker/text.py's, with every other value's.
 """
 
 from __future__ import annotations
@@ -38,22 +38,3 @@ def expand(runs: Iterable[Iterable[int]]) -> Iterator[int]:
     """[[start, stop), ...] -> every index in them, in order."""
     for a, b in runs:
         yield from range(a, b)
-
-
-def runs_text(runs: Iterable[Iterable[int]], sep: str = ",") -> str:
-    """[[0, 3), [5, 6), [7, 9)] -> "0-2,5,7-8" (inclusive ends, as people and Slurm write them)."""
-    return sep.join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in runs)
-
-
-def parse_runs_text(text: str) -> list[tuple[int, int]]:
-    """"0-2,5,7-8" -> [(0, 3), (5, 6), (7, 9)]: the inverse of runs_text. Raises ValueError."""
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        a, _, b = part.partition("-")
-        out.append((int(a), int(b or a) + 1))
-    return out
-
-
-def ranges_text(indices: Iterable[int], sep: str = ",") -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
-    return runs_text(to_runs(indices), sep)

@@ -24,7 +24,8 @@ import sys
 
 from . import protocol
 from .leases import ledger_path, open_ledger
-from .ranges import parse_runs_text, shard_range
+from .ranges import shard_range
+from .text import parse_runs_text
 
 
 def pool_ranges(out_dir: str, num_shards: int, pool: list[int], num_rows: int | None = None

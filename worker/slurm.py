@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from . import protocol
 from .files import write_atomic
 from .launches import LaunchState
-from .ranges import ranges_text
+from .text import ranges_text
 from .text import last_line
 
 # Final states of a job (sacct/squeue names). A task in any other state is alive in Slurm: queued,

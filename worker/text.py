@@ -1,14 +1,18 @@
-"""What both sides say the same way: a command's last line, how a process ended, a byte count.
+"""What both sides say the same way: a command's last line, how a process ended, a byte count,
+runs of indices ("0-2,5,7-8").
 
-Standard library only (it travels to every host and `fleet` imports it). `fleet/units.py` formats
-every other figure a person reads; bytes are told by `bytes_text` here so a host's preflight and
-the supervisor never write one size two ways.
+Standard library only (it travels to every host and `fleet` imports it): the one home of value
+formatting that the worker can import; `fleet/units.py` builds the supervisor's figures (durations,
+rates, dollars, GiB) on top of it, so a host's preflight and the supervisor never write one size
+or one set of rows two ways.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterable
+
+from .ranges import to_runs
 
 UNKNOWN = "?"
 
@@ -86,3 +90,22 @@ def parse_bytes(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"{text!r}: a size such as \"200GB\", \"1.5TB\" or \"500GiB\"")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def runs_text(runs: Iterable[Iterable[int]], sep: str = ",") -> str:
+    """[[0, 3), [5, 6), [7, 9)] -> "0-2,5,7-8" (inclusive ends, as people and Slurm write them)."""
+    return sep.join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in runs)
+
+
+def parse_runs_text(text: str) -> list[tuple[int, int]]:
+    """"0-2,5,7-8" -> [(0, 3), (5, 6), (7, 9)]: the inverse of runs_text. Raises ValueError."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        a, _, b = part.partition("-")
+        out.append((int(a), int(b or a) + 1))
+    return out
+
+
+def ranges_text(indices: Iterable[int], sep: str = ",") -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    return runs_text(to_runs(indices), sep)

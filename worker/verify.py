@@ -21,7 +21,8 @@ from .files import fatal_notes, file_md5, manifest_entries, remove_sample, retry
 from .formats import FORMATS, FormatError, Layout
 from .layers import LayerPlan
 from .leases import gone_to, ledger_files, moved_away
-from .ranges import ranges_text, to_runs
+from .ranges import to_runs
+from .text import ranges_text
 
 
 def layout_of(meta: dict) -> Layout:

@@ -88,7 +88,7 @@ def parse_ranges(s: str) -> list[int]:
 
 @given(st.lists(st.integers(0, 300)), st.sampled_from([",", ", "]))
 def test_ranges_text_round_trips_and_is_as_short_as_it_can_be(indices, sep):
-    s = ranges.ranges_text(indices, sep)
+    s = text.ranges_text(indices, sep)
     assert parse_ranges(s) == sorted(set(indices))
     parts = [p for p in s.split(sep) if p]
     assert len(parts) == len({i - rank for rank, i in enumerate(sorted(set(indices)))})  # one part a run
@@ -102,9 +102,9 @@ def test_runs_expand_back_to_the_indices(indices):
 
 
 def test_ranges_text_examples():
-    assert ranges.ranges_text([8, 0, 1, 2, 5, 7, 2]) == "0-2,5,7-8"
-    assert ranges.runs_text([[3, 4], [6, 9]], ", ") == "3, 6-8"
-    assert ranges.ranges_text([]) == ""
+    assert text.ranges_text([8, 0, 1, 2, 5, 7, 2]) == "0-2,5,7-8"
+    assert text.runs_text([[3, 4], [6, 9]], ", ") == "3, 6-8"
+    assert text.ranges_text([]) == ""
 
 
 # --- text --------------------------------------------------------------------------------------

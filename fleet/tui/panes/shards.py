@@ -17,7 +17,7 @@ from textual.widgets import Static
 from ...render import note, restarts_text
 from ...schema import FleetSnapshot, ShardStatus
 from ...state import MEASURED, SEVERITY as STATE_SEVERITY, State
-from ...units import duration, si
+from ...units import duration, eta, si
 from ..style import GLYPH, bar, state_style
 from .lines import Column, LineTable, show_text
 
@@ -166,9 +166,7 @@ def eta_text(s: ShardStatus, unmeasured: str = "?") -> str:
     """'—' when DONE, '~12m' while the pace behind it is short, '12m' once it holds."""
     if s.state == State.DONE:
         return "—"
-    if s.eta_s is None:
-        return unmeasured
-    return ("~" if s.eta_rough else "") + duration(s.eta_s)
+    return unmeasured if s.eta_s is None else eta(s.eta_s, s.eta_rough)
 
 
 def since_cell(s: ShardStatus, no_color: bool) -> tuple | str:

@@ -18,7 +18,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from ...schema import FleetSnapshot
-from ...units import duration, si
+from ...units import ago, duration, si
 
 BUCKET_S = 10.0                      # one column of the chart
 HISTORY_S = 3600.0                   # what is kept
@@ -207,14 +207,8 @@ def time_ticks(plot: int, bucket: float) -> dict[int, str]:
     for k in range(0, int(span // step) + 1):
         x = plot - 1 - int(k * step / bucket)
         if x >= 0:
-            ticks[x] = ago_text(k * step)
+            ticks[x] = ago(k * step)
     return ticks
-
-
-def ago_text(ago: int) -> str:
-    """'now', '-2h', '-5m', '-30s': in the largest unit that divides it."""
-    return "now" if ago == 0 else f"-{ago // 3600}h" if ago % 3600 == 0 \
-        else f"-{ago // 60}m" if ago % 60 == 0 else f"-{ago}s"
 
 
 def tick_labels(ticks: dict[int, str], plot: int) -> str:

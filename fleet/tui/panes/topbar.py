@@ -9,7 +9,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from ...render import finished_parts
+from ...render import finished_parts, run_eta_text
 from ...schema import FleetSnapshot
 from ...state import SEVERITY as STATE_SEVERITY
 from ...units import bytes_text, duration, si, usd
@@ -158,13 +158,6 @@ def expected_parts(t, style: str) -> list[tuple[int, Text]]:
     else:
         parts.append((1, Text("not measured yet", "italic")))
     return parts
-
-
-def run_eta_text(t) -> str:
-    """'ETA ~1h02m (tokens)': '~' while the pace behind it is short."""
-    if t.eta_s is None:
-        return "ETA ?"
-    return f"ETA {'~' if t.eta_rough else ''}{duration(t.eta_s)}" + (f" ({t.eta_unit})" if t.eta_unit else "")
 
 
 class TopBar(Static):
