@@ -198,13 +198,14 @@ class ShardStatus(BaseModel):
                                                                  "null without one")
 
 
-class Totals(BaseModel):
+class RunCounts(BaseModel):
+    """Shards by state, samples and tokens done, bytes, and the GPUs planned and expected to work. One part of Totals (snapshot.py makes each)."""
+    model_config = ConfigDict(extra="forbid")
+
     shards: int
     by_state: dict[str, int]
     done: int
     total: int
-    samples_per_s: Optional[float] = None
-    tokens_per_s: Optional[float] = None
     tokens: Optional[int] = Field(None, description="tokens extracted so far; null when no shard counts "
                                                     "tokens (a [job] reports samples)")
     total_tokens: Optional[int] = Field(None, description="the run's tokens, once every shard's "
@@ -217,6 +218,15 @@ class Totals(BaseModel):
                                               "ratio). PENDING, STARTING, LOADING, STALLED, FAILED, "
                                               "BACKOFF and FATAL shards count: a GPU that should work "
                                               "and does not lowers the ratio")
+    bytes_written: Optional[int] = Field(None, description="null when no shard measures bytes (a [job])")
+
+
+class RunRates(BaseModel):
+    """The run's rates now, and how they compare with the expected figure. One part of Totals (snapshot.py makes each)."""
+    model_config = ConfigDict(extra="forbid")
+
+    samples_per_s: Optional[float] = None
+    tokens_per_s: Optional[float] = None
     expected_unit: Optional[Literal["samples", "tokens"]] = None
     expected_per_s: Optional[float] = Field(None, description="per-GPU figure x gpus_expected, in "
                                                               "expected_unit")
@@ -232,6 +242,12 @@ class Totals(BaseModel):
     alert: bool = False
     alert_level: Optional[AlertLevel] = Field(None, description="ok; low: under alert_ratio; "
                                                                 "critical: under half of it")
+
+
+class RunEta(BaseModel):
+    """The run's ETA, whether it is rough, and the shards it leaves out. One part of Totals (snapshot.py makes each)."""
+    model_config = ConfigDict(extra="forbid")
+
     eta_rough: bool = Field(False, description="the ETA rests on a pace of under 3 minutes (shown '~')")
     eta_left_out: list[int] = Field(default_factory=list, description="shards the ETA leaves out: FATAL "
                                                                        "and STOPPED ones holding rows will "
@@ -242,19 +258,21 @@ class Totals(BaseModel):
                                                      "when finished")
     eta_unit: Optional[Literal["samples", "tokens"]] = Field(
         None, description="tokens once every shard not DONE has a total_tokens, else samples")
-    elapsed_s: Optional[float] = Field(None, description="since the run's first launch; once settled, "
-                                                         "to the last shard's end (frozen)")
-    finished: bool = Field(False, description="every shard DONE, or FATAL with its rows done by others")
-    rows_moved: int = Field(0, description="unfinished rows that went from one shard to another of its host")
-    rows_relocated: int = Field(0, description="rows that went from a lost host to the others "
-                                               "([supervise] host_lost_after)")
-    rows_redone: int = Field(0, description="of those, rows the lost host had reported finished: done again, "
-                                            "its copies are removed by `fleet verify --repair` once it is back")
+
+
+class RunAverages(BaseModel):
+    """Over the run's elapsed time: what a finished run is summed up by. One part of Totals (snapshot.py makes each)."""
+    model_config = ConfigDict(extra="forbid")
+
     avg_samples_per_s: Optional[float] = Field(None, description="samples done / elapsed_s")
     avg_tokens_per_s: Optional[float] = Field(None, description="tokens / elapsed_s")
     avg_tokens_per_s_per_gpu: Optional[float] = Field(None, description="avg_tokens_per_s / gpus_planned")
-    bytes_written: Optional[int] = Field(None, description="null when no shard measures bytes (a [job])")
-    disk_full_eta_s: Optional[float] = None
+
+
+class RunMoney(BaseModel):
+    """What the priced hosts cost: an hour, so far, to the end, per million tokens. One part of Totals (snapshot.py makes each)."""
+    model_config = ConfigDict(extra="forbid")
+
     usd_per_hour: Optional[float] = Field(None, description="sum of the hosts' usd_per_hour (hosts "
                                                             "without one count nothing); null when no "
                                                             "host has one")
@@ -263,6 +281,19 @@ class Totals(BaseModel):
     usd_projected: Optional[float] = Field(None, description="usd_spent + usd_per_hour x eta_s: the "
                                                              "whole run's cost at the current rate")
     usd_per_million_tokens: Optional[float] = Field(None, description="usd_spent / tokens x 1e6")
+
+
+class Totals(RunMoney, RunAverages, RunEta, RunRates, RunCounts):   # (fields in the reverse order: counts first)
+    """The run as a whole: its parts (counts, rates, ETA, averages, money) and the rest."""
+    elapsed_s: Optional[float] = Field(None, description="since the run's first launch; once settled, "
+                                                         "to the last shard's end (frozen)")
+    finished: bool = Field(False, description="every shard DONE, or FATAL with its rows done by others")
+    rows_moved: int = Field(0, description="unfinished rows that went from one shard to another of its host")
+    rows_relocated: int = Field(0, description="rows that went from a lost host to the others "
+                                               "([supervise] host_lost_after)")
+    rows_redone: int = Field(0, description="of those, rows the lost host had reported finished: done again, "
+                                            "its copies are removed by `fleet verify --repair` once it is back")
+    disk_full_eta_s: Optional[float] = None
     replayed: bool = Field(False, description="every reachable host's record has been read")
     settled: bool = Field(False, description="every shard DONE, FATAL or STOPPED")
     shipping: Optional[ShippingStatus] = Field(None, description="the run's output against the "

@@ -17,8 +17,8 @@ from .figures import pace, pace_eta, progress_age
 from .hosts import Host
 from .judge import Rates, Verdict, rates
 from .record import ShardRecord
-from .schema import (AlertLevel, FleetSnapshot, Gpu, GpuTotals, HostStatus, ReferenceStatus, ShardStatus,
-                     ShippingStatus, SlurmTaskStatus, Totals)
+from .schema import (AlertLevel, FleetSnapshot, Gpu, GpuTotals, HostStatus, ReferenceStatus, RunAverages, RunCounts,
+                     RunEta, RunMoney, RunRates, ShardStatus, ShippingStatus, SlurmTaskStatus, Totals)
 from .state import FAULTY, MEASURED, SETTLED, State
 from .units import bytes_text
 
@@ -407,7 +407,7 @@ def money(hosts: dict[str, Host], hours: float | None, settled: bool,
     return rate, spent, projected
 
 
-def counts(views: list[ShardView], rows: list[ShardStatus]) -> dict:
+def counts(views: list[ShardView], rows: list[ShardStatus]) -> RunCounts:
     """Shards by state, samples and tokens done, bytes, and the GPUs planned and expected to work."""
     by_state: dict[str, int] = {}
     for row in rows:
@@ -416,46 +416,48 @@ def counts(views: list[ShardView], rows: list[ShardStatus]) -> dict:
     sized = bool(records) and all(r.total_tokens is not None for r in records)
     tokens = [r.tokens for r in records if counts_tokens(r)]
     measured = [r.bytes for r in records if counts_tokens(r) or r.bytes]
-    return dict(shards=len(rows), by_state=by_state, done=sum(r.done + r.skipped for r in records),
+    return RunCounts(shards=len(rows), by_state=by_state, done=sum(r.done + r.skipped for r in records),
                 total=sum(r.total for r in records), tokens=sum(tokens) if tokens else None,
                 total_tokens=sum(r.total_tokens for r in records) if sized else None,
                 bytes_written=sum(measured) if measured else None, gpus_planned=sum(gpus_of(v) for v in views),
                 gpus_expected=sum(gpus_of(v) for v, row in zip(views, rows) if row.state not in NOT_EXPECTED))
 
 
-def throughput(expected, views: list[ShardView], measured: list, gpus_expected: int) -> dict:
+def throughput(expected, views: list[ShardView], measured: list, gpus_expected: int) -> RunRates:
     """The run's rates now, and how they compare with the expected figure."""
     sps = sum(x.samples_per_s for _, x in measured)
     tps = sum(x.tokens_per_s for _, x in measured)
     vs = against_expected(expected, views, gpus_expected, sps, tps, bool(measured))
-    return dict(samples_per_s=_finite(sps) if measured else None,
-                tokens_per_s=_finite(tps, 1) if any(counts_tokens(v.record) for v, _ in measured) else None,
-                expected_unit=vs.unit, expected_per_s=_finite(vs.rate), expected_tokens_per_s=_finite(vs.tokens, 1),
-                ratio=_finite(vs.ratio, 3), ratio_unit=vs.ratio_unit,
-                alert=vs.level in ("low", "critical"), alert_level=vs.level)
+    return RunRates(samples_per_s=_finite(sps) if measured else None,
+                    tokens_per_s=_finite(tps, 1) if any(counts_tokens(v.record) for v, _ in measured) else None,
+                    expected_unit=vs.unit, expected_per_s=_finite(vs.rate), expected_tokens_per_s=_finite(vs.tokens, 1),
+                    ratio=_finite(vs.ratio, 3), ratio_unit=vs.ratio_unit,
+                    alert=vs.level in ("low", "critical"), alert_level=vs.level)
 
 
-def eta_fields(rows: list[ShardStatus], eta: float | None, unit: str | None, settled: bool) -> dict:
+def eta_fields(rows: list[ShardStatus], eta: float | None, unit: str | None, settled: bool) -> RunEta:
     """The run's ETA, whether it is rough, and the shards it leaves out."""
-    return dict(eta_s=_finite(eta, 0), eta_unit=unit,
-                eta_rough=eta is not None and not settled and any(r.eta_rough for r in rows if r.state not in SETTLED),
-                eta_left_out=[r.id for r in rows if r.state in (State.FATAL, State.STOPPED) and r.holds_rows])
+    return RunEta(eta_s=_finite(eta, 0), eta_unit=unit,
+                  eta_rough=eta is not None and not settled and any(r.eta_rough for r in rows if r.state not in SETTLED),
+                  eta_left_out=[r.id for r in rows if r.state in (State.FATAL, State.STOPPED) and r.holds_rows])
 
 
-def averages(done: int, tokens: int | None, gpus: int, elapsed: float | None) -> dict:
+def averages(done: int, tokens: int | None, gpus: int, elapsed: float | None) -> RunAverages:
     """Over the run's elapsed time: what a finished run is summed up by (tokens: null for a run
     that counts none)."""
     if not elapsed:
-        return {}
-    return dict(avg_samples_per_s=_finite(done / elapsed),
-                avg_tokens_per_s=_finite(tokens / elapsed, 1) if tokens is not None else None,
-                avg_tokens_per_s_per_gpu=_finite(tokens / elapsed / gpus, 1) if gpus and tokens is not None else None)
+        return RunAverages()
+    return RunAverages(avg_samples_per_s=_finite(done / elapsed),
+                       avg_tokens_per_s=_finite(tokens / elapsed, 1) if tokens is not None else None,
+                       avg_tokens_per_s_per_gpu=_finite(tokens / elapsed / gpus, 1) if gpus and tokens is not None
+                       else None)
 
 
-def costs(hosts: dict[str, Host], hours: float | None, settled: bool, eta: float | None, tokens: int | None) -> dict:
+def costs(hosts: dict[str, Host], hours: float | None, settled: bool, eta: float | None,
+          tokens: int | None) -> RunMoney:
     rate, spent, projected = money(hosts, hours, settled, eta)
-    return dict(usd_per_hour=_finite(rate), usd_spent=_finite(spent), usd_projected=_finite(projected),
-                usd_per_million_tokens=_finite(spent / tokens * 1e6, 3) if spent is not None and tokens else None)
+    return RunMoney(usd_per_hour=_finite(rate), usd_spent=_finite(spent), usd_projected=_finite(projected),
+                    usd_per_million_tokens=_finite(spent / tokens * 1e6, 3) if spent is not None and tokens else None)
 
 
 def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now: float,
@@ -477,12 +479,12 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
     hours = elapsed / 3600 if elapsed is not None else None
     hosts_out, disk_eta = host_rows(hosts, views, measured, hours, now, rows)
     n = counts(views, rows)
+    parts = (n, throughput(expected, views, measured, n.gpus_expected),
+             eta_fields(rows, eta, eta_unit if views else None, settled),
+             averages(n.done, n.tokens, n.gpus_planned, elapsed), costs(hosts, hours, settled, eta, n.tokens))
     return FleetSnapshot(
         run=run, time=round(now, 3), hosts=hosts_out, shards=rows, verifiable=verifiable,
-        totals=Totals(**n, **throughput(expected, views, measured, n["gpus_expected"]),
-                      **eta_fields(rows, eta, eta_unit if views else None, settled),
-                      **averages(n["done"], n["tokens"], n["gpus_planned"], elapsed),
-                      **costs(hosts, hours, settled, eta, n["tokens"]),
+        totals=Totals(**{k: getattr(part, k) for part in parts for k in type(part).model_fields},
                       elapsed_s=_finite(elapsed, 1), finished=finished, disk_full_eta_s=_finite(disk_eta, 0),
                       rows_moved=sum(r.rows_moved_in for r in rows),
                       rows_relocated=relocated[0], rows_redone=relocated[1],
