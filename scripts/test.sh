@@ -25,4 +25,4 @@ PY="${PYTHON:-python3}"
 # only their reader modules are imported, and those need nothing beyond the test extra.
 "$PY" -m pip install -q --disable-pip-version-check --no-deps \
     specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0
-exec "$PY" -m pytest -q "$@"
+exec "$PY" -m pytest -q --durations=30 "$@"

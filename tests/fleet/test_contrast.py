@@ -16,6 +16,7 @@ from fleet.state import State
 from fleet.tui.app import FleetApp
 from fleet.tui.panes.lines import cell_text
 from fleet.tui.panes.shards import COLUMN_KEYS, ShardTable, state_cell
+from tests.fleet.tui_wait import drawn
 
 AA = 4.5
 
@@ -73,7 +74,7 @@ def state_cell_for(state: State):
 async def test_every_state_badge_reads_at_4_5_to_1(mark):
     app = FleetApp(SyntheticFleet(hosts=1, gpus=2, seed=1), interval=3600)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause(0.2)
+        await drawn(pilot, app)
         table = app.main.query_one(ShardTable)
         if mark == "C":
             await pilot.press("tab")                         # the bar as it looks without the focus

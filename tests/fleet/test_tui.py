@@ -20,6 +20,7 @@ from fleet.config import load_config
 from fleet.state import State
 from fleet import setup
 from fleet.supervisor import Supervisor
+from tests.fleet.tui_wait import until
 from fleet.tui.app import QUIT_MESSAGE, FleetApp
 from fleet.tui.panes.gpus import GpuPane
 from fleet.tui.panes.lines import cell_text
@@ -74,19 +75,10 @@ def cell(table, row: str, column: str) -> str:
     return cell_text(table.cells_of(row)[COLUMN_KEYS.index(column)])
 
 
-async def until(pilot, predicate, timeout: float = 120, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await pilot.pause(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 async def confirm(pilot, app, keys: list[str], question: str) -> None:
     """Press `keys`, check the confirmation asks `question`, answer yes."""
     await pilot.press(*keys)
-    await pilot.pause(0.3)
+    await until(pilot, lambda: app.screen.query("#question"), what=f"the question after {keys}")
     assert question in str(app.screen.query_one("#question").render())
     await pilot.press("y")
 
@@ -177,7 +169,8 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
             shards.move_to_key("1")
             await confirm(pilot, app, ["k"], "Stop shard(s) 1?")
             await until(pilot, lambda: cell(shards, "1", "state") == "■ STOPPED", what="shard 1 STOPPED")
-            await pilot.pause(1.0)
+            drawn_by_now = len(app.frames)                              # five more frames: not restarted
+            await until(pilot, lambda: len(app.frames) >= drawn_by_now + 5, what="five frames after the stop")
             seen1 = [f[1].get("1") for f in app.frames if f[0]]
             assert not {"✗ FAILED", "↻ BACKOFF", "✖ FATAL"} & set(seen1), seen1
             assert cell(shards, "1", "state") == "■ STOPPED" and cell(shards, "1", "reason") == "stopped"
@@ -211,7 +204,8 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
             assert chart.rebuilt and any(v > 0 for _, v in chart.points)
             await confirm(pilot, again, ["colon", *"restart 1", "enter"], "Restart shard(s) 1?")
             await until(pilot, lambda: again.snap.totals.finished, timeout=300, what="both DONE")
-            await pilot.pause(0.5)
+            await until(pilot, lambda: "→ fleet verify" in str(again.main.query_one(TopBar).render()),
+                        what="the finished banner")
             top = str(again.main.query_one(TopBar).render())
             assert "✓ 2/2 shards DONE in" in top and "→ fleet verify" in top
             keys = {b.binding.key for b in again.screen.active_bindings.values() if b.enabled}

@@ -9,7 +9,7 @@ import pytest
 
 from bench.synthetic_fleet import SyntheticFleet
 from fleet.state import State
-from fleet.tui.app import FleetApp, QUIT_MESSAGE, Refresh
+from fleet.tui.app import FleetApp, QUIT_MESSAGE
 from fleet.tui.commands import CommandError, parse
 from fleet.tui.main import MainScreen
 from fleet.tui.panes.gpus import GpuTable
@@ -18,6 +18,8 @@ from fleet.tui.panes.log import LogView, shape
 from fleet.tui.panes.shards import COLUMN_KEYS, COLUMNS, ShardDetail, ShardTable
 from fleet.tui.app import help_text
 from fleet.tui.screens import HelpScreen, LogScreen
+from textual.command import CommandPalette
+from tests.fleet.tui_wait import drawn, redrawn, until
 
 
 def fleet(**kw) -> SyntheticFleet:
@@ -40,7 +42,7 @@ def question(app) -> str:
 async def started(app, size=(120, 40)):
     ctx = app.run_test(size=size)
     pilot = await ctx.__aenter__()
-    await pilot.pause(0.2)
+    await drawn(pilot, app)
     return ctx, pilot
 
 
@@ -49,7 +51,7 @@ async def ui():
     f = fleet()
     app = FleetApp(f, interval=3600)            # keys redraw at once; actions ask for a snapshot
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause(0.3)
+        await drawn(pilot, app)
         yield f, app, pilot, app.main.query_one(ShardTable)
 
 
@@ -61,7 +63,7 @@ async def test_space_marks_k_stops_marked_as_stopped_and_R_skips_them(ui):
     await pilot.press("k")
     assert "Stop shard(s) 0, 1?" in question(app)
     await pilot.press("y")
-    await pilot.pause(0.3)
+    await until(pilot, lambda: {s.state for s in app.snap.shards[:2]} == {State.STOPPED}, what="0 and 1 stopped")
     assert [(s.state, s.reason) for s in app.snap.shards[:2]] == [(State.STOPPED, "stopped")] * 2
     assert cell(table, "0", "state") == "■ STOPPED" and app.main.view.marked == set()
     await pilot.press("R")                                       # stopped shards are not failures
@@ -81,11 +83,11 @@ async def test_space_marks_the_shard_the_detail_line_shows_after_tab_and_ctrl_p(
     await pilot.press("tab")
     assert not table.has_focus
     await pilot.press("ctrl+p")
-    await pilot.pause(0.2)
+    await until(pilot, lambda: isinstance(app.screen, CommandPalette), what="the palette")
     await pilot.press("escape")
-    await pilot.pause(0.2)
+    await until(pilot, lambda: app.screen is app.main, what="the palette closed")
     await pilot.press("space")
-    await pilot.pause(0.1)
+    await until(pilot, lambda: app.main.view.marked == {1}, what="shard 1 marked")
     assert app.main.view.marked == {1} and table.selected_shard == 1
     assert str(detail.render()).startswith("● marked shard 1 ")
     await pilot.press("tab", "space")                            # another pane: the same shard
@@ -98,15 +100,14 @@ async def test_space_marks_the_shard_the_detail_line_shows_after_tab_and_ctrl_p(
 async def test_r_restarts_the_selected_shard_after_asking(ui):
     f, app, pilot, table = ui
     table.move_to_key("3")
-    await pilot.pause(0.1)
+    await until(pilot, lambda: table.selected_shard == 3, what="shard 3 selected")
     await pilot.press("r")
     assert "Restart shard(s) 3?" in question(app)
     await pilot.press("y")
-    await pilot.pause(0.3)
+    await until(pilot, lambda: app.snap.shards[3].state != State.FATAL, what="shard 3 relaunched")
     assert app.snap.shards[3].state == State.STARTING and f.shards[3][2].launches == 2   # until it loads
     f.tick(60.0)                                                 # the recorded launch loads, runs a batch
-    app.post_message(Refresh())
-    await pilot.pause(0.3)
+    await redrawn(pilot, app)
     assert app.snap.shards[3].state == State.RUNNING
 
 
@@ -117,7 +118,7 @@ async def test_D_stops_the_whole_run_after_asking(ui):
     await pilot.press("escape")                                  # no
     assert app.snap.shards[0].state == State.RUNNING
     await pilot.press("D", "y")
-    await pilot.pause(0.3)
+    await until(pilot, lambda: app.snap.shards[0].state == State.STOPPED, what="the run stopped")
     assert {s.state for s in app.snap.shards} == {State.STOPPED, State.FATAL, State.BACKOFF}
 
 
@@ -174,7 +175,7 @@ async def test_enter_l_and_double_click_open_the_log_with_its_own_keys(ui):
     await pilot.press("enter")
     assert isinstance(app.screen, LogScreen) and app.screen.shard == 2
     view = app.screen.query_one(LogView)
-    await pilot.pause(0.3)
+    await until(pilot, lambda: len(view.lines) == 3, what="the log read")
     # 30 progress lines of one loop collapse into one updating line; the warning stays its own.
     assert len(view.lines) == 3 and view.lines[1][2] == 29 and "done=1015" in view.lines[1][0]
     # Main-screen keys do not leak: l, f, / and : act on the log (or not at all), not the shards.
@@ -186,7 +187,7 @@ async def test_enter_l_and_double_click_open_the_log_with_its_own_keys(ui):
     assert app.screen.shard == 2
     await pilot.press("q")                                       # q leaves the log, like less
     assert isinstance(app.screen, MainScreen)
-    await pilot.pause(0.2)                                       # the main screen laid out again
+    await pilot.pause()                                         # the main screen laid out again
     under = int(table.keys[int(table.scroll_y) + 3])             # the 4th row shown (line 0: header)
     await pilot.click(ShardTable, offset=(3, 4), times=2)        # double click on it
     assert isinstance(app.screen, LogScreen) and app.screen.shard == under
@@ -196,9 +197,9 @@ async def test_log_view_search_n_N_g_G_copy_autoscroll_and_wrap():
     f = fleet(log_lines=3)
     app = FleetApp(f, interval=3600)
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause(0.2)
+        await drawn(pilot, app)
         app.push_screen(LogScreen(f, 0))
-        await pilot.pause(0.3)
+        await until(pilot, lambda: isinstance(app.screen, LogScreen) and app.screen.query(LogView), what="the log screen")
         view = app.screen.query_one(LogView)
         for i in range(40):
             view.write(f"step {i} {'ERROR disk' if i in (7, 30) else 'ok'}")
@@ -267,7 +268,7 @@ def test_command_parser_names_what_is_wrong():
 async def test_question_mark_help_is_generated_from_every_binding_and_never_wraps():
     app = FleetApp(fleet(), interval=3600)
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause(0.2)
+        await drawn(pilot, app)
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
         text = help_text(app)
@@ -293,7 +294,7 @@ async def test_q_and_ctrl_c_quit_with_a_message_true_to_what_is_left(ui):
     f2.finish()
     app2 = FleetApp(f2, interval=3600)
     async with app2.run_test(size=(100, 30)) as pilot2:
-        await pilot2.pause(0.2)
+        await drawn(pilot2, app2)
         await pilot2.press("q")
     assert app2.return_value.startswith("fleet: run synthetic is finished: 8/8 shards DONE in")
     assert "fleet verify" in app2.return_value
@@ -303,7 +304,7 @@ async def test_tab_moves_between_panes_and_enter_expands_a_gpu_host():
     f = SyntheticFleet(hosts=6, gpus=8, seed=2)                  # 54 rows: hosts start folded
     app = FleetApp(f, interval=3600)
     async with app.run_test(size=(160, 50)) as pilot:
-        await pilot.pause(0.2)
+        await drawn(pilot, app)
         gpus = app.main.query_one(GpuTable)
         assert gpus.keys == [f"h:box0{i}" for i in range(6)]
         assert "h:box00" in gpus.highlight                       # the selected shard's host
@@ -319,7 +320,7 @@ async def test_tab_moves_between_panes_and_enter_expands_a_gpu_host():
         assert app.main.query_one(ShardTable).has_focus
         # Select shard 9 (box01 GPU 1): its host unfolds? no: the host row is highlighted.
         app.main.query_one(ShardTable).move_to_key("9")
-        await pilot.pause(0.1)
+        await until(pilot, lambda: gpus.highlight == {"h:box01"}, what="box01 highlighted")
         assert gpus.highlight == {"h:box01"}
         gpus.expanded.add("box01")
         app.main.redraw()
@@ -340,16 +341,14 @@ async def test_a_failure_while_watching_is_toasted_with_the_bell():
     f = fleet()
     app, bells = counting_bells(f)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause(0.3)
+        await drawn(pilot, app)
         assert bells == []                                       # failures before watching: silent
         f.kill(6)                                                # killed: a restart is due (BACKOFF)
-        app.post_message(Refresh())
-        await pilot.pause(0.3)
+        await redrawn(pilot, app)
         assert bells == [1]
         messages = [n.message for n in app._notifications]
         assert any("shard 6" in m and "RUNNING -> BACKOFF: killed by signal 9" in m for m in messages), messages
-        app.post_message(Refresh())
-        await pilot.pause(0.3)
+        await redrawn(pilot, app)
         assert bells == [1]                                      # told once
 
 
@@ -359,17 +358,15 @@ async def test_a_stall_is_toasted_with_the_bell_as_it_appears_labelled_stalled()
     f = fleet()
     app, bells = counting_bells(f)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause(0.3)
+        await drawn(pilot, app)
         f.stalled.add(7)                                          # alive, no more progress
         for _ in range(f.policy.stall_timeout - 5):
             f.tick(1.0)
-        app.post_message(Refresh())
-        await pilot.pause(0.3)
+        await redrawn(pilot, app)
         assert app.snap.shards[7].state == State.RUNNING and bells == []
         for _ in range(10):
             f.tick(1.0)
-        app.post_message(Refresh())
-        await pilot.pause(0.3)
+        await redrawn(pilot, app)
         table = app.main.query_one(ShardTable)
         assert app.snap.shards[7].state == State.STALLED and cell(table, "7", "state").startswith("⚠ STALLED")
         assert bells == [1]                                       # in the same frame
@@ -396,10 +393,12 @@ async def test_a_toast_never_covers_the_selected_shards_detail_line(size):
     (a failure told while watching, a `:` command's error) sits elsewhere, at any height."""
     app = FleetApp(fleet(), interval=3600)
     async with app.run_test(size=size, notifications=True) as pilot:
-        await pilot.pause(0.3)
+        await drawn(pilot, app)
         await pilot.press("colon", *"bogus", "enter")              # an error toast, as a user gets it
-        await pilot.pause(0.5)
-        toasts = [w for w in app.screen.walk_children() if type(w).__name__ == "Toast"]
+        toasts = lambda: [w for w in app.screen.walk_children() if type(w).__name__ == "Toast" and w.region.area]
+        await until(pilot, toasts, what="the error's toast")
+        await pilot.pause()
+        toasts = toasts()
         detail = app.screen.query_one(ShardDetail).region
         assert toasts and all(t.region.area and not t.region.overlaps(detail) for t in toasts), \
             ([t.region for t in toasts], detail)
@@ -413,18 +412,17 @@ async def test_r_and_k_on_a_done_shard_are_refused_by_the_same_rule_as_fleet_res
     f.finish([1])
     app = FleetApp(f, interval=3600)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause(0.3)
+        await drawn(pilot, app)
         table = app.main.query_one(ShardTable)
         table.move_to_key("1")
+        await until(pilot, lambda: table.selected_shard == 1, what="shard 1 selected")
         await pilot.press("r")
-        await pilot.pause(0.1)
+        told = lambda: [n.message for n in app._notifications]
+        await until(pilot, lambda: any("shard 1 is DONE: nothing to redo" in m for m in told()), what="r refused")
         assert app.screen is app.main                                   # no question asked
-        told = [n.message for n in app._notifications]
-        assert any("shard 1 is DONE: nothing to redo" in m for m in told), told
         await pilot.press("k")
-        await pilot.pause(0.1)
+        await until(pilot, lambda: any("shard 1 is DONE: nothing to stop" in m for m in told()), what="k refused")
         assert app.screen is app.main
-        assert any("shard 1 is DONE: nothing to stop" in n.message for n in app._notifications)
         table.move_to_key("0")
         await pilot.press("space")                                      # marks 0
         table.move_to_key("1")
@@ -441,7 +439,7 @@ async def test_reattach_first_frame_says_reading_not_pending():
         host.replayed = False
     app = FleetApp(f, interval=3600)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause(0.3)
+        await drawn(pilot, app)
         top = str(app.main.query_one("#top").render())
         assert "reading hosts…" in top and "PENDING" not in top and "RUNNING" not in top, top
         assert "samples/s" not in top and "ETA ?" not in top and "ETA ~" not in top, top
@@ -451,8 +449,7 @@ async def test_reattach_first_frame_says_reading_not_pending():
         assert "replaying" in shown and "PENDING" not in shown and "0/0" not in shown, shown
         for host in f.hosts.values():
             host.replayed = True
-        app.post_message(Refresh())
-        await pilot.pause(0.3)
+        await redrawn(pilot, app)
         top = str(app.main.query_one("#top").render())
         assert "reading hosts" not in top and "RUNNING" in top, top
         shown = str(app.main.query_one(ShardDetail).render())
@@ -467,8 +464,8 @@ async def laid_out(hosts: int, gpus: int, size: tuple[int, int]):
     f.tick(1.0)
     app = FleetApp(f, interval=3600)
     async with app.run_test(size=size) as pilot:
-        await pilot.pause(0.3)
-        await pilot.pause(0.3)
+        await drawn(pilot, app)
+        await pilot.pause()                                     # laid out for the first snapshot's rows
         main = app.main
         assert main.virtual_size.height == size[1]                            # nothing off screen
         yield main, main.query_one(ShardTable), main.query_one("#log", LogView)
@@ -518,7 +515,7 @@ async def test_the_chart_axis_fits_the_run(seconds):
         r.first_launch_t = f.now - seconds
     app = FleetApp(f, interval=3600)
     async with app.run_test(size=(180, 50)) as pilot:
-        await pilot.pause(0.3)
+        await drawn(pilot, app)
         chart = app.main.query_one(ThroughputChart)
         elapsed = app.snap.totals.elapsed_s
         assert abs(elapsed - seconds) <= 2
@@ -539,9 +536,10 @@ async def test_focus_returns_to_the_pane_that_had_it_after_the_palette_or_a_moda
     await pilot.press("down")
     for keys in (("ctrl+p",), ("question_mark",), ("r",)):
         await pilot.press(*keys)
-        await pilot.pause(0.2)
+        await until(pilot, lambda: app.screen is not app.main, what=f"what {keys} opens")
         await pilot.press("escape")
-        await pilot.pause(0.2)
+        await until(pilot, lambda: app.screen is app.main, what=f"what {keys} opened, closed")
+        await pilot.pause()
         assert table.has_focus, keys
     before = table.selected_shard
     await pilot.press("down")
@@ -550,7 +548,8 @@ async def test_focus_returns_to_the_pane_that_had_it_after_the_palette_or_a_moda
     await pilot.press("tab")
     assert log.has_focus
     await pilot.press("ctrl+p")
-    await pilot.pause(0.2)
+    await until(pilot, lambda: isinstance(app.screen, CommandPalette), what="the palette")
     await pilot.press("escape")
-    await pilot.pause(0.2)
+    await until(pilot, lambda: app.screen is app.main, what="the palette closed")
+    await pilot.pause()
     assert log.has_focus                                         # the other pane, as it was

@@ -9,6 +9,9 @@ import pytest
 
 from bench.synthetic_fleet import SyntheticFleet
 from fleet.tui.app import FleetApp
+from fleet.tui.panes.log import LogView
+from fleet.tui.screens import HelpScreen, LogScreen
+from tests.fleet.tui_wait import drawn, until
 
 
 def troubled(hosts: int = 3, gpus: int = 4) -> FleetApp:
@@ -20,7 +23,8 @@ def troubled(hosts: int = 3, gpus: int = 4) -> FleetApp:
 
 
 async def settle(pilot):
-    await pilot.pause(0.5)
+    await drawn(pilot, pilot.app)
+    await pilot.pause()
 
 
 @pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 40), (200, 60), (220, 60)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -49,7 +53,9 @@ def test_snapshot_log_view(snap_compare):
     async def open_log(pilot):
         await settle(pilot)
         await pilot.press("down", "l")
-        await pilot.pause(0.5)
+        await until(pilot, lambda: isinstance(pilot.app.screen, LogScreen) and pilot.app.screen.query_one(LogView).lines,
+                    what="the log read")
+        await pilot.pause()
     assert snap_compare(troubled(), terminal_size=(120, 30), run_before=open_log)
 
 
@@ -57,5 +63,6 @@ def test_snapshot_help_at_80x24(snap_compare):
     async def open_help(pilot):
         await settle(pilot)
         await pilot.press("question_mark")
-        await pilot.pause(0.3)
+        await until(pilot, lambda: isinstance(pilot.app.screen, HelpScreen), what="the help")
+        await pilot.pause()
     assert snap_compare(troubled(), terminal_size=(80, 24), run_before=open_help)
