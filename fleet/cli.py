@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import sys
 import time
@@ -445,6 +446,32 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
             return 0
         return EXIT_FAULT
     run_async(go)
+
+
+@main.command()
+@config_option
+@click.argument("folder", type=click.Path(file_okay=False))
+def download(config_path: str, folder: str) -> None:
+    """Copy the run's destination ([run] destination) to FOLDER, ready for its trainer: every file
+    (rclone: resumable, checksummed, 16 at once; its progress every 10 s), then speculators'
+    prepared/ index over every row (an object store cannot hold it). Prints the training command
+    for FOLDER. Credentials as the hosts have them: this machine's AWS variables or ~/.aws, and
+    fleet.toml's [run] env (AWS_SHARED_CREDENTIALS_FILE, say)."""
+    config = load(config_path)
+    if config.run.destination is None:
+        fail(f"{config_path}: [run] destination is not set: the output stays on the hosts "
+             f"(copy each host's [run] output, or `fleet export`)", EXIT_CONFIG)
+    os.environ.update(config.run.env)
+    try:
+        from worker.download import download as fetch
+        from worker.ship import ShipError
+    except ImportError as e:
+        fail(f"fleet download needs the worker's packages here: pip install 'fleet[worker]' ({e})", EXIT_CONFIG)
+    try:
+        command = fetch(config.run.destination, folder, lambda line: click.echo(line, err=True))
+    except (ShipError, OSError, ValueError) as e:
+        fail(str(e), EXIT_FAULT)
+    click.echo(f"train: {command}")
 
 
 # --- export ------------------------------------------------------------------------------------

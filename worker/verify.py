@@ -182,9 +182,11 @@ def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | 
         report.unrecorded_files = len(samples - recorded) if out is None else 0
         report.problems = found.problems
         report.command = training_command(meta, "DIR") if meta and out is None else None
-        report.notes = [f"the trainer reads a local folder DIR: `{download_hint(url)}`"
-                        + (", then `python -m worker.prepared DIR` (speculators reads DIR/prepared)"
-                           if layout.format == "speculators" else "")] if out is None and dest.is_store else []
+        report.notes = ["the trainer reads a local folder DIR: `fleet download DIR` copies it there"
+                        + (" with speculators' prepared/ index" if layout.format == "speculators" else "")
+                        + f" (or `{download_hint(url)}`"
+                        + (", then `python -m worker.prepared DIR`" if layout.format == "speculators" else "")
+                        + ")"] if out is None and dest.is_store else []
         return report
 
 

@@ -11,7 +11,6 @@ import math
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 
@@ -95,18 +94,24 @@ def test_two_hosts_ship_to_one_store_within_keep_local_and_speculators_reads_it_
             assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
             v = fleet("verify", "-c", config, timeout=300)
             assert v.returncode == 0 and "verify: OK" in v.stdout, v.stdout + v.stderr
+            assert "note: the trainer reads a local folder DIR: `fleet download DIR` copies it there" in v.stdout
+            # One dataset at the store: every host's files, both manifests, one meta.json; `fleet
+            # download` copies it here as a user would (the store's own S3 API, fleet.toml's keys)
+            # and indexes it for speculators, whose own ArrowDataset takes every sample.
+            at = store.files("run")
+            assert sorted(k for k in at if k.startswith("manifest/")) == ["manifest/0.jsonl", "manifest/1.jsonl"]
+            assert len([k for k in at if k.startswith("hs_")]) == ROWS and "meta.json" in at
+            local = str(tmp_path / "download")
+            d = fleet("download", local, "-c", config, timeout=300)
+            assert d.returncode == 0, d.stdout + d.stderr
+            assert f"prepared/: {ROWS} rows indexed for speculators" in d.stderr, d.stderr
+            assert sorted(n for n in os.listdir(local) if n.startswith("hs_")) == sorted(k for k in at if k.startswith("hs_"))
+            assert d.stdout.startswith(f"train: {train.replace('DIR', local)}"), (d.stdout, train)
+            again = fleet("download", local, "-c", config, timeout=300)      # resumes: nothing is copied twice
+            assert again.returncode == 0 and again.stdout == d.stdout, again.stdout + again.stderr
     finally:
         store.kill()
-    # One dataset at the store: every host's files, both manifests, one meta.json; downloaded, then
-    # speculators' own ArrowDataset over the prepared rows takes every sample.
-    at = store.files("run")
-    assert sorted(k for k in at if k.startswith("manifest/")) == ["manifest/0.jsonl", "manifest/1.jsonl"]
-    assert len([k for k in at if k.startswith("hs_")]) == ROWS and "meta.json" in at
     pytest.importorskip("speculators.train.data")
-    local = str(tmp_path / "download")
-    shutil.copytree(store.bucket_dir("run"), local)
-    r = subprocess.run([sys.executable, "-m", "worker.prepared", local], cwd=REPO, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
     from speculators.train.data import ArrowDataset
     ds = ArrowDataset(max_len=4096, datapath=os.path.join(local, "prepared"), on_missing="raise")
     assert len(ds) == ROWS
@@ -149,8 +154,12 @@ device = "cpu"
 destination = "{url}"
 """)
         up = fleet("up", "--headless", "-c", config, timeout=300, env={**os.environ, **env})
+        down = fleet("download", str(tmp_path / "dl"), "-c", config, timeout=300, env={**os.environ, **env})
     finally:
         store.kill()
+    # `fleet download` from it: one line naming the destination, exit 1
+    assert down.returncode == 1 and "Traceback" not in down.stderr, down.stdout + down.stderr
+    assert down.stderr.strip().splitlines()[-1].startswith(f"error: destination {url}: "), down.stderr
     assert up.returncode == 1, up.stdout + up.stderr
     last = up.stderr.strip().splitlines()[-1]
     assert last == f"error: preflight refused: local: destination {url}: {says.format(port=store.port)}"
