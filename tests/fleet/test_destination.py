@@ -94,7 +94,7 @@ def test_two_hosts_ship_to_one_store_within_keep_local_and_speculators_reads_it_
             assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
             v = fleet("verify", "-c", config, timeout=300)
             assert v.returncode == 0 and "verify: OK" in v.stdout, v.stdout + v.stderr
-            assert "note: the trainer reads a local folder DIR: `fleet download DIR` copies it there" in v.stdout
+            assert "note: s3://bucket/run: the trainer reads a local folder DIR: `fleet download DIR` copies it there" in v.stdout
             # One dataset at the store: every host's files, both manifests, one meta.json; `fleet
             # download` copies it here as a user would (the store's own S3 API, fleet.toml's keys)
             # and indexes it for speculators, whose own ArrowDataset takes every sample.
