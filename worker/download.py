@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from typing import Callable
 
 from . import protocol
-from .ship import RCLONE_FLAGS, ShipError, _ends_with_parent, destination, rclone_binary
+from .ship import ShipError, destination, rclone_error, rclone_streaming
 
 PROGRESS = ("--transfers", "16", "--checkers", "16", "--stats", "10s", "--stats-one-line",
             "--stats-log-level", "NOTICE")
@@ -32,17 +31,13 @@ def download(url: str, folder: str, say: Callable[[str], None] = print) -> str:
     dest = destination(url)
     os.makedirs(folder, exist_ok=True)
     say(f"downloading {url} to {folder} (rclone; what is here already is skipped)")
-    flags = [f for f in RCLONE_FLAGS if f != "-q"]
-    copy = subprocess.Popen([rclone_binary(), "copy", dest.remote, folder, *flags, *PROGRESS],
-                            env={**os.environ, **dest.env}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=_ends_with_parent(os.getpid()))
+    copy = rclone_streaming(dest, "copy", dest.remote, folder, *PROGRESS)
     said: list[str] = []
     for line in copy.stderr:                     # its stats every 10 s, and its errors
         said = (said + [line.rstrip()])[-50:]
         if "Transferred:" in line:
             say("  " + line.strip().split("NOTICE: ")[-1].lstrip(": "))
     if copy.wait() != 0:
-        from .ship import rclone_error
         raise ShipError(f"destination {url}: {rclone_error(chr(10).join(said)) or 'rclone failed'}")
     meta_path = os.path.join(folder, protocol.META_FILE)
     if not os.path.exists(meta_path):

@@ -107,9 +107,9 @@ class ReferenceChecks:
             t0 = time.perf_counter()
             mask = None
             try:
-                cos, rel = self.compare(index, tensors)
+                hidden, ids, written = self.layout.unpack(tensors)     # (fp8 dequantised once)
+                cos, rel = self.compare(hidden, ids)
                 if chat is not None and self.tokenizer is not None:
-                    _, ids, written = self.layout.unpack(tensors)
                     mask = check_mask(chat, ids.numpy(), written.numpy(), self.tokenizer(), self.loss_mask)
             except Exception as e:                     # the check could not run (out of memory alone with
                 cos = rel = None                       # every layer kept, say): said, never the data's fault
@@ -129,9 +129,9 @@ class ReferenceChecks:
         self.emit(protocol.WarningEvent(message=f"reference check of row {index:,} not run: "
                                                 f"{type(e).__name__}: {why}"))
 
-    def compare(self, index: int, tensors: dict) -> tuple[list[float], list[float]]:
-        """Each saved layer's (cosine, relative error) of the written states against the reference."""
-        hidden, ids, _ = self.layout.unpack(tensors)
+    def compare(self, hidden: torch.Tensor, ids) -> tuple[list[float], list[float]]:
+        """Each saved layer's (cosine, relative error) of the written states (`hidden` [T, n, H], as
+        Layout.unpack gives them) against the reference forward of `ids`."""
         ids = torch.as_tensor(ids).reshape(-1).long()
         with torch.inference_mode(), eager(self.model):
             out = self.model(input_ids=ids[None].to(self.device), use_cache=False, output_hidden_states=True)

@@ -132,6 +132,15 @@ def rclone(dest: Destination, *args: str, timeout: float | None = None) -> subpr
                           preexec_fn=_ends_with_parent(os.getpid()))
 
 
+def rclone_streaming(dest: Destination, *args: str) -> subprocess.Popen:
+    """`rclone` started, not waited for, and not quiet: its stderr (stats, errors) is the caller's
+    to read line by line (a long download shows its progress). The caller's flags come after the
+    common ones, so they win (rclone takes a flag's last value)."""
+    return subprocess.Popen([rclone_binary(), *(f for f in RCLONE_FLAGS if f != "-q"), *args],
+                            env={**os.environ, **dest.env}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_ends_with_parent(os.getpid()))
+
+
 def rclone_error(output: str) -> str:
     """rclone's last line without its stamp and retry preamble: the reason, as one line."""
     line = last_line(output, limit=4000)
