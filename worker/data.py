@@ -7,8 +7,10 @@ many shards there are.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -245,15 +247,29 @@ def common_prefix(a: str, b: str, tokenizer: Any) -> int:
     """How far two renderings agree, never into an added token (`<|im_end|>`, `<think>`) either of
     them has there: a prompt ending in `<think>` and a turn that is only `<|im_end|>` agree on the
     `<`, and a turn would start inside its end-of-turn token (and, that searched on, run into the
-    next user turn)."""
+    next user turn). Every chat row's every turn comes here: the tokens are one cached pattern,
+    tried only at the positions a token could start and still reach past the agreement."""
     at = len(os.path.commonprefix([a, b]))
-    for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
-        s = getattr(token, "content", "")
-        for p in range(max(0, at - len(s) + 1), at):
-            if a.startswith(s, p) or b.startswith(s, p):
-                at = p
+    pattern, longest = _added_tokens(tuple(getattr(t, "content", "") for t in
+                                           getattr(tokenizer, "added_tokens_decoder", {}).values()))
+    moved = pattern is not None
+    while moved:
+        moved = False
+        for p in range(max(0, at - longest + 1), at):
+            if any((m := pattern.match(s, p)) and m.end() > at for s in (a, b)):
+                at, moved = p, True
                 break
     return at
+
+
+@functools.lru_cache(maxsize=16)
+def _added_tokens(contents: tuple[str, ...]) -> tuple[re.Pattern | None, int]:
+    """The added tokens as one pattern, longest first (so the one found at a position reaches
+    furthest), and the longest's length."""
+    tokens = sorted({c for c in contents if c}, key=len, reverse=True)
+    if not tokens:
+        return None, 0
+    return re.compile("|".join(map(re.escape, tokens))), len(tokens[0])
 
 
 def _prompt_before(messages: list[dict], i: int, tokenizer: Any, text: str) -> tuple[str, str]:
