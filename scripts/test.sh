@@ -25,4 +25,6 @@ PY="${PYTHON:-python3}"
 # only their reader modules are imported, and those need nothing beyond the test extra.
 "$PY" -m pip install -q --disable-pip-version-check --no-deps \
     specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0
-exec "$PY" -m pytest -q --durations=30 "$@"
+# Two test processes (pytest-xdist): most tests wait on real subprocesses and servers, so two share 2
+# cores well; --dist loadgroup keeps the Slurm tests on one process with one cluster.
+exec "$PY" -m pytest -q -n 2 --dist loadgroup --durations=30 "$@"

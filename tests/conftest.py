@@ -118,6 +118,10 @@ def pytest_collection_modifyitems(config, items):
         modules[os.path.relpath(str(item.path), REPO)] = getattr(item, "module", None)
         if _slow_reason(item):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slurm"):
+            # One Slurm cluster per session: its tests go to one xdist worker (`--dist loadgroup`),
+            # where the session fixture starts it once; other workers never start one.
+            item.add_marker(pytest.mark.xdist_group("slurm"))
     stale = [t for t in SLOW_TESTS if (m := modules.get(t.split("::")[0])) is not None
              and not hasattr(m, t.split("::")[1])]
     if stale:              # a renamed test would leave the list silently: say so

@@ -206,6 +206,8 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
             await until(pilot, lambda: again.snap.totals.finished, timeout=300, what="both DONE")
             await until(pilot, lambda: "→ fleet verify" in str(again.main.query_one(TopBar).render()),
                         what="the finished banner")
+            await until(pilot, lambda: any("2/2 shards DONE" in m for m in again.toasts),   # its own message,
+                        what="the finished toast")                                          # a tick apart
             top = str(again.main.query_one(TopBar).render())
             assert "✓ 2/2 shards DONE in" in top and "→ fleet verify" in top
             keys = {b.binding.key for b in again.screen.active_bindings.values() if b.enabled}
