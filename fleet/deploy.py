@@ -137,7 +137,7 @@ class Preflight:
         return self.report.plan
 
     @property
-    def identity(self) -> dict:
+    def identity(self) -> protocol.WorkIdentity:
         """What this host's model and data are (worker.identity)."""
         return self.report.identity
 

@@ -14,6 +14,7 @@ follow loop that reads on keeps `Supervisor.close` waiting for ever (tests/fleet
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -211,6 +212,18 @@ class HostLink:
             return []
 
 
+def hello_plan(line: str, host: str) -> protocol.Plan | None:
+    """The run's plan an agent's hello carries, if any; one that is no plan is a HostUnusable
+    naming the host (where the live stream would only pass the line over)."""
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return None
+    if isinstance(d, dict) and d.get("type") == protocol.Hello.KIND and d.get("plan"):
+        return deploy.parse_reply(protocol.Plan, d["plan"], f"{host}: the agent's plan")
+    return None
+
+
 async def read_all(store: Store, links: dict[str, HostLink], config: Config) -> None:
     """Connect to every host and replay its record once into the store. Shards come from the
     run's plan (any reachable host's; so shards of unreachable hosts are listed too), or from the
@@ -219,12 +232,11 @@ async def read_all(store: Store, links: dict[str, HostLink], config: Config) -> 
     outputs = await asyncio.gather(*(link.read_once(config) for link in links.values()))
     plans = []
     for link, lines in zip(links.values(), outputs):
-        hello = protocol.parse_message(lines[0]) if lines else None
-        if isinstance(hello, protocol.Hello) and hello.plan:
-            try:
-                plans.append(deploy.parse_reply(protocol.Plan, hello.plan, f"{link.name}: the agent's plan"))
-            except HostError as e:
-                link.host.down(e)
+        try:
+            if lines and (plan := hello_plan(lines[0], link.name)) is not None:
+                plans.append(plan)
+        except HostError as e:
+            link.host.down(e)
     if plans:
         store.use_plan(max(plans, key=lambda p: p.created))
     for link, lines in zip(links.values(), outputs):

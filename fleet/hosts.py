@@ -104,7 +104,7 @@ class Host:
         self.error = f"Slurm: {msg.error}" if msg.error else None
 
     def read_gpus(self, msg: protocol.GpuReading) -> None:
-        self.telemetry, self.gpus, self.gpu_t = msg.source, [Gpu(**g) for g in msg.gpus or []], msg.t
+        self.telemetry, self.gpus, self.gpu_t = msg.source, [Gpu(**g.to_dict()) for g in msg.gpus], msg.t
 
     def read_disk(self, msg: protocol.DiskReading) -> None:
         self.disk = Disk(path=msg.path, free=msg.free, total=msg.total, error=msg.error)

@@ -40,7 +40,7 @@ class ShardCommand:
     argv: list[str]
     env: dict[str, str]
     cwd: str | None
-    rows: dict | None = None       # a [job] taking {start}/{end}: its protocol.RowShare (worker/ranged.py)
+    rows: protocol.RowShare | None = None   # a [job] taking {start}/{end}: its share (worker/ranged.py)
 
 
 def shard_dir(config: Config, host: HostSpec, shard: int) -> str:
@@ -67,7 +67,7 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
         cwd = config.host_path(host, job.cwd) if job.cwd else None
         rows = protocol.RowShare(num_rows=job.rows, num_shards=num_shards,
                                  min_chunk=job.min_chunk or max(1, job.rows // num_shards // 100),
-                                 pool=sorted(pool) if len(pool) > 1 else None).to_dict() if job.rows else None
+                                 pool=sorted(pool) if len(pool) > 1 else None) if job.rows else None
         return ShardCommand(argv, env, cwd, rows)
     if "PYTHONPATH" in env:          # the user's own paths, after the deployed worker (not instead)
         from .bundle import code_dir
@@ -111,7 +111,7 @@ def output_args(run) -> list[str]:
     return argv
 
 
-def sentinel_spec(config: Config, host: HostSpec) -> dict | None:
+def sentinel_spec(config: Config, host: HostSpec) -> protocol.SentinelSpec | None:
     """What the agent needs to supervise a custom job through its log and output files."""
     job = config.spec.job
     if job is None:
@@ -119,4 +119,4 @@ def sentinel_spec(config: Config, host: HostSpec) -> dict | None:
     spec = {k: getattr(job, k) for k in AGENT_SENTINEL_KEYS if getattr(job, k) is not None}
     if "progress_glob" in spec:
         spec["progress_glob"] = config.host_path(host, spec["progress_glob"])
-    return spec
+    return protocol.SentinelSpec(**spec)

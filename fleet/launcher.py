@@ -29,6 +29,7 @@ from worker import protocol
 from . import deploy
 from .config import Config, HostSpec
 from .jobs import Placement, sentinel_spec, shard_command, shard_dir
+from .plan import gpu_layout_differences
 from .snapshot import ShardView
 from .hosts import Host
 from .store import Shard, Store
@@ -87,6 +88,10 @@ class _Engine:
         # -F follows across the log's creation; tail's own chatter is dropped by the reader.
         return ["tail", "-q", "-n", str(last)] + (["-F"] if follow else []) + \
             [f"{shard_dir(self.config, host, shard)}/log"]
+
+    def layout_differences(self, old: protocol.Plan, new: protocol.Plan) -> list[str]:
+        """How two plans of this engine differ in where the shards run (each host's GPUs)."""
+        return gpu_layout_differences(old, new)
 
     def placements(self, plan: protocol.Plan) -> list[Placement]:
         return [Placement(s.id, s.host, s.gpu, tuple(s.gpus) if len(s.gpus) > 1 else (), self.pinned)

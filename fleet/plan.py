@@ -10,10 +10,11 @@ which keeps every finished sample: output files are named by global index).
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from worker.identity import differences, upgraded
 from worker.plan import PLAN_VERSION
-from worker.protocol import Plan, PlanShard
+from worker.protocol import Plan, PlanShard, WorkIdentity
 
 from .config import Config
 from .jobs import Placement
@@ -54,7 +55,7 @@ def shared_gpus(hosts: list[tuple[str, str | None, list[int], list[str]]]) -> li
     return out
 
 
-def make_plan(config: Config, places: list[Placement], launcher: str | None, identity: dict,
+def make_plan(config: Config, places: list[Placement], launcher: str | None, identity: WorkIdentity,
               host_ids: dict[str, str | None] | None = None) -> Plan:
     """The plan of `places` (where the engine, `launcher` by its kind, put the shards; under
     Slurm one array task per shard, gpu the task's first); `host_ids`: each host name's machine
@@ -73,20 +74,22 @@ def layout(plan: Plan) -> dict[str, list[int]]:
     return out
 
 
-def plan_differences(old: Plan, new: Plan, compare_identity: bool = True) -> list[str]:
-    """How `new` (from fleet.toml now) differs from `old` (the run's plan), one line each."""
-    out = []
+def gpu_layout_differences(old: Plan, new: Plan) -> list[str]:
+    """Where the shards run, for an engine that gives each shard its host's GPUs: per host."""
     a, b = layout(old), layout(new)
+    return [f"gpus of {host}: {a.get(host, 'none')} -> {b.get(host, 'none')}"
+            for host in sorted(set(a) | set(b)) if a.get(host) != b.get(host)]
+
+
+def plan_differences(old: Plan, new: Plan, compare_identity: bool = True,
+                     layout_differences: Callable[[Plan, Plan], list[str]] = gpu_layout_differences) -> list[str]:
+    """How `new` (from fleet.toml now) differs from `old` (the run's plan), one line each;
+    `layout_differences`: how the engine compares where shards run (its Launcher's)."""
+    out = []
     if old.launcher != new.launcher:
         out.append(f"launcher: {old.launcher or 'ssh hosts'} -> {new.launcher or 'ssh hosts'}")
-        a = b = {}
-    elif new.launcher == "slurm":
-        if old.num_shards != new.num_shards:
-            out.append(f"shards: {old.num_shards} -> {new.num_shards}")
-        a = b = {}
-    for host in sorted(set(a) | set(b)):
-        if a.get(host) != b.get(host):
-            out.append(f"gpus of {host}: {a.get(host, 'none')} -> {b.get(host, 'none')}")
+    else:
+        out += layout_differences(old, new)
     old_ids, new_ids = old.host_ids, new.host_ids
     for host in sorted(set(old_ids) & set(new_ids)):
         if old_ids[host] != new_ids[host]:

@@ -58,7 +58,7 @@ async def settle_plan(sup: Supervisor, results: list[deploy.Preflight], replan: 
     existing = max(held, key=lambda p: p.created) if held else None
     plan, replaced = desired, False
     if existing is not None:
-        diffs = plan_differences(existing, desired)
+        diffs = plan_differences(existing, desired, layout_differences=engine.layout_differences)
         if not diffs:
             plan = existing
         elif not replan:

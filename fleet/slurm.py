@@ -51,8 +51,8 @@ def submission(config: Config, host: HostSpec, places: list[Placement], num_shar
     tasks = {}
     for place in places:
         cmd = shard_command(config, host, place, num_shards)
-        tasks[str(place.shard)] = {"argv": cmd.argv, "env": cmd.env, "cwd": cmd.cwd,
-                                   "sentinels": sentinel_spec(config, host), "rows": cmd.rows}
+        tasks[str(place.shard)] = protocol.LaunchSpec(argv=cmd.argv, env=cmd.env, cwd=cmd.cwd,
+                                                      sentinels=sentinel_spec(config, host), rows=cmd.rows).to_dict()
     return {"job_name": config.job_name, "by": by, "sbatch": sbatch_options(spec, config.run.gpus_per_shard),
             "max_parallel": spec.max_parallel, "python": config.python(host),
             "pythonpath": code_dir(config, host), "tasks": tasks}
@@ -68,6 +68,11 @@ class SlurmLauncher(_Engine):
         k = self.config.run.gpus_per_shard
         return [Placement(n, self.config.hosts[0].name, 0, tuple(range(k)) if k > 1 else (), pinned=False)
                 for n in range(self.config.slurm.shards)]
+
+    @staticmethod
+    def layout_differences(old: protocol.Plan, new: protocol.Plan) -> list[str]:
+        """Slurm picks the nodes and GPUs: two plans differ only in their shard count."""
+        return [f"shards: {old.num_shards} -> {new.num_shards}"] if old.num_shards != new.num_shards else []
 
     def first_hosts(self) -> dict[str, Host]:
         return {h.name: Host(h.name, self.config.slurm.login, role="login", usd_per_hour=h.usd_per_hour)
@@ -207,7 +212,7 @@ def slurm_nodes(login: Host, tasks: list[tuple[str, protocol.TaskGpus | None]]) 
         if h.telemetry in (None, "none"):
             h.telemetry = reading.source
         known = {g.index for g in h.gpus}
-        h.gpus = sorted(h.gpus + [Gpu(**g) for g in reading.gpus if g.get("index") not in known],
+        h.gpus = sorted(h.gpus + [Gpu(**g.to_dict()) for g in reading.gpus if g.index not in known],
                         key=lambda g: g.index)
         h.gpu_t = reading.t if h.gpu_t is None else min(h.gpu_t, reading.t)
     return nodes

@@ -236,7 +236,7 @@ class Store:
             if not discover:
                 self.replay_starts(host_name)
         elif isinstance(msg, protocol.EventMessage):
-            ev = protocol.parse_event(msg.event)
+            ev = msg.event
             if isinstance(ev, protocol.Relocated):
                 self.moves.seen(ev)
             shard = self.shards.get(msg.shard)

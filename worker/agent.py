@@ -65,12 +65,10 @@ class ShardFollower:
         self.sent_view: tuple | None = None
         self.gpus_mtime: float | None = None
 
-    def read(self) -> list[dict]:
-        records = self.tail.read()
-        for raw in records:
-            ev = protocol.parse_event(raw)
-            if ev is None:
-                continue
+    def read(self) -> list[protocol.Event]:
+        """The record's new events, typed (a line that is no event this side knows is passed over)."""
+        records = [ev for ev in map(protocol.parse_event, self.tail.read()) if ev is not None]
+        for ev in records:
             job = self.state.job
             self.state.apply(ev)
             if self.state.job != job:
@@ -98,7 +96,7 @@ class ShardFollower:
     def idle_s(self) -> float | None:
         return None if self.progress_mono is None else round(time.monotonic() - self.progress_mono, 2)
 
-    def end_vanished(self) -> list[dict]:
+    def end_vanished(self) -> list[protocol.Event]:
         """The lock is free but the newest launch has no end: its runner died with it. Append the
         end under an exclusive lock (no launch can start meanwhile) and return what was read."""
         try:
@@ -205,8 +203,8 @@ class Agent:
                 events += f.end_vanished()
             if replay:
                 events = thin_progress(events)
-            for raw in events:
-                self.send(protocol.EventMessage(shard=k, event=raw))
+            for ev in events:
+                self.send(protocol.EventMessage(shard=k, event=ev))
             if (damage := f.damage(k, replay)) is not None:
                 self.send(damage)
             due = alive and time.monotonic() - f.idle_sent >= IDLE_EVERY_S
@@ -241,7 +239,7 @@ class Agent:
                             or f.end_t is None or now_host - f.end_t > SLURM_END_WINDOW_S):
                 f.final_checked = True
 
-    def _record_slurm_end(self, f: ShardFollower, view, answered: bool) -> list[dict]:
+    def _record_slurm_end(self, f: ShardFollower, view, answered: bool) -> list[protocol.Event]:
         """What Slurm's answer adds to a shard's record: a submission whose submitter died, or the
         final state of a task that ended (from a query that began after its job was read)."""
         state = f.state
@@ -256,12 +254,12 @@ class Agent:
                 return f.read()
         return []
 
-    def _send_slurm_shard(self, k: int, f: ShardFollower, view, events: list[dict], replay: bool,
+    def _send_slurm_shard(self, k: int, f: ShardFollower, view, events: list[protocol.Event], replay: bool,
                           force_liveness: bool) -> None:
         """A shard's new events, its liveness as Slurm sees it, its task and the task's GPUs."""
         state = f.state
-        for raw in events:
-            self.send(protocol.EventMessage(shard=k, event=raw))
+        for ev in events:
+            self.send(protocol.EventMessage(shard=k, event=ev))
         if (damage := f.damage(k, replay)) is not None:
             self.send(damage)
         alive = bool(state.n) and not f.ended and (view is None or view.live)
@@ -292,7 +290,7 @@ class Agent:
         finally:
             lock.release()
 
-    def _settle_submission(self, f: ShardFollower) -> list[dict]:
+    def _settle_submission(self, f: ShardFollower) -> list[protocol.Event]:
         """A launch that has no Slurm job while no submission holds the run's lock: its submitter
         died before sbatch answered. Recorded as a failed launch (under the lock, after re-reading)."""
         def settle():
@@ -312,10 +310,13 @@ class Agent:
         except (OSError, ValueError):
             return
         f.gpus_mtime = mtime
-        if isinstance(r, dict) and r.get("launch") == f.state.n:
-            self.send(protocol.TaskGpus(shard=k, launch=f.state.n, node=r.get("node"), t=r.get("t", 0.0),
-                                        source=r.get("source", "none"), gpus=r.get("gpus") or [],
-                                        error=r.get("error")))
+        try:
+            reading = protocol.TaskGpus.from_dict(r) if isinstance(r, dict) else None
+        except (TypeError, ValueError):       # a file this side cannot read: no reading
+            reading = None
+        if reading is not None and reading.launch == f.state.n:
+            reading.shard = k
+            self.send(reading)
 
     def poll_gpu(self) -> None:
         if self.gpus is None:                   # Slurm: the tasks report their own GPUs
@@ -334,7 +335,7 @@ class Agent:
     def replay(self) -> None:
         """hello, every shard's record so far with its liveness, GPUs, disk, then `replayed`."""
         plan = read_plan(self.run_dir)
-        self.send(protocol.Hello(host=socket.gethostname(), pid=os.getpid(), plan=plan.to_dict() if plan else None,
+        self.send(protocol.Hello(host=socket.gethostname(), pid=os.getpid(), plan=plan,
                                  host_id=read_host_id(self.run_dir)))
         self.poll_shards(replay=True, force_liveness=True)
         self.poll_gpu()
@@ -382,23 +383,20 @@ def discover_shards(run_dir: str) -> list[int]:
     return sorted(int(n) for n in os.listdir(folder) if n.isdigit())
 
 
-def thin_progress(events: list[dict]) -> list[dict]:
+def thin_progress(events: list[protocol.Event]) -> list[protocol.Event]:
     """On replay, keep every event but older progress: all of the last REPLAY_RECENT_S (rates are
     computed from them exactly as live), one a minute before that (the chart), and the newest."""
-    times = [float(e.get("t", 0)) for e in events if e.get("event") == protocol.Progress.KIND]
-    if not times:
+    ticks = [i for i, e in enumerate(events) if type(e) is protocol.Progress]    # not Done: its subclass
+    if not ticks:
         return events
-    newest = max(times)
-    out, buckets, last_i = [], set(), max(i for i, e in enumerate(events)
-                                          if e.get("event") == protocol.Progress.KIND)
+    newest, last_i = max(events[i].t for i in ticks), ticks[-1]
+    out, buckets = [], set()
     for i, e in enumerate(events):
-        if e.get("event") == protocol.Progress.KIND and i != last_i:
-            t = float(e.get("t", 0))
-            if t < newest - REPLAY_RECENT_S:
-                bucket = int(t // REPLAY_BUCKET_S)
-                if bucket in buckets:
-                    continue
-                buckets.add(bucket)
+        if type(e) is protocol.Progress and i != last_i and e.t < newest - REPLAY_RECENT_S:
+            bucket = int(e.t // REPLAY_BUCKET_S)
+            if bucket in buckets:
+                continue
+            buckets.add(bucket)
         out.append(e)
     return out
 

@@ -734,7 +734,7 @@ def _check_gpus_visible(device: torch.device, devices: list[str]) -> None:
 
 
 def _write_run_meta(args: argparse.Namespace, config, dtype: torch.dtype, layout: Layout, num_rows: int,
-                    identity: dict) -> None:
+                    identity: protocol.WorkIdentity) -> None:
     """meta.json: what the output holds and what made it (the trainers and verify read it)."""
     os.makedirs(args.out, exist_ok=True)
     write_meta(args.out, {
@@ -743,7 +743,7 @@ def _write_run_meta(args: argparse.Namespace, config, dtype: torch.dtype, layout
         **run_meta(layout, args.layers or args.format, args.loss_mask, args.out),
         "hidden_size": config.hidden_size,
         "num_samples": num_rows, "data": os.path.abspath(args.data),
-        "random_weights": args.random_weights, "identity": identity,
+        "random_weights": args.random_weights, "identity": identity.to_dict(),
         "max_length": args.max_length or yaml_max_length(args.layers),   # the window the mask was judged in
         "max_skip_fraction": args.max_skip_fraction,                     # what verify allows too
         "versions": {"worker": __version__, "torch": torch.__version__,
@@ -1001,7 +1001,7 @@ def warm_rows(model: torch.nn.Module, device: torch.device, shapes: list[tuple[i
     return time.perf_counter() - t0
 
 
-def check_identity(args: argparse.Namespace, plan: LayerPlan) -> dict:
+def check_identity(args: argparse.Namespace, plan: LayerPlan) -> protocol.WorkIdentity:
     """This shard's work as worker.identity sees it; NotRetryable when it is not the run's plan's
     or not what the output folder already holds (another model, dataset, layers or format)."""
     try:

@@ -10,6 +10,8 @@ import shutil
 import subprocess
 from typing import Any, Callable
 
+from .protocol import GpuStat
+
 
 def _na(fn: Callable[[], Any]) -> Any:
     try:
@@ -33,21 +35,21 @@ class GpuReader:
             if shutil.which("nvidia-smi"):
                 self.source = "nvidia-smi"
 
-    def read(self) -> list[dict]:
+    def read(self) -> list[GpuStat]:
         if self.source == "nvml":
             return self._read_nvml()
         if self.source == "nvidia-smi":
             return self._read_smi()
         return []
 
-    def _read_nvml(self) -> list[dict]:
+    def _read_nvml(self) -> list[GpuStat]:
         nv = self._nvml
         gpus = []
         count = _na(nv.nvmlDeviceGetCount) or 0
         for i in range(count):
             h = _na(lambda: nv.nvmlDeviceGetHandleByIndex(i))
             if h is None:
-                gpus.append({"index": i, "lost": True})
+                gpus.append(GpuStat(index=i, lost=True))
                 continue
             mem = _na(lambda: nv.nvmlDeviceGetMemoryInfo(h))
             util = _na(lambda: nv.nvmlDeviceGetUtilizationRates(h))
@@ -55,19 +57,19 @@ class GpuReader:
             limit = _na(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h))
             name = _na(lambda: nv.nvmlDeviceGetName(h))
             uuid = _na(lambda: nv.nvmlDeviceGetUUID(h))
-            gpus.append({
-                "index": i,
-                "name": name.decode() if isinstance(name, bytes) else name,
-                "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
-                "mem_used": getattr(mem, "used", None), "mem_total": getattr(mem, "total", None),
-                "util": getattr(util, "gpu", None),
-                "temp": _na(lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
-                "power_w": None if power is None else round(power / 1000, 1),
-                "power_limit_w": None if limit is None else round(limit / 1000, 1),
-            })
+            gpus.append(GpuStat(
+                index=i,
+                name=name.decode() if isinstance(name, bytes) else name,
+                uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+                mem_used=getattr(mem, "used", None), mem_total=getattr(mem, "total", None),
+                util=getattr(util, "gpu", None),
+                temp=_na(lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+                power_w=None if power is None else round(power / 1000, 1),
+                power_limit_w=None if limit is None else round(limit / 1000, 1),
+            ))
         return gpus
 
-    def _read_smi(self) -> list[dict]:
+    def _read_smi(self) -> list[GpuStat]:
         fields = ("index,name,uuid,memory.used,memory.total,utilization.gpu,temperature.gpu,power.draw,"
                   "power.limit")
         try:
@@ -87,9 +89,9 @@ class GpuReader:
             if len(p) < 8:
                 continue
             used, total = num(p[3]), num(p[4])
-            gpus.append({"index": int(p[0]), "name": p[1], "uuid": p[2],
-                         "mem_used": None if used is None else int(used * 2**20),
-                         "mem_total": None if total is None else int(total * 2**20),
-                         "util": num(p[5]), "temp": num(p[6]), "power_w": num(p[7]),
-                         "power_limit_w": num(p[8]) if len(p) > 8 else None})
+            gpus.append(GpuStat(index=int(p[0]), name=p[1], uuid=p[2],
+                                mem_used=None if used is None else int(used * 2**20),
+                                mem_total=None if total is None else int(total * 2**20),
+                                util=num(p[5]), temp=num(p[6]), power_w=num(p[7]),
+                                power_limit_w=num(p[8]) if len(p) > 8 else None))
         return gpus

@@ -87,8 +87,9 @@ def _write_int(path: str, value: int) -> None:
     write_atomic(path, f"{value}\n")
 
 
-def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None, by: str,
-           gpu: int | None = None, sentinels: dict | None = None, rows: dict | None = None) -> dict:
+def launch(shard_dir: str, spec: protocol.LaunchSpec, by: str) -> dict:
+    """Start a shard's attempt as `spec` says, detached (`hostctl run`), unless it is running."""
+    argv, sentinels, rows = spec.argv, spec.sentinels, spec.rows
     os.makedirs(shard_dir, mode=0o755, exist_ok=True)
     p = _paths(shard_dir)
     fd = os.open(p["lock"], os.O_RDWR | os.O_CREAT, 0o644)
@@ -98,16 +99,16 @@ def launch(shard_dir: str, argv: list[str], env: dict[str, str], cwd: str | None
     n = LaunchState.read(p["events"]).n + 1
     _log_marker(p["log"], f"launch {n} ({'automatic restart' if by == 'auto' else 'started by the user'})")
     offset = log_size(p["log"])                # the job's sentinels are read from here: not the marker
-    protocol.append_jsonl(p["events"], protocol.Launch(launch=n, by=by, gpu=gpu, argv=argv))
+    protocol.append_jsonl(p["events"], protocol.Launch(launch=n, by=by, gpu=spec.gpu, argv=argv))
     log = os.open(p["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     runner = subprocess.Popen(
         [sys.executable, "-m", "worker.hostctl", "run", "--shard-dir", shard_dir,
          "--lock-fd", str(fd), "--launch", str(n), "--log-offset", str(offset),
-         *(["--cwd", cwd] if cwd else []),
-         *(["--sentinels", json.dumps(sentinels)] if sentinels else []),
-         *(["--rows", json.dumps(rows)] if rows else []), "--", *argv],
+         *(["--cwd", spec.cwd] if spec.cwd else []),
+         *(["--sentinels", sentinels.to_json()] if sentinels else []),
+         *(["--rows", rows.to_json()] if rows else []), "--", *argv],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,),
-        start_new_session=True, env={**os.environ, **env, protocol.LAUNCH_ENV: str(n),
+        start_new_session=True, env={**os.environ, **spec.env, protocol.LAUNCH_ENV: str(n),
                                      SHARD_ENV: os.path.abspath(shard_dir)})
     _write_int(p["runner"], runner.pid)
     os.close(log)
@@ -162,7 +163,7 @@ def _log_marker(path: str, text: str) -> None:
 
 
 def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n: int,
-        log_offset: int, sentinels: dict | None, started: dict | None = None,
+        log_offset: int, sentinels: SentinelSpec | None, started: dict | None = None,
         rows: protocol.RowShare | None = None) -> int:
     """The detached runner: start the process, record its pid, follow its log for sentinels,
     record how it ended. `started`: more fields for the `started` event (a Slurm task's node).
@@ -187,7 +188,7 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
     children.append(child)
     _write_int(p["pid"], child.pid)
     append(protocol.Started(launch=launch_n, pid=child.pid, **(started or {})))
-    watcher = LogWatcher(SentinelSpec.from_dict(sentinels), p["log"], log_offset, launch_n,
+    watcher = LogWatcher(sentinels, p["log"], log_offset, launch_n,
                          _shard_number(shard_dir)) if sentinels else None
     code = _wait(child, watcher, append)
     leftovers = _reap_leftovers(shard_dir, child.pid)
@@ -209,12 +210,12 @@ def _ended(p: dict[str, str], launch_n: int, code: int) -> int:
 
 
 def _run_rows(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n: int,
-              sentinels: dict | None, rows: protocol.RowShare, append, stopping: list[int],
+              sentinels: SentinelSpec | None, rows: protocol.RowShare, append, stopping: list[int],
               children: list[subprocess.Popen], started: dict | None) -> int:
     """A [job] that takes its rows: the command once per chunk of the leases it holds
     (worker/ranged.py), each chunk's log read for its sentinels, each chunk's leftovers killed."""
     p = _paths(shard_dir)
-    spec = SentinelSpec.from_dict(sentinels or {})
+    spec = sentinels or SentinelSpec()
 
     def record_and_say(ev: protocol.Record) -> None:
         append(ev)
@@ -330,9 +331,9 @@ def _report_gpus(path: str, launch_n: int, node: str, stop: threading.Event) -> 
     while True:
         try:
             gpus = slurm.own_gpus(reader.read(), allocated, visible)
-            write_atomic(path, json.dumps({"t": protocol.now(), "launch": launch_n, "node": node,
-                                             "source": reader.source, "gpus": gpus,
-                                             "error": reader.error}))
+            reading = protocol.TaskGpus(launch=launch_n, node=node, source=reader.source, gpus=gpus,
+                                        error=reader.error)
+            write_atomic(path, reading.to_json())
         except Exception:
             pass
         if reader.source == "none" or stop.wait(GPU_REPORT_S):
@@ -347,13 +348,14 @@ def task(submission_path: str) -> int:
     index = os.environ.get("SLURM_ARRAY_TASK_ID", "")
     with open(submission_path) as f:
         submission = json.load(f)
-    spec = submission["tasks"].get(index)
-    if spec is None:
+    entry = submission["tasks"].get(index)
+    if entry is None:
         print(f"fleet: array index {index!r} is not in {submission_path}", file=sys.stderr)
         return 2
+    spec = protocol.LaunchSpec.from_dict(entry)
     shard_dir = protocol.shard_dir(submission["run_dir"], int(index))
     p = _paths(shard_dir)
-    n = int(spec["launch"])
+    n = int(entry["launch"])
     fd = os.open(p["lock"], os.O_RDWR | os.O_CREAT, 0o644)
     if not try_lock(fd, fcntl.LOCK_EX, tries=600):         # 30 s: an earlier task may still be ending
         protocol.append_jsonl(p["events"], protocol.Failed(
@@ -367,7 +369,7 @@ def task(submission_path: str) -> int:
         return 0
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', os.environ.get('SLURM_JOB_ID', '?'))}_{index}"
-    os.environ.update(spec.get("env") or {})
+    os.environ.update(spec.env)
     os.environ[protocol.LAUNCH_ENV] = str(n)
     os.environ[SHARD_ENV] = os.path.abspath(shard_dir)
     _write_int(p["runner"], os.getpid())
@@ -376,9 +378,9 @@ def task(submission_path: str) -> int:
                                 args=(os.path.join(shard_dir, protocol.GPUS_FILE), n, node, stop))
     reporter.start()
     try:
-        return run(shard_dir, fd, list(spec["argv"]), spec.get("cwd"), n, log_size(p["log"]),
-                   spec.get("sentinels"), started={"node": node, "job": job, "gpus": slurm.allocated_gpus()},
-                   rows=protocol.RowShare.from_dict(spec["rows"]) if spec.get("rows") else None)
+        return run(shard_dir, fd, list(spec.argv), spec.cwd, n, log_size(p["log"]),
+                   spec.sentinels, started={"node": node, "job": job, "gpus": slurm.allocated_gpus()},
+                   rows=spec.rows)
     finally:
         stop.set()
 
@@ -504,13 +506,12 @@ def _held(path: str) -> bool:
         os.close(fd)
 
 
-def _launch_spec(a: protocol.ShardAction, shard_dir: str) -> dict:
-    """`launch`'s arguments from the action's LaunchSpec."""
+def _launch_for(a: protocol.ShardAction, shard_dir: str) -> dict:
+    """`launch` of the action's LaunchSpec."""
     spec = a.launch_spec
     if spec is None or not spec.argv:
         raise ValueError(f"shard {a.shard}: a {a.kind} needs the shard's command")
-    return {"shard_dir": shard_dir, "argv": list(spec.argv), "env": dict(spec.env or {}), "cwd": spec.cwd,
-            "by": a.by, "gpu": spec.gpu, "sentinels": spec.sentinels, "rows": spec.rows}
+    return launch(shard_dir, spec, a.by)
 
 
 def act(run_dir: str, action: protocol.ShardAction) -> protocol.ActResult:
@@ -545,12 +546,12 @@ def act(run_dir: str, action: protocol.ShardAction) -> protocol.ActResult:
             _spawn_finisher(run_dir, action, None)      # waits for the act lock, kills what is left
             return result("stopping")
         if action.kind == "launch":
-            return result(launch(**_launch_spec(action, d))["status"])
+            return result(_launch_for(action, d)["status"])
         running = is_running(d)
         _record_intent(events, newest, action)
         if not running:
             if action.kind == "restart":
-                return result(launch(**_launch_spec(action, d))["status"])
+                return result(_launch_for(action, d)["status"])
             return result("not running")          # recorded all the same: it is not restarted
         _spawn_finisher(run_dir, action, fd)
         return result("restarting" if action.kind == "restart" else "stopping")
@@ -592,7 +593,7 @@ def finish(run_dir: str, action: protocol.ShardAction, lock_fd: int | None) -> i
     if action.kind == "restart":
         intent = LaunchState.read(events).last_stop
         if intent is not None and intent.restart and status != "still running":
-            status = launch(**_launch_spec(action, d))["status"]
+            status = _launch_for(action, d)["status"]
         else:
             status = f"{status}; restart cancelled by a later stop"
     else:
@@ -655,16 +656,17 @@ def main(argv: list[str] | None = None) -> int:
     command = list(getattr(args, "argv", []))
     if command and command[0] == "--":
         command = command[1:]
-    sentinels = json.loads(args.sentinels) if getattr(args, "sentinels", None) else None
+    sentinels = SentinelSpec.from_dict(json.loads(args.sentinels)) if getattr(args, "sentinels", None) else None
+    rows = protocol.RowShare.from_dict(json.loads(args.rows)) if getattr(args, "rows", None) else None
     if args.cmd == "launch":
         if not command:
             ap.error("launch needs a command after --")
         env = dict(kv.split("=", 1) for kv in args.env)
-        result = launch(args.shard_dir, command, env, args.cwd, args.by, args.gpu, sentinels,
-                        json.loads(args.rows) if args.rows else None)
+        result = launch(args.shard_dir, protocol.LaunchSpec(argv=command, env=env, cwd=args.cwd, gpu=args.gpu,
+                                                           sentinels=sentinels, rows=rows), args.by)
     elif args.cmd == "run":
         return run(args.shard_dir, args.lock_fd, command, args.cwd, args.launch, args.log_offset,
-                   sentinels, rows=protocol.RowShare.from_dict(json.loads(args.rows)) if args.rows else None)
+                   sentinels, rows=rows)
     elif args.cmd == "task":
         return task(args.submission)
     elif args.cmd == "stop-all":

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from .datafiles import DatasetFilesError, dataset_files, jsonl_row_count
+from .protocol import WorkIdentity
 
 EDGE = 1 << 20                      # bytes hashed at each end of a weight file
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -93,15 +94,16 @@ def output_identity(plan, fmt: str, loss_mask: str, dtype: str = "bf16") -> dict
             "dtype": dtype}
 
 
-def upgraded(identity: dict) -> dict:
+def upgraded(identity: dict | WorkIdentity) -> dict:
     """An identity recorded before a key existed, with the value that key had then: every output
     written before the stored dtype was chosen is bf16."""
+    identity = _recorded(identity)
     if ("format" in identity or "layer_ids" in identity) and "dtype" not in identity:
         return {**identity, "dtype": "bf16"}
     return identity
 
 
-def work_identity(model: str | None, data: str | None, output: dict) -> dict:
+def work_identity(model: str | None, data: str | None, output: dict) -> WorkIdentity:
     """The identity of a run's work: model, data and what is written (IdentityError if unreadable)."""
     out: dict = {}
     if model:
@@ -109,10 +111,15 @@ def work_identity(model: str | None, data: str | None, output: dict) -> dict:
     if data:
         out["data"] = dataset_identity(data)
     out.update(output)
-    return out
+    return WorkIdentity.from_dict(out)
 
 
-def output_mismatch(out_dir: str, identity: dict) -> list[str]:
+def _recorded(identity: dict | WorkIdentity) -> dict:
+    """An identity as the keys it records (a typed one without its unset parts)."""
+    return identity.to_dict() if isinstance(identity, WorkIdentity) else identity
+
+
+def output_mismatch(out_dir: str, identity: WorkIdentity) -> list[str]:
     """How `identity` differs from the work already in `out_dir` (its meta.json); [] if none is
     there or it agrees. Only what both record is compared (an older meta.json records less)."""
     try:
@@ -124,7 +131,7 @@ def output_mismatch(out_dir: str, identity: dict) -> list[str]:
     if not isinstance(held, dict):
         held = {k: meta[k] for k in ("layer_ids", "last_layer_norm", "format", "loss_mask")
                 if isinstance(meta, dict) and k in meta}
-    held = upgraded(held)
+    held, identity = upgraded(held), identity.to_dict()
     return differences({k: v for k, v in held.items() if k in identity},
                        {k: v for k, v in identity.items() if k in held})
 
@@ -211,8 +218,9 @@ def _arrow_identity(path: str) -> tuple[int, bytes, bytes, int]:
     return n, edge[0] if edge else b"", edge[-1] if edge else b"", size
 
 
-def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+def differences(old: dict | WorkIdentity, new: dict | WorkIdentity, prefix: str = "") -> list[str]:
     """'key: old -> new' for every compared value that differs (nested dicts flattened)."""
+    old, new = _recorded(old), _recorded(new)
     out = []
     for key in sorted(set(old) | set(new)):
         if key in INFO_KEYS or (key in LATER_KEYS and (key not in old or key not in new)):

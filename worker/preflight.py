@@ -221,12 +221,12 @@ ACTIVATION_BYTES_PER_TOKEN_PER_H = 48   # a batch's live activations, per token,
                                         # measured 2.66 GiB for 16K tokens at H=4096 (bf16), ~42
 
 
-def fit_problem(model: str, shape, gpus: list[dict], k: int, budget: int, layers: int) -> str | None:
+def fit_problem(model: str, shape, gpus: list[protocol.GpuStat], k: int, budget: int, layers: int) -> str | None:
     """Do the weights and one batch fit the k GPUs a shard gets? Weights from the weight files
     (none: random weights, not checked); GPU memory from telemetry (none: not checked)."""
     weights = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)
                   if f.endswith((".safetensors", ".bin")))
-    totals = [g["mem_total"] for g in gpus if g.get("mem_total")]
+    totals = [g.mem_total for g in gpus if g.mem_total]
     if not weights or len(totals) < k:
         return None
     activations = budget * shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_H
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> protocol.PreflightReport:
         checks += _worker_packages(report)
     report.gpu_count = max(len(gpus), report.cuda_devices or 0)
     report.gpus, found = _gpu_indices(args.gpus, args.device, report.gpu_count)
-    uuids = {g.get("index"): g.get("uuid") for g in gpus}
+    uuids = {g.index: g.uuid for g in gpus}
     report.gpu_uuids = [u for i in report.gpus if isinstance(u := uuids.get(i), str) and u]
     checks += found + _grouping_checks(report.gpus, args.gpus_per_shard) + _path_checks(args)
     if args.run_dir:
@@ -432,7 +432,7 @@ def _layers(args: argparse.Namespace, shape) -> tuple[LayerPlan | None, list[pro
     return layers, []
 
 
-def _identity(args: argparse.Namespace, layers: LayerPlan | None) -> tuple[dict, list[protocol.Check]]:
+def _identity(args: argparse.Namespace, layers: LayerPlan | None) -> tuple[protocol.WorkIdentity, list[protocol.Check]]:
     """What the model, the data and the output are, by which an output holding another run's work
     is known (empty, with the reason, where they cannot be read)."""
     try:
@@ -441,18 +441,18 @@ def _identity(args: argparse.Namespace, layers: LayerPlan | None) -> tuple[dict,
         data = args.data if args.data and os.path.exists(args.data) else None
         return work_identity(model, data, output), []
     except IdentityError as e:
-        return {}, [_error(str(e))]
+        return protocol.WorkIdentity(), [_error(str(e))]
 
 
-def _dataset_checks(args: argparse.Namespace, identity: dict) -> list[protocol.Check]:
+def _dataset_checks(args: argparse.Namespace, identity: protocol.WorkIdentity) -> list[protocol.Check]:
     """A JSON-lines dataset the built-in worker could do nothing with is refused (dataset_problem)."""
     if not (args.builtin and args.data and os.path.isfile(args.data) and not args.data.endswith(".parquet")):
         return []
-    problem = dataset_problem(args.data, identity.get("data", {}).get("rows"))
+    problem = dataset_problem(args.data, identity.data.rows if identity.data else None)
     return [_error(problem)] if problem else []
 
 
-def _output_checks(args: argparse.Namespace, identity: dict) -> list[protocol.Check]:
+def _output_checks(args: argparse.Namespace, identity: protocol.WorkIdentity) -> list[protocol.Check]:
     """The output folder: names the file system can hold, not another run's (its owner file), and
     not holding other work (its meta.json)."""
     checks = [_error(f"output {args.output}: a folder name is {len(part.encode())} bytes long; "
@@ -463,7 +463,7 @@ def _output_checks(args: argparse.Namespace, identity: dict) -> list[protocol.Ch
             checks.append(_error(f"output {folder} belongs to run {owner!r} ({OWNER_PATH}): give this run "
                                  f"another output, or remove that file if run {owner!r} is finished with"))
         checks += [_error(p) for p in folder_clashes(f"output {folder}", folder, args)]
-    diffs = output_mismatch(args.output, identity) if identity else []
+    diffs = output_mismatch(args.output, identity) if identity.to_dict() else []
     if diffs:
         checks.append(_error(f"output {args.output} holds another run's work (its meta.json): "
                              + "; ".join(diffs) + " — use another output folder"))
@@ -499,14 +499,14 @@ def folder_clashes(what: str, folder: str, args: argparse.Namespace, output: str
     return out
 
 
-def _gpu_checks(args: argparse.Namespace, shape, layers: LayerPlan | None, gpus: list[dict],
+def _gpu_checks(args: argparse.Namespace, shape, layers: LayerPlan | None, gpus: list[protocol.GpuStat],
                 resolved: list[int], count: int) -> list[protocol.Check]:
     """On GPUs, the built-in worker's first shard must fit its GPUs (fit_problem), and a hybrid
     model without its fast kernels is worth a warning (hybrid_kernels)."""
     checks = []
     if args.builtin and shape and args.device != "cpu":
         k = args.gpus_per_shard
-        if problem := fit_problem(args.model, shape, [g for g in gpus if g.get("index") in resolved[:k]],
+        if problem := fit_problem(args.model, shape, [g for g in gpus if g.index in resolved[:k]],
                                   k, args.max_tokens_per_batch, len(layers.ids) if layers else 4):
             checks.append(_error(problem))
     if args.builtin and args.model and args.device != "cpu" and count and (warning := hybrid_kernels(args.model)):

@@ -83,7 +83,7 @@ class Record:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is not None:
-                out[f.name] = value
+                out[f.name] = _plain(value)
         return out
 
     def to_json(self) -> str:
@@ -91,8 +91,38 @@ class Record:
 
     @classmethod
     def from_dict(cls, d: dict):
+        """The record of `d`; a field typed as a reply (a plan, GPU readings) is parsed and checked
+        as one (ReplyError, a ValueError, where it is not)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        kw = {k: v for k, v in d.items() if k in names}
+        for name, hint in _typed_parts(cls).items():
+            if kw.get(name) is not None:
+                kw[name] = _check(kw[name], hint, f"{cls.KIND}.{name}")
+        return cls(**kw)
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as JSON: typed parts (replies, records) as their dicts."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+_PARTS: dict[type, dict[str, Any]] = {}
+
+
+def _typed_parts(cls: type) -> dict[str, Any]:
+    """The fields of a record class whose type names a Reply (alone, optional or in a list)."""
+    if cls not in _PARTS:
+        def names_reply(hint: Any) -> bool:
+            if isinstance(hint, type):
+                return issubclass(hint, Reply)
+            return any(names_reply(a) for a in typing.get_args(hint))
+        hints = typing.get_type_hints(cls)
+        _PARTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls) if names_reply(hints[f.name])}
+    return _PARTS[cls]
 
 
 EVENT_TYPES: dict[str, type] = {}
@@ -107,6 +137,87 @@ def event(cls):
 def message(cls):
     MESSAGE_TYPES[cls.KIND] = cls
     return cls
+
+
+# --- typed parts and replies (their checked parsing; the replies themselves are further down) ---
+
+class ReplyError(ValueError):
+    """A reply whose JSON is not the record it should be (one line: which field, what it holds)."""
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    """`value` as the type `hint` says (nested replies parsed), or ReplyError."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(value, inner[0], where)
+    if isinstance(hint, type) and issubclass(hint, Reply):
+        return hint.from_dict(value, where)
+    if origin is list or hint is list:
+        if not isinstance(value, list):
+            raise ReplyError(f"{where}: a list expected, not {value!r:.80}")
+        return [_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)] if args else value
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ReplyError(f"{where}: an object expected, not {value!r:.80}")
+        return {k: _check(v, args[1], f"{where}.{k}") for k, v in value.items()} if args else value
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, hint)
+    if not ok:
+        raise ReplyError(f"{where}: {getattr(hint, '__name__', hint)} expected, not {value!r:.80}")
+    return value
+
+
+class Reply:
+    """A typed reply (a dataclass). `to_dict` writes every field, None included, in declaration
+    order; `from_dict` checks each field against its annotation."""
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str | None = None):
+        where = where or cls.__name__
+        if not isinstance(d, dict):
+            raise ReplyError(f"{where}: an object expected, not {d!r:.80}")
+        hints = typing.get_type_hints(cls)
+        return cls(**{f.name: _check(d[f.name], hints[f.name], f"{where}.{f.name}")
+                      for f in dataclasses.fields(cls) if f.name in d})
+
+    def to_dict(self) -> dict:
+        def plain(v: Any) -> Any:
+            if isinstance(v, Reply):
+                return v.to_dict()
+            if isinstance(v, list):
+                return [plain(x) for x in v]
+            if isinstance(v, dict):
+                return {k: plain(x) for k, x in v.items()}
+            return v
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+
+@dataclass
+class Status(Reply):
+    """What a host command that only does one thing did (`hostctl reopen`: reopened | running;
+    `worker.relocate`: adopted | already | revoked | error, with `detail`)."""
+    status: str = ""
+    detail: str = ""
+
+
+class CompactReply(Reply):
+    """A reply written without its unset (None) fields: a part that files keep and older readers
+    compare key by key, where an absent key and a null one must read alike."""
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in super().to_dict().items() if v is not None}
 
 
 # --- events (events.jsonl) ---------------------------------------------------------------------
@@ -483,16 +594,31 @@ class Hello(Message):
     host: str = ""
     pid: int = 0
     t: float = field(default_factory=now)
-    plan: Optional[dict] = None        # the run's plan.json on this host (worker/plan.py)
+    plan: Optional["Plan"] = None      # the run's plan.json on this host (worker/plan.py)
     host_id: Optional[str] = None      # which machine this is (<root>/host-id, written by preflight)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        """A hello whose plan is no plan still greets (fleet.follow.hello_plan refuses the plan)."""
+        try:
+            return super().from_dict(d)
+        except ReplyError:
+            return super().from_dict({k: v for k, v in d.items() if k != "plan"})
 
 
 @message
 @dataclass
 class EventMessage(Message):
+    """One event of a shard's record, typed (None: a line that is no event this side knows)."""
     KIND: ClassVar[str] = "event"
     shard: int = 0
-    event: dict = field(default_factory=dict)
+    event: Optional[Record] = None
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        msg = super().from_dict(d)
+        msg.event = parse_event(msg.event)
+        return msg
 
 
 @message
@@ -530,7 +656,7 @@ class GpuReading(Message):
     KIND: ClassVar[str] = "gpu"
     t: float = field(default_factory=now)
     source: str = "none"               # nvml | nvidia-smi | none
-    gpus: list = field(default_factory=list)
+    gpus: list["GpuStat"] = field(default_factory=list)
     error: Optional[str] = None
 
 
@@ -595,7 +721,7 @@ class TaskGpus(Message):
     node: Optional[str] = None
     t: float = field(default_factory=now)
     source: str = "none"
-    gpus: list = field(default_factory=list)
+    gpus: list["GpuStat"] = field(default_factory=list)
     error: Optional[str] = None
 
 
@@ -627,7 +753,7 @@ class ShardAction(Record):
     the caller's verdict was about: a launch or restart is carried out only if the shard's newest
     launch is still that one, so two supervisors acting on the same verdict act once ("stale" for
     the second). A stop is always carried out (it applies to whatever runs). `launch_spec` holds
-    what `hostctl launch` takes (a LaunchSpec)."""
+    what `hostctl launch` takes."""
     TAG: ClassVar[str] = "action"
     KIND: ClassVar[str] = "shard"
     shard: int = 0
@@ -640,49 +766,39 @@ class ShardAction(Record):
     launch_spec: Optional["LaunchSpec"] = None
     policy: bool = False              # the supervisor's own decision: refused where a user's stop stands
 
-    def __post_init__(self) -> None:
-        if isinstance(self.launch_spec, dict):          # as read back from its JSON line
-            self.launch_spec = LaunchSpec.from_dict(self.launch_spec)
 
-    def to_dict(self) -> dict:
-        out = super().to_dict()
-        if self.launch_spec is not None:
-            out["launch_spec"] = self.launch_spec.to_dict()
-        return out
-
-
-@dataclass
-class LaunchSpec:
-    """What `hostctl launch` takes to start a shard's attempt: its command line, environment and
-    working folder, its first GPU, a [job]'s sentinels (`sentinels.SentinelSpec`'s keys) and, for a
-    [job] taking its rows, its `RowShare` (as a dict)."""
-    argv: list = field(default_factory=list)
-    env: dict = field(default_factory=dict)
-    cwd: Optional[str] = None
-    gpu: Optional[int] = None
-    sentinels: Optional[dict] = None
-    rows: Optional[dict] = None
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LaunchSpec":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+@dataclass(frozen=True)
+class SentinelSpec(CompactReply):
+    """How a [job]'s runner judges it by its log (worker/sentinels.py): regexes for its done, fail
+    and progress lines, output files counted as progress, samples per shard when nothing says."""
+    done: Optional[str] = None           # regex: the job finished well
+    fail: Optional[str] = None           # regex: the job failed
+    progress: Optional[str] = None       # regex with (?P<done>\d+) and optionally (?P<total>\d+)
+    progress_glob: Optional[str] = None  # output files counted as progress ({shard} filled in)
+    total: Optional[int] = None          # samples per shard when nothing else says
 
 
 @dataclass
-class RowShare(Record):
+class RowShare(CompactReply):
     """A [job] whose command takes its rows (`{start}`/`{end}`): what its runner needs to hold
-    leases of its host's pool instead of one fixed range (worker/ranged.py). Carried in a
-    launch's `LaunchSpec.rows`."""
-    TAG: ClassVar[str] = "rows"
-    KIND: ClassVar[str] = "share"
+    leases of its host's pool instead of one fixed range (worker/ranged.py)."""
     num_rows: int = 0                 # the run's rows: {start}/{end} are global indices within them
     num_shards: int = 1
-    pool: Optional[list] = None       # the shards of its host that share their rows (itself alone: None)
+    pool: Optional[list[int]] = None  # the shards of its host that share their rows (itself alone: None)
     min_chunk: int = 1                # the fewest rows one launch of the command is given
+
+
+@dataclass
+class LaunchSpec(Reply):
+    """What `hostctl launch` takes to start a shard's attempt (and a Slurm task runs): its command
+    line, environment and working folder, its first GPU, a [job]'s sentinels and, for a [job]
+    taking its rows, its share of them."""
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Optional[str] = None
+    gpu: Optional[int] = None
+    sentinels: Optional[SentinelSpec] = None
+    rows: Optional[RowShare] = None
 
 
 ACT_STATUSES = ("started", "stopping", "stopped", "restarting", "stale", "busy", "running",
@@ -715,7 +831,7 @@ def parse_message(line: str, strings: Callable[[Any], Any] = lambda d: d) -> Opt
         return None
     try:
         return cls.from_dict(d)
-    except TypeError:
+    except (TypeError, ValueError):       # a field of the wrong type (ReplyError is a ValueError)
         return None
 
 
@@ -820,75 +936,56 @@ def read_events(path: str) -> list[Record]:
 # of these is an error naming the host there, never a KeyError later. Every field has a default,
 # so a reply from an older or newer worker still parses; unknown keys are dropped.
 
-class ReplyError(ValueError):
-    """A reply whose JSON is not the record it should be (one line: which field, what it holds)."""
-
-
-def _check(value: Any, hint: Any, where: str) -> Any:
-    """`value` as the type `hint` says (nested replies parsed), or ReplyError."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return value
-    if origin is typing.Union:
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _check(value, inner[0], where)
-    if isinstance(hint, type) and issubclass(hint, Reply):
-        return hint.from_dict(value, where)
-    if origin is list or hint is list:
-        if not isinstance(value, list):
-            raise ReplyError(f"{where}: a list expected, not {value!r:.80}")
-        return [_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)] if args else value
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise ReplyError(f"{where}: an object expected, not {value!r:.80}")
-        return {k: _check(v, args[1], f"{where}.{k}") for k, v in value.items()} if args else value
-    if hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, hint)
-    if not ok:
-        raise ReplyError(f"{where}: {getattr(hint, '__name__', hint)} expected, not {value!r:.80}")
-    return value
-
-
-class Reply:
-    """A typed reply (a dataclass). `to_dict` writes every field, None included, in declaration
-    order; `from_dict` checks each field against its annotation."""
-
-    @classmethod
-    def from_dict(cls, d: Any, where: str | None = None):
-        where = where or cls.__name__
-        if not isinstance(d, dict):
-            raise ReplyError(f"{where}: an object expected, not {d!r:.80}")
-        hints = typing.get_type_hints(cls)
-        return cls(**{f.name: _check(d[f.name], hints[f.name], f"{where}.{f.name}")
-                      for f in dataclasses.fields(cls) if f.name in d})
-
-    def to_dict(self) -> dict:
-        def plain(v: Any) -> Any:
-            if isinstance(v, Reply):
-                return v.to_dict()
-            if isinstance(v, list):
-                return [plain(x) for x in v]
-            if isinstance(v, dict):
-                return {k: plain(x) for k, x in v.items()}
-            return v
-        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-    def to_json(self, **kw) -> str:
-        return json.dumps(self.to_dict(), **kw)
+@dataclass
+class GpuStat(CompactReply):
+    """One GPU as telemetry read it (worker/gpu.py); None where a reading is not available."""
+    index: int = 0
+    name: Optional[str] = None
+    uuid: Optional[str] = None
+    mem_used: Optional[int] = None     # bytes
+    mem_total: Optional[int] = None
+    util: Optional[float] = None       # percent
+    temp: Optional[float] = None       # degrees C
+    power_w: Optional[float] = None
+    power_limit_w: Optional[float] = None
+    lost: Optional[bool] = None        # NVML lost it: listed, with no readings
 
 
 @dataclass
-class Status(Reply):
-    """What a host command that only does one thing did (`hostctl reopen`: reopened | running;
-    `worker.relocate`: adopted | already | revoked | error, with `detail`)."""
-    status: str = ""
-    detail: str = ""
+class ModelIdentity(CompactReply):
+    """What a model folder is (worker.identity.model_identity): hashes of its config and of its
+    weight files' names, sizes and edges; `path` is recorded, never compared."""
+    config: str = ""
+    weights: str = ""
+    path: Optional[str] = None
+
+
+@dataclass
+class DataIdentity(CompactReply):
+    """What a dataset is (worker.identity.dataset_identity): its rows, bytes, edge rows' and
+    content's hashes; `path` and `mtime` are recorded, never compared."""
+    rows: int = 0
+    bytes: int = 0
+    first_row: str = ""
+    last_row: str = ""
+    content: Optional[str] = None      # absent from plans written before it was recorded
+    path: Optional[str] = None
+    mtime: Optional[float] = None
+
+
+@dataclass
+class WorkIdentity(CompactReply):
+    """The identity of a run's work (worker.identity.work_identity): its model, its data and what
+    is written. Kept in plan.json and meta.json and compared key by key (identity.differences):
+    what an older record lacks is not compared."""
+    model: Optional[ModelIdentity] = None
+    data: Optional[DataIdentity] = None
+    layer_ids: Optional[list[int]] = None
+    last_layer_norm: Optional[str] = None
+    target_last: Optional[bool] = None
+    format: Optional[str] = None
+    loss_mask: Optional[str] = None
+    dtype: Optional[str] = None
 
 
 @dataclass
@@ -917,7 +1014,7 @@ class Plan(Reply):
     num_shards: int = 0
     shards: list[PlanShard] = field(default_factory=list)
     spec: dict = field(default_factory=dict)
-    identity: dict = field(default_factory=dict)
+    identity: WorkIdentity = field(default_factory=WorkIdentity)
     host_ids: dict[str, str] = field(default_factory=dict)
     launcher: Optional[str] = None
 
@@ -963,7 +1060,7 @@ class PreflightReport(Reply):
     gpu_uuids: list[str] = field(default_factory=list)   # theirs, where telemetry reads them (which card)
     plan: Optional[Plan] = None                  # the run's plan on this host, if it has one
     host_id: Optional[str] = None                # which machine this is (<root>/host-id)
-    identity: dict = field(default_factory=dict)    # what its model and data are (worker.identity)
+    identity: WorkIdentity = field(default_factory=WorkIdentity)   # what its model and data are
     free_bytes: Optional[int] = None             # free at the output
     folder_id: Optional[str] = None              # the output folder's id (its meta.json)
     footprint: Optional[Footprint] = None

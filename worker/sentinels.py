@@ -11,9 +11,9 @@ import glob
 import os
 import re
 import time
-from dataclasses import dataclass
 
 from . import protocol
+from .protocol import SentinelSpec   # the spec is a wire record; judged here
 
 MAX_LINE = 64 * 1024           # a line longer than this is matched on its last 64 KiB
 QUOTE = 300                    # characters of a matched line an event carries
@@ -22,18 +22,6 @@ PROGRESS_EVERY_S = 1.0         # at most one progress event a second from log li
 GLOB_EVERY_S = 2.0             # how often output files are counted
 TRACEBACK = "Traceback (most recent call last)"   # a fail line that says less than the line ending it
 
-
-@dataclass(frozen=True)
-class SentinelSpec:
-    done: str | None = None           # regex: the job finished well
-    fail: str | None = None           # regex: the job failed
-    progress: str | None = None       # regex with (?P<done>\d+) and optionally (?P<total>\d+)
-    progress_glob: str | None = None  # output files counted as progress ({shard} filled in)
-    total: int | None = None          # samples per shard when nothing else says
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SentinelSpec":
-        return cls(**{k: d.get(k) for k in ("done", "fail", "progress", "progress_glob", "total")})
 
 
 class LogWatcher:

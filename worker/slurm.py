@@ -304,7 +304,7 @@ def submit(run_dir: str, spec: dict) -> protocol.SlurmSubmitted:
     """Submit `spec["tasks"]` (shard -> argv, env, cwd, sentinels) as one array. Shards whose newest
     launch Slurm still holds are left alone ("never twice"); the others get a launch each."""
     by = spec.get("by", "manual")
-    tasks: dict[str, dict] = spec["tasks"]
+    tasks = {k: protocol.LaunchSpec.from_dict(v, f"tasks.{k}") for k, v in spec["tasks"].items()}
     result: dict[str, str] = {}
     with RunLock(run_dir):
         states = {k: LaunchState.read(events_path(protocol.shard_dir(run_dir, int(k)))) for k in tasks}
@@ -320,7 +320,7 @@ def submit(run_dir: str, spec: dict) -> protocol.SlurmSubmitted:
                 continue
             n = LaunchState.read(events_path(shard_dir)).n + 1
             protocol.append_jsonl(events_path(shard_dir), protocol.Launch(
-                launch=n, by=by, gpu=None, argv=tasks[k]["argv"], launcher="slurm"))
+                launch=n, by=by, gpu=None, argv=tasks[k].argv, launcher="slurm"))
             launches[k] = n
         if not launches:
             return protocol.SlurmSubmitted(status="held", shards=result)
@@ -328,7 +328,7 @@ def submit(run_dir: str, spec: dict) -> protocol.SlurmSubmitted:
         submission = os.path.join(run_dir, SLURM_DIR, f"submit-{stamp}.json")
         write_atomic(submission, json.dumps({
             "run_dir": run_dir, "by": by,
-            "tasks": {k: {**tasks[k], "launch": n} for k, n in launches.items()}}), 0o600)
+            "tasks": {k: {**tasks[k].to_dict(), "launch": n} for k, n in launches.items()}}), 0o600)
         argv = ["sbatch", "--parsable", f"--job-name={spec['job_name']}",
                 f"--array={array_spec([int(k) for k in launches], spec.get('max_parallel'))}",
                 f"--output={os.path.join(run_dir, 'shards', '%a', protocol.LOG_FILE)}",
@@ -459,20 +459,21 @@ def allocated_gpus(env: dict | None = None) -> list[int] | None:
     return None
 
 
-def own_gpus(readings: list[dict], allocated: list[int] | None, visible: str | None) -> list[dict]:
+def own_gpus(readings: list[protocol.GpuStat], allocated: list[int] | None,
+             visible: str | None) -> list[protocol.GpuStat]:
     """The task's own GPUs among NVML's readings of its node: by index when Slurm said which, by
     UUID when CUDA_VISIBLE_DEVICES holds UUIDs; all readable ones when nothing says (a node whose
     cgroup already hides the others)."""
     uuids = [x.strip() for x in (visible or "").split(",") if x.strip().startswith(("GPU-", "MIG-"))]
     if uuids:
-        mine = [g for g in readings if g.get("uuid") in uuids]
+        mine = [g for g in readings if g.uuid in uuids]
         if mine:
             return mine
     if allocated is not None:
-        mine = [g for g in readings if g.get("index") in allocated]
+        mine = [g for g in readings if g.index in allocated]
         if mine:
             return mine
-    return [g for g in readings if not g.get("lost")]
+    return [g for g in readings if not g.lost]
 
 
 # --- checking the login node -------------------------------------------------------------------

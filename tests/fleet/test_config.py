@@ -136,7 +136,7 @@ def test_a_job_taking_its_rows_is_checked_and_filled_in_by_its_runner(tmp_path):
     host = config.hosts[0]
     cmd = shard_command(config, host, Placement(1, host.name, 1), 4, pool=[0, 1])
     assert cmd.argv[-5:-2] == ["{start}", "--to", "{end}"]              # the runner fills them in
-    assert protocol.RowShare.from_dict(cmd.rows) == protocol.RowShare(num_rows=1000, num_shards=4, pool=[0, 1],
+    assert cmd.rows == protocol.RowShare(num_rows=1000, num_shards=4, pool=[0, 1],
                                                                       min_chunk=2)   # 1% of a shard's rows
 
 

@@ -335,8 +335,7 @@ def test_judge_invariants_over_random_histories(steps, max_restarts, needs_done,
         prefix = w.events[:length]
         replayed = judge(fold(prefix, needs_done), alive, t, policy)
         assert live == replayed
-        raw = [e.to_dict() for e in prefix]
-        thinned = [p.parse_event(d) for d in thin_progress(raw)]
+        thinned = thin_progress([p.parse_event(e.to_dict()) for e in prefix])   # as read from the file
         assert judge(fold(thinned, needs_done), alive, t, policy) == live
     final = judge(w.live, w.running, w.t, policy)
     assert final == judge(fold(w.events, needs_done), w.running, w.t, policy)

@@ -108,9 +108,10 @@ def test_the_plan_of_a_slurm_run_is_its_shard_count():
     grown = {**base, "num_shards": 4, "shards": [{"id": k, "host": "slurm", "gpu": 0} for k in range(4)]}
     ssh = {**base, "launcher": None, "shards": [{"id": 0, "host": "box", "gpu": 0}]}
     base, grown, ssh = (p.Plan.from_dict(d) for d in (base, grown, ssh))
-    assert plan_differences(base, grown) == ["shards: 2 -> 4"]
-    assert plan_differences(base, base) == []
-    assert plan_differences(ssh, base) == ["launcher: ssh hosts -> slurm"]
+    slurm_layout = {"layout_differences": SlurmLauncher.layout_differences}     # as setup passes the engine's
+    assert plan_differences(base, grown, **slurm_layout) == ["shards: 2 -> 4"]
+    assert plan_differences(base, base, **slurm_layout) == []
+    assert plan_differences(ssh, base, **slurm_layout) == ["launcher: ssh hosts -> slurm"]
 
 
 def test_make_plan_for_slurm(tmp_path):
@@ -165,14 +166,14 @@ def test_array_spec():
 
 
 def test_a_task_reports_only_its_own_gpus():
-    node = [{"index": i, "uuid": f"GPU-{i}"} for i in range(4)] + [{"index": 4, "lost": True}]
+    node = [p.GpuStat(index=i, uuid=f"GPU-{i}") for i in range(4)] + [p.GpuStat(index=4, lost=True)]
     assert slurm.allocated_gpus({"SLURM_JOB_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0,1"}) == [2, 3]
     assert slurm.allocated_gpus({"CUDA_VISIBLE_DEVICES": "GPU-1"}) is None
     assert slurm.allocated_gpus({}) is None
-    assert [g["index"] for g in slurm.own_gpus(node, [2, 3], "0,1")] == [2, 3]
-    assert [g["index"] for g in slurm.own_gpus(node, None, "GPU-1,GPU-3")] == [1, 3]
-    assert [g["index"] for g in slurm.own_gpus(node[:1], [2], "0")] == [0]    # a cgroup hides the rest
-    assert [g["index"] for g in slurm.own_gpus(node, None, None)] == [0, 1, 2, 3]   # never a lost one
+    assert [g.index for g in slurm.own_gpus(node, [2, 3], "0,1")] == [2, 3]
+    assert [g.index for g in slurm.own_gpus(node, None, "GPU-1,GPU-3")] == [1, 3]
+    assert [g.index for g in slurm.own_gpus(node[:1], [2], "0")] == [0]    # a cgroup hides the rest
+    assert [g.index for g in slurm.own_gpus(node, None, None)] == [0, 1, 2, 3]   # never a lost one
 
 
 # --- the fold and the judge ---------------------------------------------------------------------
@@ -361,9 +362,9 @@ def test_the_snapshot_shows_a_slurm_shard_on_its_node_and_groups_gpus_by_node():
     running = fold(submitted(job="40_0") + started(job="40_0"))
     queued = fold(submitted(job="41_1"))
     readings = [("node07", p.TaskGpus(shard=0, launch=1, node="node07", t=100.0, source="nvml",
-                                      gpus=[{"index": 2, "mem_used": 5, "mem_total": 10}])),
+                                      gpus=[p.GpuStat(index=2, mem_used=5, mem_total=10)])),
                 ("node07", p.TaskGpus(shard=2, launch=1, node="node07", t=99.0, source="nvml",
-                                      gpus=[{"index": 0, "mem_used": 1, "mem_total": 10}])),
+                                      gpus=[p.GpuStat(index=0, mem_used=1, mem_total=10)])),
                 ("node09", None)]
     nodes = slurm_nodes(login, readings)
     assert sorted(nodes) == ["node07", "node09"]

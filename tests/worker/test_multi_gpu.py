@@ -15,6 +15,7 @@ from tests.fleet.conftest import fleet
 from worker.identity import model_shape
 from worker.model import find_decoder, load_model
 from worker.preflight import fit_problem
+from worker.protocol import GpuStat
 
 
 def test_layers_spread_over_devices_in_order_and_the_files_are_identical(tmp_path, dense_model, token_data):
@@ -40,9 +41,9 @@ def test_preflight_says_what_to_change_when_the_weights_do_not_fit(dense_model):
     shape = model_shape(dense_model)
     weights = sum(os.path.getsize(os.path.join(dense_model, f)) for f in os.listdir(dense_model)
                   if f.endswith(".safetensors"))
-    roomy = [{"index": i, "mem_total": 80 * 10**9} for i in range(2)]
+    roomy = [GpuStat(index=i, mem_total=80 * 10**9) for i in range(2)]
     assert fit_problem(dense_model, shape, roomy[:1], 1, 16384, 4) is None
-    small = [{"index": i, "mem_total": int(weights * 0.8)} for i in range(2)]    # under the weights
+    small = [GpuStat(index=i, mem_total=int(weights * 0.8)) for i in range(2)]    # under the weights
     problem = fit_problem(dense_model, shape, small[:1], 1, 16, 4)
     assert " of weights over 1 GPU(s) plus one 16-token batch" in problem
     assert "set gpus_per_shard = 2 or lower max_tokens_per_batch" in problem

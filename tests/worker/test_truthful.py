@@ -225,7 +225,7 @@ def plan_file(tmp_path, run: str, created: float, model: str, data: str) -> str:
     identity = work_identity(model, data, output_identity(resolve_layers("speculators", 8), "speculators",
                                                           "assistant", "bf16"))
     path = tmp_path / f"plan-{run}.json"
-    path.write_text(json.dumps({"version": 1, "run": run, "created": created, "identity": identity}))
+    path.write_text(json.dumps({"version": 1, "run": run, "created": created, "identity": identity.to_dict()}))
     return str(path)
 
 
