@@ -92,21 +92,34 @@ def make_data(path: str, n: int, seed: int) -> int:
     return tokens
 
 
+PASSED = ("FLEET_TUNING_PRESETS", "FLEET_FULL_TUNING")     # the bench's environment the workers get
+
+
+def passed_env() -> str:
+    """[run] env for the variables of PASSED set in the bench's environment."""
+    pairs = [f"{k} = {json.dumps(os.environ[k])}" for k in PASSED if k in os.environ]
+    return f"env = {{ {', '.join(pairs)} }}" if pairs else ""
+
+
 def write_config(path: str, work: str, data: str, output: str, gpus: list[int], name: str,
-                 gpus_per_shard: int = 1, extra: tuple[str, ...] = (), dtype: str = "bf16") -> str:
+                 gpus_per_shard: int = 1, extra: tuple[str, ...] = (), dtype: str = "bf16",
+                 model: str | None = None) -> str:
+    """`model`: a saved checkpoint to load (default: `<work>/model`'s config.json, random weights)."""
+    extra = tuple(extra) if model else ("--random-weights", *extra)
     with open(path, "w") as f:
         f.write(f"""
 [run]
 name = "{name}"
-model = "{work}/model"
+model = "{model or work + '/model'}"
 data = "{data}"
 output = "{output}"
 layers = "speculators"
 max_tokens_per_batch = 16384
 device = "cuda"
-extra_args = {json.dumps(["--random-weights", *extra])}
+extra_args = {json.dumps(list(extra))}
 gpus_per_shard = {gpus_per_shard}
 dtype = "{dtype}"
+{passed_env()}
 
 [expected]
 tokens_per_s_per_gpu = 6000
@@ -208,11 +221,23 @@ def hybrid27(args, result: dict, peak: float, ngpu: int) -> None:
     work = args.work
     json.dump(HYBRID27, open(f"{work}/model/config.json", "w"))
     params = result["nonembedding_params"] = counted_params(HYBRID27)
+    model = None
+    if args.checkpoint:                  # a real checkpoint, as a download holds it, read by the load
+        from bench.load_checkpoint import SAVE, files_of
+        model = args.checkpoint
+        os.makedirs(model, exist_ok=True)
+        t0 = time.time()
+        if not files_of(model):          # (one saved by an earlier call of the bench is used again)
+            json.dump(HYBRID27, open(f"{model}/config.json", "w"))
+            subprocess.run([sys.executable, "-c", SAVE, model], check=True)
+        result["checkpoint"] = {"path": model, "bytes": sum(os.path.getsize(f) for f in files_of(model)),
+                                "save_s": round(time.time() - t0, 1)}
+        print(json.dumps(result["checkpoint"]), flush=True)
     data = f"{work}/data.jsonl"
     result["tokens"] = make_data(data, args.samples, 2)
     for name in ("first",) if args.once else ("first", "again"):
         cfg = write_config(f"{work}/{name}.toml", work, data, f"{work}/out-{name}", list(range(ngpu)), name,
-                           dtype=args.dtype)
+                           dtype=args.dtype, model=model)
         t0 = time.time()
         rc, lines, _ = run_headless(cfg, f"{args.out}/{name}.log")
         per = []
@@ -308,6 +333,9 @@ def main() -> None:
                         "and a second one on the warm host cache)")
     p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="hidden states as stored")
     p.add_argument("--once", action="store_true", help="hybrid27: the first launch only")
+    p.add_argument("--checkpoint", default=None,
+                   help="hybrid27: save the model as a real checkpoint here (say /dev/shm/h27: a warm page "
+                        "cache) and load it, instead of random weights built on the GPU")
     p.add_argument("--micro-batches", default="2",
                    help="comma list: the spanning shard is run once per value (worker --micro-batches)")
     args = p.parse_args()

@@ -28,6 +28,7 @@ and still tune mid-run. So here:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import Counter
@@ -70,12 +71,15 @@ def autotune_key(tuner: Any, kwargs: dict) -> tuple[tuple, list[str]]:
     return tuple(key), names
 
 
+def _config_values(c: Any) -> dict:
+    """A Triton config's block sizes and launch options as one dict."""
+    return c.all_kwargs() if hasattr(c, "all_kwargs") else {**c.kwargs, **{
+        k: getattr(c, k, None) for k in ("num_warps", "num_stages", "num_ctas", "maxnreg")}}
+
+
 def _same_config(a: Any, b: Any) -> bool:
-    def norm(c):
-        return c.all_kwargs() if hasattr(c, "all_kwargs") else {**c.kwargs, **{
-            k: getattr(c, k, None) for k in ("num_warps", "num_stages", "num_ctas", "maxnreg")}}
     try:
-        return a is b or norm(a) == norm(b)
+        return a is b or _config_values(a) == _config_values(b)
     except Exception:
         return False
 
@@ -94,9 +98,86 @@ FEWER: dict[str, Callable[[Any], bool]] = {
 }
 
 
+# Winners measured for the 27B hybrid's kernels (64 layers, 16 key / 48 value heads of 128, conv
+# width 10,240), per GPU model as torch names it: each kernel's key (None where it holds a size)
+# and the config that timed fastest. H200: every candidate timed, nothing else on the GPU
+# (docs/results/h200-round6/b-autotune.json); H100: a first launch's own picks among FEWER's
+# candidates (docs/results/h100-round11/h100-presets.json, by bench/tuning_presets.py). A host of
+# that GPU running those shapes compiles the winner and times nothing (a 27B first launch's
+# LOADING 66.5 -> 42.8 s on an H100, docs/benchmarks.md); any other key, GPU or fla version tunes
+# as before. FLEET_FULL_TUNING=1 turns this off with FEWER; FLEET_TUNING_PRESETS adds a file's.
+_BF16, _F32 = "torch.bfloat16", "torch.float32"
+_HEADS = (48, 48, 128, 128, 64, False)
+PRESETS: dict[str, dict[str, list[tuple[tuple, dict]]]] = {
+    "NVIDIA H200": {
+        "causal_conv1d_fwd_kernel": [((10240, 4, _BF16, _BF16, _BF16), {"BD": 64, "num_warps": 8, "num_stages": 3})],
+        "chunk_fwd_kernel_o": [(_HEADS + (_BF16, _BF16, _BF16, _BF16, _F32, _BF16),
+                                {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3})],
+        "chunk_gated_delta_rule_fwd_kkt_solve_kernel": [((48, 48, 128, 16, _BF16, _F32, _BF16, _BF16),
+                                                         {"BK": 64, "num_warps": 1, "num_stages": 3})],
+        "recompute_w_u_fwd_kernel": [((48, 48, 128, 128, 64, 64, 64, False) + (_BF16,) * 6 + (_F32,),
+                                      {"num_warps": 4, "num_stages": 4})],
+        "chunk_local_cumsum_scalar_kernel": [((None, 48, 64, False, False, _F32, _F32),
+                                              {"num_warps": 2, "num_stages": 3})],
+        "l2norm_fwd_kernel": [((128, None, _BF16, _BF16, _F32), {"BT": 8, "num_warps": 4, "num_stages": 3})],
+        "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": [(_HEADS + (_BF16, _BF16, _BF16, _BF16, _F32, _BF16),
+                                                            {"BV": 64, "num_warps": 4, "num_stages": 2})],
+    },
+    "NVIDIA H100 80GB HBM3": {
+        "causal_conv1d_fwd_kernel": [((10240, 4, _BF16, _BF16, _BF16), {"BD": 128, "num_warps": 16, "num_stages": 3})],
+        "chunk_fwd_kernel_o": [(_HEADS + (_BF16, _BF16, _BF16, _BF16, _F32, _BF16),
+                                {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3})],
+        "chunk_gated_delta_rule_fwd_kkt_solve_kernel": [((48, 48, 128, 16, _BF16, _F32, _BF16, _BF16),
+                                                         {"BK": 32, "num_warps": 1, "num_stages": 3})],
+        "recompute_w_u_fwd_kernel": [((48, 48, 128, 128, 64, 64, 64, False) + (_BF16,) * 6 + (_F32,),
+                                      {"num_warps": 4, "num_stages": 3})],
+        "chunk_local_cumsum_scalar_kernel": [((None, 48, 64, False, False, _F32, _F32),
+                                              {"num_warps": 8, "num_stages": 3})],
+        "l2norm_fwd_kernel": [((128, None, _BF16, _BF16, _F32), {"BT": 16, "num_warps": 4, "num_stages": 3})],
+        "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": [(_HEADS + (_BF16, _BF16, _BF16, _BF16, _F32, _BF16),
+                                                            {"BV": 64, "num_warps": 4, "num_stages": 4})],
+    },
+}
+# Where a kernel's autotune key holds a size (fla 0.6: the gate cumsum's row count B, the l2 norm's
+# token bucket NB), for presets taken from a cache file, which records the key without its names.
+SIZE_POSITIONS: dict[str, tuple[int, ...]] = {"chunk_local_cumsum_scalar_kernel": (0,), "l2norm_fwd_kernel": (1,)}
+GPU_NAME: list[str | None] = [None]      # the GPU this process tunes on (install's `gpu_name`)
+PRESETS_FILE = "FLEET_TUNING_PRESETS"    # a JSON file of more presets, as bench/tuning_presets.py writes
+_PRESETS_READ: set[str] = set()
+
+
+def load_presets(path: str) -> int:
+    """Add the presets of a JSON file ({gpu: {kernel: [[key, config], ...]}}, null where a key
+    holds a size) to PRESETS; how many. A file that cannot be read adds none."""
+    import json
+    try:
+        with open(path) as f:
+            found = json.load(f)
+        added = 0
+        for gpu, kernels in found.items():
+            for kernel, entries in kernels.items():
+                for key, config in entries:
+                    PRESETS.setdefault(gpu, {}).setdefault(kernel, []).insert(0, (tuple(key), dict(config)))
+                    added += 1
+        return added
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+def preset(kernel: str, key: Sequence, configs: list, gpu: str | None = None) -> Any:
+    """The candidate PRESETS names for this kernel, key and GPU, or None (then it is tuned)."""
+    for pattern, wanted in PRESETS.get(gpu or GPU_NAME[0] or "", {}).get(kernel, ()):
+        if len(pattern) == len(key) and all(p is None or (p == k and type(p) is type(k))
+                                            for p, k in zip(pattern, key)):
+            for c in configs:
+                values = _config_values(c)
+                if all(values.get(k) == v for k, v in wanted.items()):
+                    return c
+    return None
+
+
 def fewer(tuner: Any, configs: list) -> list:
     """`configs` limited by FEWER for this autotuner's kernel (all of them if none would stay)."""
-    import os
     if os.environ.get("FLEET_FULL_TUNING") == "1":
         return configs
     fn = getattr(tuner, "base_fn", None) or getattr(tuner, "fn", None)
@@ -117,6 +198,12 @@ def reuse_prune(prune: Callable) -> Callable:
     def prune_configs(self, kwargs, *args, **kw):
         configs = prune(self, kwargs, *args, **kw)
         try:
+            if len(configs) > 1 and os.environ.get("FLEET_FULL_TUNING") != "1":
+                fn = getattr(self, "base_fn", None) or getattr(self, "fn", None)
+                chosen = preset(getattr(fn, "__name__", ""), autotune_key(self, kwargs)[0], configs)
+                if chosen is not None:
+                    STATS["preset"] += 1
+                    return [chosen]
             configs = fewer(self, configs)
             cache = getattr(self, "cache", None)
             if len(configs) > 1 and cache:
@@ -180,13 +267,24 @@ def tuning_report(top: int = 3) -> str:
     the load's path (a key found in Triton's on-disk cache is not timed again)."""
     slow = ", ".join(f"{k.removesuffix('_kernel')} {v:.0f} s" for k, v in SECONDS.most_common(top))
     took = f" in {sum(SECONDS.values()):.0f} s: {slow}" if SECONDS else ""
-    return f"{STATS['tuned']} tuned or read from the host's cache{took}; {STATS['reused']} sizes reused"
+    taken = f"{STATS['preset']} taken from the presets for this GPU, " if STATS["preset"] else ""
+    return f"{taken}{STATS['tuned']} tuned or read from the host's cache{took}; {STATS['reused']} sizes reused"
 
 
-def install(autotuner: type | None = None) -> bool:
+def install(autotuner: type | None = None, gpu_name: str | None = None) -> bool:
     """Reuse across sizes and brief timing for every Triton autotuner of this process (see the
     module's doc). `autotuner`: the class to patch (tests pass a stand-in); default Triton's.
+    `gpu_name`: the GPU's model, for PRESETS (default: CUDA's current device, if any).
     False without Triton."""
+    if gpu_name is None and torch.cuda.is_available():
+        try:
+            gpu_name = torch.cuda.get_device_name()
+        except Exception:
+            gpu_name = None
+    GPU_NAME[0] = gpu_name or GPU_NAME[0]
+    if (path := os.environ.get(PRESETS_FILE)) and path not in _PRESETS_READ:
+        _PRESETS_READ.add(path)
+        load_presets(path)
     if autotuner is None:
         try:
             from triton.runtime.autotuner import Autotuner as autotuner

@@ -63,6 +63,60 @@ def test_a_kernel_tunes_once_and_other_sizes_take_its_winner():
     assert tuner.run(x.float(), 8, 16, 4) is best and len(tuner.timed) == 9   # another dtype: tuned
 
 
+def test_a_preset_for_this_gpu_is_taken_without_timing_and_nothing_else_is(monkeypatch):
+    """PRESETS: the 27B's l2 norm on an H200 takes the measured winner for any token bucket (NB
+    is a size), times nothing; another head width, another GPU, or FLEET_FULL_TUNING tunes."""
+    from worker import tuning
+
+    def l2norm_fwd_kernel():                    # the kernel's name is what the presets are keyed by
+        pass
+    configs = [Config(BT=bt, num_warps=w, num_stages=3) for bt in (8, 16, 32) for w in (2, 4)]
+    winner = tuning.PRESETS["NVIDIA H200"]["l2norm_fwd_kernel"][0][1]
+    x, y, z = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
+
+    def tuner():
+        t = FakeAutotuner(["x", "y", "z", "D", "NB"], ["D", "NB"], configs)
+        t.fn = l2norm_fwd_kernel
+        return t
+    monkeypatch.setattr(tuning, "GPU_NAME", [None])
+    install(FakeAutotuner, gpu_name="NVIDIA H200")
+    t = tuner()
+    best = t.run(x, y, z, 128, 12)
+    assert best.kwargs == winner and t.timed == []
+    assert t.run(x, y, z, 128, 3).kwargs == winner and t.timed == []          # another bucket: a size
+    assert t.run(x, y, z, 64, 12).kwargs["BT"] == 32 and len(t.timed) == 6    # another width: tuned
+    install(FakeAutotuner, gpu_name="NVIDIA A100-SXM4-80GB")
+    t = tuner()
+    assert t.run(x, y, z, 128, 12).kwargs["BT"] == 32 and len(t.timed) == 6   # another GPU: tuned
+    install(FakeAutotuner, gpu_name="NVIDIA H200")
+    monkeypatch.setenv("FLEET_FULL_TUNING", "1")
+    t = tuner()
+    assert t.run(x, y, z, 128, 12).kwargs["BT"] == 32 and len(t.timed) == 6   # switched off: tuned
+
+
+def test_presets_from_a_file_of_a_hosts_timings_are_taken_on_its_gpu(tmp_path, monkeypatch):
+    """FLEET_TUNING_PRESETS (what bench/tuning_presets.py writes from a host's Triton cache)."""
+    import json
+
+    from worker import tuning
+
+    def chunk_fwd_kernel_o():
+        pass
+    configs = [Config(BK=bk, num_warps=4, num_stages=3) for bk in (32, 64)]
+    path = tmp_path / "presets.json"
+    path.write_text(json.dumps({"NVIDIA Stand-in": {"chunk_fwd_kernel_o": [[[7, None, "torch.bfloat16"],
+                                                                              {"BK": 64, "num_warps": 4}]]}}))
+    monkeypatch.setattr(tuning, "GPU_NAME", [None])
+    monkeypatch.setattr(tuning, "PRESETS", {})
+    monkeypatch.setenv(tuning.PRESETS_FILE, str(path))
+    install(FakeAutotuner, gpu_name="NVIDIA Stand-in")
+    t = FakeAutotuner(["x", "H", "T"], ["H", "T"], configs)
+    t.fn = chunk_fwd_kernel_o
+    x = torch.zeros(2, dtype=torch.bfloat16)
+    assert t.run(x, 7, 100).kwargs["BK"] == 64 and t.timed == []
+    assert tuning.load_presets(str(tmp_path / "absent.json")) == 0       # unreadable: none added
+
+
 def test_similar_keys_differ_only_in_named_sizes():
     names = ["B", "H", "BT", "IS_VARLEN"]
     assert similar((8, 16, 64, False, "torch.bfloat16"), (3, 16, 64, False, "torch.bfloat16"), names)
