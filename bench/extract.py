@@ -84,6 +84,10 @@ def make_config(shape: str, vocab: int, tiny: bool = False):
                       num_key_value_heads=2, head_dim=16)
     if shape == "dense":
         return AutoConfig.for_model("qwen3", **common)
+    if shape == "hybrid27" and not tiny:           # the users' 27B hybrid (bench/gpu_fleet.py's shape)
+        from bench.gpu_fleet import HYBRID27
+        return AutoConfig.for_model(**{**{k: v for k, v in HYBRID27.items() if k != "architectures"},
+                                       "vocab_size": vocab})
     types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(common["num_hidden_layers"])]
     return AutoConfig.for_model("qwen3_5_text", layer_types=types, linear_num_key_heads=16,
                                 linear_num_value_heads=32, linear_key_head_dim=128,
@@ -177,7 +181,8 @@ def reference_error(lm, base, samples, plan) -> float:
 
 def profile_forward(base, n: int, vocab: int, rows: int = 16, width: int = 1024) -> dict:
     """Where a forward's GPU time goes: kernels by total time (top 30), and the time in each
-    family (matmuls, flash-linear-attention's Triton kernels, convolutions, attention, the rest)."""
+    family (matmuls, flash-linear-attention's Triton kernels, convolutions, attention, the rest);
+    with the forwards' wall time unprofiled, so the GPU's idle share (host-bound gaps) shows."""
     from torch.profiler import ProfilerActivity, profile
     from worker.model import unpacked_rows
     ids = torch.randint(0, vocab, (rows, width), device=DEVICE)
@@ -185,6 +190,11 @@ def profile_forward(base, n: int, vocab: int, rows: int = 16, width: int = 1024)
         for _ in range(3):
             base(input_ids=ids, use_cache=False)
         sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            base(input_ids=ids, use_cache=False)
+        sync()
+        wall = (time.perf_counter() - t0) / n
         with profile(activities=[ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU]) as prof:
             for _ in range(n):
                 base(input_ids=ids, use_cache=False)
@@ -203,7 +213,8 @@ def profile_forward(base, n: int, vocab: int, rows: int = 16, width: int = 1024)
         fam = next((f for f, keys in families.items() if any(k in low for k in keys)), "other")
         by_family[fam] += t
     top = sorted(kernels, key=lambda k: -k[1])[:30]
-    return {"forwards": n, "tokens": rows * width * n, "gpu_ms_per_forward": round(total / n / 1e3, 2),
+    return {"shape": [rows, width], "forwards": n, "tokens": rows * width * n,
+            "wall_ms_per_forward": round(wall * 1e3, 2), "gpu_ms_per_forward": round(total / n / 1e3, 2),
             "share": {f: round(t / total, 3) for f, t in by_family.items()},
             "top": [{"kernel": name[:120], "ms": round(t / 1e3, 2), "calls": c, "share": round(t / total, 3)}
                     for name, t, c in top]}
@@ -279,7 +290,8 @@ def rate(r: dict, params: int, peak: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=("dense", "hybrid"), default="dense")
+    p.add_argument("--shape", choices=("dense", "hybrid", "hybrid27"), default="dense",
+                   help="the 7B dense or 7.8B hybrid bench shapes, or the 27B hybrid (64 layers, hidden 5,120)")
     p.add_argument("--naive-samples", type=int, default=120)
     p.add_argument("--samples", type=int, default=1200)
     p.add_argument("--budget", type=int, default=16384)
@@ -317,6 +329,7 @@ def main() -> None:
     p.add_argument("--fla-norms", action="store_true",
                    help="hybrid: run the RMS norms on fla's fused kernels (worker.model.use_fla_norms), "
                         "after comparing the model's hidden states with its own norms'")
+    p.add_argument("--profile-long", action="store_true", help="with --profile: also 2 x 8,192-token forwards")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N forward passes of 16 x 1024 tokens (after a warm-up; a dense model's layers "
                         "compiled with --compile on/both) and report the GPU kernels by time, then exit")
@@ -383,6 +396,8 @@ def main() -> None:
         if args.shape == "dense" and args.compile in ("on", "both"):    # the worker's dense path
             compile_layers(base)
         result["profile"] = profile_forward(base, args.profile, vocab)
+        if args.profile_long:                             # the longest rows' batches: 2 x 8,192
+            result["profile_long"] = profile_forward(base, args.profile, vocab, rows=2, width=8192)
         result["conv_source"] = conv_source(base)
         print(json.dumps(result, indent=1))
         if args.json:
