@@ -102,11 +102,14 @@ class Record:
 
 
 def _plain(value: Any) -> Any:
-    """A field's value as JSON: typed parts (replies, records) as their dicts."""
+    """A field's value as JSON: typed parts (replies, records) as their dicts, within lists and
+    dicts too (Record.to_dict and Reply.to_dict both)."""
     if hasattr(value, "to_dict"):
         return value.to_dict()
     if isinstance(value, list):
         return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     return value
 
 
@@ -190,26 +193,10 @@ class Reply:
                       for f in dataclasses.fields(cls) if f.name in d})
 
     def to_dict(self) -> dict:
-        def plain(v: Any) -> Any:
-            if isinstance(v, Reply):
-                return v.to_dict()
-            if isinstance(v, list):
-                return [plain(x) for x in v]
-            if isinstance(v, dict):
-                return {k: plain(x) for k, x in v.items()}
-            return v
-        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
-
-
-@dataclass
-class Status(Reply):
-    """What a host command that only does one thing did (`hostctl reopen`: reopened | running;
-    `worker.relocate`: adopted | already | revoked | error, with `detail`)."""
-    status: str = ""
-    detail: str = ""
 
 
 class CompactReply(Reply):
@@ -935,6 +922,14 @@ def read_events(path: str) -> list[Record]:
 # fleet (`from_dict`, through fleet.deploy.run_worker_module's `reply=`): a reply that is not one
 # of these is an error naming the host there, never a KeyError later. Every field has a default,
 # so a reply from an older or newer worker still parses; unknown keys are dropped.
+
+@dataclass
+class Status(Reply):
+    """What a host command that only does one thing did (`hostctl reopen`: reopened | running;
+    `worker.relocate`: adopted | already | revoked | error, with `detail`)."""
+    status: str = ""
+    detail: str = ""
+
 
 @dataclass
 class GpuStat(CompactReply):

@@ -164,9 +164,21 @@ def load_presets(path: str) -> int:
         return 0
 
 
-def preset(kernel: str, key: Sequence, configs: list, gpu: str | None = None) -> Any:
-    """The candidate PRESETS names for this kernel, key and GPU, or None (then it is tuned)."""
-    for pattern, wanted in PRESETS.get(gpu or GPU_NAME[0] or "", {}).get(kernel, ()):
+def kernel_name(tuner: Any, default: str = "") -> str:
+    """The name of the Triton kernel an autotuner tunes (Triton 3 wraps it as `base_fn`)."""
+    fn = getattr(tuner, "base_fn", None) or getattr(tuner, "fn", None)
+    return getattr(fn, "__name__", default)
+
+
+def full_tuning() -> bool:
+    """FLEET_FULL_TUNING=1: every candidate timed, no presets, no FEWER."""
+    return os.environ.get("FLEET_FULL_TUNING") == "1"
+
+
+def preset(kernel: str, key: Sequence, configs: list) -> Any:
+    """The candidate PRESETS names for this kernel, key and this process's GPU, or None (then it
+    is tuned)."""
+    for pattern, wanted in PRESETS.get(GPU_NAME[0] or "", {}).get(kernel, ()):
         if len(pattern) == len(key) and all(p is None or (p == k and type(p) is type(k))
                                             for p, k in zip(pattern, key)):
             for c in configs:
@@ -178,10 +190,9 @@ def preset(kernel: str, key: Sequence, configs: list, gpu: str | None = None) ->
 
 def fewer(tuner: Any, configs: list) -> list:
     """`configs` limited by FEWER for this autotuner's kernel (all of them if none would stay)."""
-    if os.environ.get("FLEET_FULL_TUNING") == "1":
+    if full_tuning():
         return configs
-    fn = getattr(tuner, "base_fn", None) or getattr(tuner, "fn", None)
-    keep = FEWER.get(getattr(fn, "__name__", ""))
+    keep = FEWER.get(kernel_name(tuner))
     if keep is None:
         return configs
     try:
@@ -198,9 +209,8 @@ def reuse_prune(prune: Callable) -> Callable:
     def prune_configs(self, kwargs, *args, **kw):
         configs = prune(self, kwargs, *args, **kw)
         try:
-            if len(configs) > 1 and os.environ.get("FLEET_FULL_TUNING") != "1":
-                fn = getattr(self, "base_fn", None) or getattr(self, "fn", None)
-                chosen = preset(getattr(fn, "__name__", ""), autotune_key(self, kwargs)[0], configs)
+            if len(configs) > 1 and not full_tuning():
+                chosen = preset(kernel_name(self), autotune_key(self, kwargs)[0], configs)
                 if chosen is not None:
                     STATS["preset"] += 1
                     return [chosen]
@@ -253,8 +263,7 @@ def timed_run(run: Callable) -> Callable:
             return run(self, *args, **kwargs)
         finally:
             if STATS["tuned"] > tuned:
-                fn = getattr(self, "base_fn", None) or getattr(self, "fn", None)
-                SECONDS[getattr(fn, "__name__", "?")] += time.perf_counter() - t0
+                SECONDS[kernel_name(self, "?")] += time.perf_counter() - t0
     run_and_time._fleet_timed = True
     return run_and_time
 
