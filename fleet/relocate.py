@@ -77,7 +77,8 @@ class Moves:
             self.moves.setdefault((a, b, order.from_host, order.to_host),
                                   Move(a, b, order.from_host, order.to_host, t, order.redone, asked=True))
 
-    def refused(self, order: Order) -> None:
+    def withdraw(self, order: Order) -> None:
+        """The order's asked moves no record will show: refused, or already recorded before."""
         for a, b in order.runs:
             m = self.moves.get((a, b, order.from_host, order.to_host))
             if m is not None and m.asked:
@@ -97,6 +98,12 @@ class Moves:
     def untold(self, host: str) -> list[Move]:
         """Moves away from `host` it has not yet been told of (recorded on the receiver)."""
         return [m for m in self.away_from(host) if not m.told and not m.asked]
+
+    @property
+    def in_flight(self) -> bool:
+        """A move asked and not yet in the receiver's record: its rows are nobody's done work yet
+        (the receiver's shards may all read DONE until its record says they have work again)."""
+        return any(m.asked for m in self.moves.values())
 
     @property
     def rows(self) -> int:

@@ -268,11 +268,13 @@ def lease_fields(v: ShardView) -> dict:
     return dict(lease=r.lease, rows_moved_in=r.rows_in, rows_moved_out=r.rows_out, holds_rows=r.holds_rows)
 
 
-def run_finished(rows: list[ShardStatus]) -> bool:
+def run_finished(rows: list[ShardStatus], moving: bool = False) -> bool:
     """The run's work is all done: every shard DONE, or FATAL, STOPPED or UNKNOWN holding no rows
-    (its host's other shards, or the other hosts, took them over and finished them)."""
-    return bool(rows) and all(r.state == State.DONE or (r.state in NO_ROWS_NEEDED and not r.holds_rows)
-                              for r in rows)
+    (its host's other shards, or the other hosts, took them over and finished them), and no rows
+    on their way to another host (`moving`: asked, not yet in its record, where its shards may
+    still all read DONE)."""
+    return bool(rows) and not moving and all(r.state == State.DONE or (r.state in NO_ROWS_NEEDED and not r.holds_rows)
+                                             for r in rows)
 
 
 NO_ROWS_NEEDED = (State.FATAL, State.STOPPED, State.UNKNOWN)   # states that end nothing while holding none
@@ -461,10 +463,12 @@ def costs(hosts: dict[str, Host], hours: float | None, settled: bool, eta: float
 
 
 def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now: float,
-                   expected, relocated: tuple[int, int] = (0, 0), verifiable: bool = True) -> FleetSnapshot:
+                   expected, relocated: tuple[int, int] = (0, 0), verifiable: bool = True,
+                   moving: bool = False) -> FleetSnapshot:
     """`views`: every shard of the run's plan; `expected` the config's ExpectedSpec; `now` the
     supervisor's clock; `relocated`: rows moved from lost hosts, and of them redone; `verifiable`:
-    the built-in worker's run (not a [job]). Each figure is one of the small functions above."""
+    the built-in worker's run (not a [job]); `moving`: rows on their way to another host. Each
+    figure is one of the small functions above."""
     rows, measured = [], []
     for v in views:
         row, rate = shard_row(v, hosts[v.host], now)
@@ -473,7 +477,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
             measured.append((v, rate))
     states = [row.state for row in rows]
     settled = bool(states) and all(s in SETTLED for s in states)
-    finished = run_finished(rows)
+    finished = run_finished(rows, moving)
     eta_unit, eta = run_eta(views, rows, measured, finished)
     elapsed = elapsed_s(views, hosts, settled, now)
     hours = elapsed / 3600 if elapsed is not None else None

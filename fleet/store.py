@@ -344,7 +344,8 @@ class Store:
         views = [self._view(s, now, decided.get(s.id)) for s in sorted(self.shards.values(), key=lambda s: s.id)]
         hosts = {**self.hosts, **self.engine.nodes(self)}
         return build_snapshot(self.config.run.name, views, hosts, now, self.config.spec.expected,
-                              (self.moves.rows, self.moves.redone), verifiable=self.config.spec.job is None)
+                              (self.moves.rows, self.moves.redone), verifiable=self.config.spec.job is None,
+                              moving=self.moves.in_flight)
 
     def _view(self, s: Shard, now: float, decided: Verdict | None) -> ShardView:
         p = s.placement

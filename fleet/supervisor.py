@@ -233,9 +233,11 @@ class Supervisor:
             why = str(e)
         if why is None:
             self._moving[order] = time.time() + 30.0        # its record is on the way
+            if reply.status == "already":                   # ... or was there before: nothing new comes
+                self.store.moves.withdraw(order)
             self.on_log(f"{order.host}: {order.kind}: {reply.status}: {reply.detail}")
         else:
-            self.store.moves.refused(order)
+            self.store.moves.withdraw(order)
             self._moving[order] = time.time() + 10.0        # tried again then
             self.on_log(f"{order.host}: {order.kind} of rows from {order.from_host} failed: {why}")
         self.on_change()

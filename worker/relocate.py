@@ -45,18 +45,18 @@ def adopt(out_dir: str, run_dir: str, num_shards: int, pool: list[int], runs: li
     with open_ledger(ledger_path(out_dir, ranges), ranges) as ledger:
         new = ledger.adopt(runs, from_host)
         added = sum(b - a for a, b in new)
+        if added:                               # a shard of the pool that ran dry and left has work again
+            for k in ledger.idle:               # (before the move's record: the supervisor counts the
+                d = protocol.shard_dir(run_dir, k)   # rows in flight until it reads that record)
+                os.makedirs(d, exist_ok=True)
+                protocol.append_jsonl(os.path.join(d, protocol.EVENTS_FILE),
+                                      protocol.Reopened(samples=added, reason=f"rows of lost host {from_host}"))
         first = protocol.shard_dir(run_dir, min(pool))
         os.makedirs(first, exist_ok=True)
         for a, b in new:
             protocol.append_jsonl(os.path.join(first, protocol.EVENTS_FILE),
                                   protocol.Relocated(start=a, stop=b, from_host=from_host, to_host=to_host,
                                                      side="in", redone=redone))
-        if added:                               # a shard of the pool that ran dry and left has work again
-            for k in ledger.idle:
-                d = protocol.shard_dir(run_dir, k)
-                os.makedirs(d, exist_ok=True)
-                protocol.append_jsonl(os.path.join(d, protocol.EVENTS_FILE),
-                                      protocol.Reopened(samples=added, reason=f"rows of lost host {from_host}"))
     return protocol.Status("adopted" if added else "already", f"{added} row(s)")
 
 

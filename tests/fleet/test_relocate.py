@@ -58,10 +58,11 @@ def test_a_lost_host_with_work_is_adopted_and_told_first_when_back():
     for o in due:
         moves.ask(o, 1.0)
     assert orders(hosts, moves) == []                       # asked once, not again while it is under way
+    assert moves.in_flight                                  # the run cannot be finished meanwhile
     for o in due:                                           # the receivers' records say so
         for a, b in o.runs:
             moves.seen(protocol.Relocated(start=a, stop=b, from_host="b", to_host=o.to_host, side="in", t=2.0))
-    assert orders(hosts, moves) == [] and moves.rows == 100
+    assert orders(hosts, moves) == [] and moves.rows == 100 and not moves.in_flight
     back = [hosts[0], facts("b", [2, 3], planned=[(100, 200)]), hosts[2]]
     revokes = orders(back, moves)
     assert [(o.kind, o.host, o.to_host, o.runs) for o in revokes] == \
@@ -79,7 +80,8 @@ def test_nothing_moves_without_a_receiver_or_from_a_host_that_had_finished():
     refused = Moves()
     o = Order("adopt", "a", ((9, 18),), "b", "a")
     refused.ask(o, 1.0)
-    refused.refused(o)
+    refused.withdraw(o)
+    assert not refused.in_flight
     assert orders([facts("a", [0], planned=[(0, 9)]), facts("b", [1], lost=True, usable=False, planned=[(9, 18)])],
                   refused) == [o.__class__("adopt", "a", ((9, 18),), "b", "a", redone=10)]
 
