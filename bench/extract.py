@@ -179,6 +179,29 @@ def reference_error(lm, base, samples, plan) -> float:
     return worst
 
 
+def compile_hybrid_layers(model: torch.nn.Module) -> int:
+    """Hybrid models, another way than worker.model.compile_regions: whole decoder layers compiled, each Gated
+    DeltaNet block kept out of the graph (torch.compiler.disable: a graph break around it, so
+    dynamo never traces into fla's Triton kernels) with its gated norm compiled alone. The
+    residual adds then fuse with the norms after them, which compile_regions leaves eager
+    between its regions (1.5% of the 27B's forward on an H100). Returns the modules compiled."""
+    import functools
+
+    import torch._dynamo
+    from worker.model import _compile_forwards, compile_layers, find_decoder
+    decoder = find_decoder(model)
+    blocks = [m for layer in decoder.layers for m in layer.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    norms = [m for b in blocks for m in b.children() if type(m).__name__.endswith("RMSNormGated")
+             and "forward" not in m.__dict__]
+    n = _compile_forwards(norms, 2 * len(norms) + 16)
+    for block in blocks:
+        forward = block.__dict__.get("forward") or functools.partial(type(block).forward, block)
+        block.forward = torch._dynamo.disable(forward)
+        block._fleet_compiled = True
+    compile_layers(model)
+    return n + len(decoder.layers)
+
+
 def profile_forward(base, n: int, vocab: int, rows: int = 16, width: int = 1024) -> dict:
     """Where a forward's GPU time goes: kernels by total time (top 30), and the time in each
     family (matmuls, flash-linear-attention's Triton kernels, convolutions, attention, the rest);
@@ -300,10 +323,14 @@ def main() -> None:
     p.add_argument("--skip-shm", action="store_true")
     p.add_argument("--skip-naive", action="store_true")
     p.add_argument("--pads", default="8", help="comma list of batch-width pad multiples to run ours with")
-    p.add_argument("--compile", choices=("off", "on", "both", "regions"), default="both",
+    p.add_argument("--compile", choices=("off", "on", "both", "regions", "layers"), default="both",
                    help="run ours eager, with compiled decoder layers, or both (compiled on disk and tmpfs); "
                         "regions: the non-fla modules of a hybrid's layers compiled (worker.model.compile_regions, "
-                        "the worker's hybrid path)")
+                        "the worker's hybrid path); layers: a hybrid's whole layers compiled around its "
+                        "linear-attention blocks (compile_hybrid_layers; measured, not kept: docs/benchmarks.md)")
+    p.add_argument("--split-projections", action="store_true",
+                   help="hybrid: q, k and v projected and convolved apart (worker.gdn, the worker's path), "
+                        "before the tuning, after checking it against the layer's own forward")
     p.add_argument("--passes", type=int, default=1,
                    help="timed passes over the samples in one process (the first is a shard's first pass, "
                         "later ones the steady state)")
@@ -370,6 +397,9 @@ def main() -> None:
     if args.track_tuning:
         track_tuning(tuning)
         result["tuning"] = tuning
+    if args.split_projections:      # before the tuning, as the worker's Tuner does (fla tunes at the first shape)
+        from worker.gdn import linear_attention_layers, use_split_projections
+        result["split_projections"] = {"took": use_split_projections(linear_attention_layers(base))}
     if args.worker_tuning:                                # what the worker's load does (worker.tuning)
         from worker.tuning import STATS, batch_shapes, install, run_block
         install()
@@ -380,12 +410,15 @@ def main() -> None:
         run_block(block, shapes, torch.device(DEVICE))
         result["worker_tuning"] = {"seconds": round(time.perf_counter() - t1, 1), "shapes": len(shapes),
                                    "main_shape": list(shapes[0]) if shapes else None, **STATS}
+    if args.split_projections:                            # checked after the tuning, as the worker's load does
+        from worker.gdn import disagreement, linear_attention_layers
+        result["split_projections"]["rel_err_vs_own"] = disagreement(linear_attention_layers(base)[0])
     result["ref_rel_err"] = reference_error(lm, base, warm, plan)
 
-    if args.compile == "regions":
+    if args.compile in ("regions", "layers"):
         from worker.model import compile_regions
         t1 = time.perf_counter()
-        result["regions"] = compile_regions(base)
+        result["regions"] = (compile_regions if args.compile == "regions" else compile_hybrid_layers)(base)
         with torch.inference_mode():                      # what the worker's load does
             for rows, width in ((2, 128), (1, 64)):
                 base(input_ids=torch.zeros((rows, width), dtype=torch.long, device=DEVICE), use_cache=False)
@@ -415,8 +448,8 @@ def main() -> None:
         shutil.rmtree(d)
     pads = [int(x) for x in args.pads.split(",")]
     targets = []
-    if args.compile in ("off", "both", "regions"):
-        targets += [(("regions_disk" if args.compile == "regions" else "ours_disk") + (f"_{i}_pad{pad}" if len(pads) > 1 else ""), args.disk, pad, False)
+    if args.compile in ("off", "both", "regions", "layers"):
+        targets += [((f"{args.compile}_disk" if args.compile in ("regions", "layers") else "ours_disk") + (f"_{i}_pad{pad}" if len(pads) > 1 else ""), args.disk, pad, False)
                     for i, pad in enumerate(pads)]
         targets += [] if args.skip_shm or args.compile == "both" else [("ours_tmpfs", "/dev/shm", pads[0], False)]
     if args.compile in ("on", "both"):
@@ -432,7 +465,7 @@ def main() -> None:
                     base(input_ids=torch.zeros((rows, width), dtype=torch.long, device=DEVICE), use_cache=False)
             sync()
             result["compile_s"] = round(time.perf_counter() - t1, 1)
-        elif not compiled and args.compile != "regions":
+        elif not compiled and args.compile not in ("regions", "layers"):
             uncompile_layers(base)
         d = scratch(root)
         if args.warm and "warm_s" not in result:

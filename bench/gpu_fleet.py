@@ -92,7 +92,7 @@ def make_data(path: str, n: int, seed: int) -> int:
     return tokens
 
 
-PASSED = ("FLEET_TUNING_PRESETS", "FLEET_FULL_TUNING")     # the bench's environment the workers get
+PASSED = ("FLEET_TUNING_PRESETS", "FLEET_FULL_TUNING", "FLEET_SPLIT_PROJECTIONS")     # the bench's environment the workers get
 
 
 def passed_env() -> str:

@@ -917,9 +917,11 @@ def warm_hybrid(model: torch.nn.Module, device: torch.device, args: argparse.Nam
     reused across sizes), started before the weights were built. Meanwhile the parts of each
     layer that hold no fla kernel are compiled (`compile_regions`), their first forwards run with
     the linear-attention blocks set aside; then, the tuning done, one more small forward of
-    each kind compiles what is left (the gated norms inside those blocks, fla's specialisations).
-    The compiled code and the tuning land in the host's cache (--cache-dir) for every later
+    each kind compiles what is left (the gated norms inside those blocks, fla's specialisations),
+    with the blocks' q, k and v projected apart where that checks out against their own forward
+    (worker.gdn: no copies before fla's kernels). The compiled code and the tuning land in the host's cache (--cache-dir) for every later
     process of the host."""
+    from .gdn import split_projections
     from .model import compile_regions
     from .tuning import install, linear_attention_aside, tuning_report
     missing = missing_fast_kernels(model)
@@ -948,6 +950,7 @@ def warm_hybrid(model: torch.nn.Module, device: torch.device, args: argparse.Nam
         elif tuner.ran:
             tuned = (f", tuned for the shard's {len(tuner.shapes)} batch shapes in {tuner.seconds:.0f} s from "
                      f"the load's start (then waited {time.perf_counter() - t0:.0f} s)")
+    split = split_projections(model)     # fla's kernels tuned by now: the check may run them
     if hasattr(torch, "compile") and why is None:
         t0 = time.perf_counter()
         why = try_compiled(model, device, log, shapes)
@@ -958,8 +961,8 @@ def warm_hybrid(model: torch.nn.Module, device: torch.device, args: argparse.Nam
     elif hasattr(torch, "compile"):
         compiled = f", {regions} norm/MLP/attention modules compiled in {compile_s:.0f} s"
     if device.type != "cuda" or missing:
-        return "eager (hybrid model" + (": fast kernels missing" if missing else "") + f"{conv}{compiled})"
-    return f"fla's kernels{conv}{tuned} ({tuning_report()}){compiled}"
+        return "eager (hybrid model" + (": fast kernels missing" if missing else "") + f"{conv}{split}{compiled})"
+    return f"fla's kernels{conv}{split}{tuned} ({tuning_report()}){compiled}"
 
 
 def row_buckets(budget: int, pad: int) -> list[int]:

@@ -383,18 +383,21 @@ def linear_attention_aside(model: torch.nn.Module):
     their input's shape without running: the rest of each layer (the regions compile_regions
     compiles) can run, and compile, while fla's kernels tune in the Tuner's thread. The blocks'
     own forwards are back on exit."""
-    blocks = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")
-              and "forward" not in m.__dict__]
+    blocks = [(m, m.__dict__.get("forward")) for m in model.modules()
+              if type(m).__name__.endswith("GatedDeltaNet")]
 
     def aside(hidden_states=None, *args, **kwargs):
         return torch.zeros_like(hidden_states if hidden_states is not None else args[0])
-    for m in blocks:
+    for m, _ in blocks:
         m.forward = aside
     try:
         yield len(blocks)
     finally:
-        for m in blocks:
-            m.__dict__.pop("forward", None)
+        for m, forward in blocks:
+            if forward is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = forward
 
 
 class Tuner:
@@ -432,8 +435,10 @@ class Tuner:
             block = linear_attention_block(self.config, self.device, self.dtype)
             if block is None:
                 return
+            from .gdn import use_split_projections
             from .model import use_fla_conv_on
             use_fla_conv_on([block])
+            use_split_projections([block])      # the kernels the model's layers will run
             n = len(self.shapes)
             run_block(block, self.shapes, self.device, (lambda i: self.report(i, n)) if self.report else None)
             self.ran = True

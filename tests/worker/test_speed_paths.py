@@ -78,7 +78,7 @@ def test_compiling_shows_as_loading_with_its_detail(tmp_path, dense_model, token
 @pytest.mark.slow
 def test_hybrid_regions_compiled_agree_with_eager(tmp_path, models, token_data):
     """A hybrid model's regional compile (norms, MLPs, attention compiled; the linear-attention
-    blocks eager) computes the model's own function: the files agree with eager in fp32 within
+    blocks eager, their q, k and v projected apart) computes the model's own function: the files agree with eager in fp32 within
     one bf16 rounding, the load says what was compiled, and the compile shows as its own LOADING
     step."""
     runs = {}
@@ -90,6 +90,7 @@ def test_hybrid_regions_compiled_agree_with_eager(tmp_path, models, token_data):
         assert r.returncode == 0, r.stderr
         runs[name] = (out, loaded(state)["path"], read_events(state))
     assert "norm/MLP/attention modules compiled in" in runs["regions"][1], runs["regions"][1]
+    assert "q/k/v projected apart in 6 linear-attention layers" in runs["regions"][1]     # worker.gdn
     details = [e.get("detail") for e in runs["regions"][2] if e["event"] == "loading"]
     assert any(d and d.startswith("compiling the norms, MLPs and attention") for d in details), details
     files = sorted(glob.glob(os.path.join(runs["eager"][0], "hs_*.safetensors")))
