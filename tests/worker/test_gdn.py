@@ -101,3 +101,27 @@ def test_a_layer_without_the_parts_is_left_alone(hybrid):
     assert not gdn.splittable(stripped) and gdn.splittable(layer)
     assert gdn.use_split_projections([stripped]) == 0
     assert gdn.disagreement(stripped) is None
+
+
+def test_the_tuners_block_runs_split_so_fla_tunes_what_the_model_will_run(models, monkeypatch):
+    """worker.tuning.Tuner puts split_forward on its block before running it at the shard's shapes."""
+    from transformers import AutoConfig
+
+    from worker.tuning import Tuner
+    split, ran = [], []
+    real = gdn.use_split_projections
+
+    def recording(layers):
+        took = real(layers)
+        assert took == len(layers) == 1 and "forward" in layers[0].__dict__
+        split.extend(layers)
+        for layer in layers:                       # what the block then runs
+            forward = layer.forward
+            layer.forward = lambda *a, _f=forward, **k: ran.append(1) or _f(*a, **k)
+        return took
+    monkeypatch.setattr(gdn, "use_split_projections", recording)
+    config = AutoConfig.from_pretrained(models["qwen3_5_text"])
+    tuner = Tuner(config, torch.device("cpu"), torch.float32, lambda: [40, 33, 12], 256, 16, False).start().join()
+    assert tuner.error is None and tuner.ran
+    assert len(split) == 1 and split[0].forward.__name__ == "<lambda>"
+    assert len(ran) == len(tuner.shapes) > 0
