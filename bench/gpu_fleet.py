@@ -353,6 +353,7 @@ def main() -> None:
     del a
     torch.cuda.empty_cache()
     work = args.work
+    os.makedirs(args.out, exist_ok=True)        # the runs' logs and result.json land there
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(f"{work}/model")
     json.dump(SHAPE, open(f"{work}/model/config.json", "w"))

@@ -19,7 +19,6 @@ it aside and compare against transformers' own code.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from typing import Any, Callable
@@ -41,7 +40,7 @@ SWITCH = "FLEET_SPLIT_PROJECTIONS"
 
 # Keyword arguments whose presence means a forward split_forward does not run (a decoding cache,
 # packed sequences).
-OWN_FORWARD_KWARGS = ("cache_params", "past_key_values", "cache_position", "cu_seq_lens_q", "seq_idx")
+OWN_FORWARD_KWARGS = ("cache_params", "past_key_values", "cu_seq_lens_q", "seq_idx")
 
 
 def splittable(layer: torch.nn.Module) -> bool:
@@ -94,7 +93,8 @@ def kernels(layer: torch.nn.Module) -> tuple[Callable, Callable] | None:
 
 def split_forward(layer: torch.nn.Module, conv: Callable, core: Callable) -> Callable:
     """The layer's forward with q, k and v projected and convolved apart (see the module's doc)."""
-    own = functools.partial(type(layer).forward, layer)
+    def own(*args, **kwargs):                    # looked up at the call: the class's forward now
+        return type(layer).forward(layer, *args, **kwargs)
     kd, vd = layer.key_dim, layer.value_dim
     bounds = ((0, kd), (kd, 2 * kd), (2 * kd, 2 * kd + vd))
 

@@ -102,12 +102,16 @@ FEWER: dict[str, Callable[[Any], bool]] = {
 # width 10,240), per GPU model as torch names it: each kernel's key (None where it holds a size)
 # and the config that timed fastest. H200: every candidate timed, nothing else on the GPU
 # (docs/results/h200-round6/b-autotune.json); H100: a first launch's own picks among FEWER's
-# candidates (docs/results/h100-round11/h100-presets.json, by bench/tuning_presets.py). A host of
+# candidates (docs/results/h100-round11/h100-presets.json, by bench/tuning_presets.py), and for the
+# keys of worker.gdn's split layers (q and k at 16 heads, three convolutions) a first launch's own
+# picks too (docs/results/h100-round12/presets-fleet-call2.json; the H200 has none yet: it tunes
+# them). A host of
 # that GPU running those shapes compiles the winner and times nothing (a 27B first launch's
 # LOADING 66.5 -> 42.8 s on an H100, docs/benchmarks.md); any other key, GPU or fla version tunes
 # as before. FLEET_FULL_TUNING=1 turns this off with FEWER; FLEET_TUNING_PRESETS adds a file's.
 _BF16, _F32 = "torch.bfloat16", "torch.float32"
 _HEADS = (48, 48, 128, 128, 64, False)
+_SPLIT = (16, 48, 128, 128, 64, False)        # worker.gdn's split layers: q and k at their 16 key heads
 PRESETS: dict[str, dict[str, list[tuple[tuple, dict]]]] = {
     "NVIDIA H200": {
         "causal_conv1d_fwd_kernel": [((10240, 4, _BF16, _BF16, _BF16), {"BD": 64, "num_warps": 8, "num_stages": 3})],
@@ -124,18 +128,21 @@ PRESETS: dict[str, dict[str, list[tuple[tuple, dict]]]] = {
                                                             {"BV": 64, "num_warps": 4, "num_stages": 2})],
     },
     "NVIDIA H100 80GB HBM3": {
-        "causal_conv1d_fwd_kernel": [((10240, 4, _BF16, _BF16, _BF16), {"BD": 128, "num_warps": 16, "num_stages": 3})],
-        "chunk_fwd_kernel_o": [(_HEADS + (_BF16, _BF16, _BF16, _BF16, _F32, _BF16),
-                                {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3})],
-        "chunk_gated_delta_rule_fwd_kkt_solve_kernel": [((48, 48, 128, 16, _BF16, _F32, _BF16, _BF16),
-                                                         {"BK": 32, "num_warps": 1, "num_stages": 3})],
-        "recompute_w_u_fwd_kernel": [((48, 48, 128, 128, 64, 64, 64, False) + (_BF16,) * 6 + (_F32,),
-                                      {"num_warps": 4, "num_stages": 3})],
+        "causal_conv1d_fwd_kernel": [((10240, 4, _BF16, _BF16, _BF16), {"BD": 128, "num_warps": 16, "num_stages": 3}),
+                                     ((6144, 4, _BF16, _BF16, _BF16), {"BD": 32, "num_warps": 8, "num_stages": 3}),
+                                     ((2048, 4, _BF16, _BF16, _BF16), {"BD": 32, "num_warps": 16, "num_stages": 3})],
+        "chunk_fwd_kernel_o": [(heads + (_BF16, _BF16, _BF16, _BF16, _F32, _BF16),
+                                {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}) for heads in (_HEADS, _SPLIT)],
+        "chunk_gated_delta_rule_fwd_kkt_solve_kernel": [((h, 48, 128, 16, _BF16, _F32, _BF16, _BF16),
+                                                         {"BK": 32, "num_warps": 1, "num_stages": 3}) for h in (48, 16)],
+        "recompute_w_u_fwd_kernel": [((h, 48, 128, 128, 64, 64, 64, False) + (_BF16,) * 6 + (_F32,),
+                                      {"num_warps": 4, "num_stages": 3}) for h in (48, 16)],
         "chunk_local_cumsum_scalar_kernel": [((None, 48, 64, False, False, _F32, _F32),
                                               {"num_warps": 8, "num_stages": 3})],
         "l2norm_fwd_kernel": [((128, None, _BF16, _BF16, _F32), {"BT": 16, "num_warps": 4, "num_stages": 3})],
-        "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": [(_HEADS + (_BF16, _BF16, _BF16, _BF16, _F32, _BF16),
-                                                            {"BV": 64, "num_warps": 4, "num_stages": 4})],
+        "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": [(heads + (_BF16, _BF16, _BF16, _BF16, _F32, _BF16),
+                                                            {"BV": 64, "num_warps": 4, "num_stages": 4})
+                                                           for heads in (_HEADS, _SPLIT)],
     },
 }
 # Where a kernel's autotune key holds a size (fla 0.6: the gate cumsum's row count B, the l2 norm's

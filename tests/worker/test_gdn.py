@@ -22,7 +22,7 @@ def all_states(model, ids):
         return model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
 
 
-def test_the_model_with_split_projections_computes_its_own_hidden_states(models):
+def test_the_model_with_split_projections_computes_its_own_hidden_states(models, monkeypatch):
     from worker.model import load_model
     from worker.reference import eager
     model = load_model(models["qwen3_5_text"], "cpu", torch.float32)
@@ -38,6 +38,12 @@ def test_the_model_with_split_projections_computes_its_own_hidden_states(models)
     after = all_states(model, ids)
     for a, b in zip(before, after):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    cls = type(layers[0])
+    own = cls.forward
+    with monkeypatch.context() as m:            # the model's own forwards reach the split layers
+        m.setattr(cls, "forward", lambda *a, **k: pytest.fail("the layer's own forward ran"))
+        torch.testing.assert_close(all_states(model, ids)[-1], after[-1])
+    assert cls.forward is own
 
     with eager(model):                          # the reference checks run transformers' own code
         assert not any("forward" in m.__dict__ for m in layers)
