@@ -42,6 +42,7 @@ from worker.data import Sample
 from worker.demo import sharegpt_lengths
 from worker.events import EventLog
 from worker.extract import Options, run_extraction
+from worker.gdn import linear_attention_layers
 from worker.layers import resolve_layers
 from worker.model import Capture, compile_layers, find_decoder, uncompile_layers
 from worker.probe import timed_writes
@@ -188,9 +189,9 @@ def compile_hybrid_layers(model: torch.nn.Module) -> int:
     import functools
 
     import torch._dynamo
-    from worker.model import _compile_forwards, compile_layers, find_decoder
+    from worker.model import _compile_forwards
     decoder = find_decoder(model)
-    blocks = [m for layer in decoder.layers for m in layer.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    blocks = linear_attention_layers(model)
     norms = [m for b in blocks for m in b.children() if type(m).__name__.endswith("RMSNormGated")
              and "forward" not in m.__dict__]
     n = _compile_forwards(norms, 2 * len(norms) + 16)
@@ -249,7 +250,7 @@ def check_fla_conv(base) -> dict:
     import torch.nn.functional as F
 
     from worker.model import fla_causal_conv1d, use_fla_conv
-    layer = next(m for m in base.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    layer = linear_attention_layers(base)[0]
     conv = layer.conv1d
     x = torch.randn(4, conv.weight.shape[0], 777, device=DEVICE, dtype=torch.bfloat16)
     want = F.silu(F.conv1d(x, conv.weight, conv.bias, padding=conv.weight.shape[-1] - 1,
@@ -277,7 +278,7 @@ def conv_source(base) -> list[str]:
     """How this transformers' linear-attention layer runs its short convolution (the lines of its
     module that name it): which kernel a hybrid model gets here."""
     import inspect
-    layer = next((m for m in base.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    layer = next(iter(linear_attention_layers(base)), None)
     if layer is None:
         return []
     src = inspect.getsource(inspect.getmodule(type(layer)))
@@ -398,7 +399,7 @@ def main() -> None:
         track_tuning(tuning)
         result["tuning"] = tuning
     if args.split_projections:      # before the tuning, as the worker's Tuner does (fla tunes at the first shape)
-        from worker.gdn import linear_attention_layers, use_split_projections
+        from worker.gdn import use_split_projections
         result["split_projections"] = {"took": use_split_projections(linear_attention_layers(base))}
     if args.worker_tuning:                                # what the worker's load does (worker.tuning)
         from worker.tuning import STATS, batch_shapes, install, run_block
@@ -406,12 +407,12 @@ def main() -> None:
         t1 = time.perf_counter()
         shapes = batch_shapes([s.length for s in samples], args.budget, int(args.pads.split(",")[0]),
                               args.bucket_rows)
-        block = next(m for m in base.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+        block = linear_attention_layers(base)[0]
         run_block(block, shapes, torch.device(DEVICE))
         result["worker_tuning"] = {"seconds": round(time.perf_counter() - t1, 1), "shapes": len(shapes),
                                    "main_shape": list(shapes[0]) if shapes else None, **STATS}
     if args.split_projections:                            # checked after the tuning, as the worker's load does
-        from worker.gdn import disagreement, linear_attention_layers
+        from worker.gdn import disagreement
         result["split_projections"]["rel_err_vs_own"] = disagreement(linear_attention_layers(base)[0])
     result["ref_rel_err"] = reference_error(lm, base, warm, plan)
 

@@ -2,12 +2,13 @@
 apart: the same arithmetic as the layer's own forward, without the three copies it costs.
 
 The layer's own forward projects q, k and v with one GEMM, convolves the result as one tensor and
-splits it: q, k and v are then strided views of one buffer, and fla's chunk kernel makes each
-contiguous before it runs, three copies a layer, 3.1% of the 27B hybrid's forward on an H100
-(docs/benchmarks.md, "Where the 27B hybrid's other 30% goes"). The convolution is depthwise (one
-filter per channel), so convolving q, k and v apart is the same operation; projecting them with
-three GEMMs over row slices of the one weight is the same too. Each then comes out contiguous and
-fla takes it as it is.
+splits it: q, k and v are then strided views of one buffer; transformers (5.17) repeats q and k
+to the value heads and fla makes v contiguous: three copies a layer, 3.1% of the 27B hybrid's
+forward on an H100, and fla's l2 norm three times slower on the strided input (docs/benchmarks.md,
+round 12). The convolution is depthwise (one filter per channel), so convolving q, k and v apart
+is the same operation; projecting them with three GEMMs over row slices of the one weight is the
+same too. Each then comes out contiguous, and fla takes q and k at their own heads (value head i
+reads key head i // (value heads / key heads), as the repeat gives it).
 
 `split_forward` is put in place of the layer's forward only where the layer has the parts it
 reads (transformers' Qwen3.5 layout: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`) and,
@@ -41,6 +42,10 @@ SWITCH = "FLEET_SPLIT_PROJECTIONS"
 # Keyword arguments whose presence means a forward split_forward does not run (a decoding cache,
 # packed sequences).
 OWN_FORWARD_KWARGS = ("cache_params", "past_key_values", "cu_seq_lens_q", "seq_idx")
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH) != "0"
 
 
 def splittable(layer: torch.nn.Module) -> bool:
@@ -125,6 +130,7 @@ def split_forward(layer: torch.nn.Module, conv: Callable, core: Callable) -> Cal
 
 
 def linear_attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's Gated DeltaNet blocks (by class name: Qwen3.5's, Qwen3-Next's)."""
     return [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
 
 
@@ -145,9 +151,9 @@ def disagreement(layer: torch.nn.Module, width: int = 64, seed: int = 0) -> floa
 
 def use_split_projections(layers: list[torch.nn.Module]) -> int:
     """split_forward in place of each layer's own forward (those that can be split and keep their
-    own now); how many took. Check `disagreement` on one of them first."""
+    own now, unless FLEET_SPLIT_PROJECTIONS=0); how many took. Check `disagreement` on one first."""
     took = 0
-    for layer in layers:
+    for layer in layers if enabled() else ():
         found = kernels(layer) if splittable(layer) else None
         if found is None or "forward" in layer.__dict__:
             continue
@@ -164,7 +170,7 @@ def split_projections(model: torch.nn.Module) -> str:
     layers = [m for m in linear_attention_layers(model) if "forward" not in m.__dict__]
     if not layers:
         return ""
-    if os.environ.get(SWITCH) == "0":
+    if not enabled():
         return f", q/k/v projected together ({SWITCH}=0)"
     err = disagreement(layers[0])
     if err is None:

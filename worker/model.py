@@ -434,7 +434,8 @@ def use_fla_conv(model: torch.nn.Module) -> bool:
     `causal_conv1d_fn` (5.x); both are set. True when it took."""
     if not is_hybrid(model):
         return False
-    return use_fla_conv_on([m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")])
+    from .gdn import linear_attention_layers
+    return use_fla_conv_on(linear_attention_layers(model))
 
 
 def use_fla_conv_on(layers: list[torch.nn.Module]) -> bool:

@@ -390,8 +390,8 @@ def linear_attention_aside(model: torch.nn.Module):
     their input's shape without running: the rest of each layer (the regions compile_regions
     compiles) can run, and compile, while fla's kernels tune in the Tuner's thread. The blocks'
     own forwards are back on exit."""
-    blocks = [(m, m.__dict__.get("forward")) for m in model.modules()
-              if type(m).__name__.endswith("GatedDeltaNet")]
+    from .gdn import linear_attention_layers
+    blocks = [(m, m.__dict__.get("forward")) for m in linear_attention_layers(model)]
 
     def aside(hidden_states=None, *args, **kwargs):
         return torch.zeros_like(hidden_states if hidden_states is not None else args[0])
