@@ -919,8 +919,8 @@ def warm_hybrid(model: torch.nn.Module, device: torch.device, args: argparse.Nam
     the linear-attention blocks set aside; then, the tuning done, one more small forward of
     each kind compiles what is left (the gated norms inside those blocks, fla's specialisations),
     with the blocks' q, k and v projected apart where that checks out against their own forward
-    (worker.gdn: no copies before fla's kernels). The compiled code and the tuning land in the host's cache (--cache-dir) for every later
-    process of the host."""
+    (worker.gdn: no copies before fla's kernels). The compiled code and the tuning land in the
+    host's cache (--cache-dir) for every later process of the host."""
     from .gdn import split_projections
     from .model import compile_regions
     from .tuning import install, linear_attention_aside, tuning_report

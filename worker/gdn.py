@@ -68,7 +68,7 @@ def fla_conv() -> Callable | None:
     """fla's causal convolution in [batch, time, channels] layout (contiguous in, contiguous out)."""
     try:
         from fla.modules.causal_conv1d import causal_conv1d
-    except Exception:
+    except Exception:                            # absent, or an fla without it
         return None
 
     def conv(x, weight, bias, activation):
@@ -87,7 +87,10 @@ def fla_core() -> Callable | None:
 
 def kernels(layer: torch.nn.Module) -> tuple[Callable, Callable] | None:
     """(conv, core) for split_forward: fla's where the layer is on a GPU and fla is there;
-    elsewhere the torch implementations of the layer's own module (what it runs without fla)."""
+    elsewhere the torch implementations of the layer's own module (what it runs without fla).
+    None where the layer cannot be split (parts or kernels missing)."""
+    if not splittable(layer):
+        return None
     if next(layer.parameters()).device.type == "cuda":
         conv, core = fla_conv(), fla_core()
         return (conv, core) if conv and core else None
@@ -137,7 +140,7 @@ def linear_attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def disagreement(layer: torch.nn.Module, width: int = 64, seed: int = 0) -> float | None:
     """Relative error of split_forward against the layer's own forward on one random input of
     `width` tokens; None where the layer cannot be split (parts or kernels missing)."""
-    found = kernels(layer) if splittable(layer) else None
+    found = kernels(layer)
     if found is None:
         return None
     param = next(layer.parameters())
@@ -154,7 +157,7 @@ def use_split_projections(layers: list[torch.nn.Module]) -> int:
     own now, unless FLEET_SPLIT_PROJECTIONS=0); how many took. Check `disagreement` on one first."""
     took = 0
     for layer in layers if enabled() else ():
-        found = kernels(layer) if splittable(layer) else None
+        found = kernels(layer)
         if found is None or "forward" in layer.__dict__:
             continue
         layer.forward = split_forward(layer, *found)

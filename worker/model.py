@@ -415,15 +415,14 @@ def fla_causal_conv1d():
     """flash-linear-attention's Triton causal convolution in causal-conv1d's calling convention
     (x [B, D, T] -> [B, D, T]), or None without fla. The causal-conv1d package builds from CUDA
     source at install; fla ships the same operation as a Triton kernel."""
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d
-    except Exception:                            # absent, or an fla without it
+    from .gdn import fla_conv
+    timewise = fla_conv()                        # [B, T, D] -> [B, T, D]
+    if timewise is None:
         return None
 
     def conv(x=None, weight=None, bias=None, activation=None, hidden_states=None, seq_idx=None, **_):
         x = hidden_states if x is None else x
-        y = causal_conv1d(x.transpose(1, 2), weight, bias, activation=activation)
-        return (y[0] if isinstance(y, tuple) else y).transpose(1, 2)
+        return timewise(x.transpose(1, 2), weight, bias, activation).transpose(1, 2)
     return conv
 
 

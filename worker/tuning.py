@@ -105,9 +105,8 @@ FEWER: dict[str, Callable[[Any], bool]] = {
 # candidates (docs/results/h100-round11/h100-presets.json, by bench/tuning_presets.py), and for the
 # keys of worker.gdn's split layers (q and k at 16 heads, three convolutions) a first launch's own
 # picks too (docs/results/h100-round12/presets-fleet-call2.json; the H200 has none yet: it tunes
-# them). A host of
-# that GPU running those shapes compiles the winner and times nothing (a 27B first launch's
-# LOADING 66.5 -> 42.8 s on an H100, docs/benchmarks.md); any other key, GPU or fla version tunes
+# them). A host of that GPU running those shapes compiles the winner and times nothing (a 27B
+# first launch's LOADING 66.5 -> 42.8 s on an H100, docs/benchmarks.md); any other key, GPU or fla version tunes
 # as before. FLEET_FULL_TUNING=1 turns this off with FEWER; FLEET_TUNING_PRESETS adds a file's.
 _BF16, _F32 = "torch.bfloat16", "torch.float32"
 _HEADS = (48, 48, 128, 128, 64, False)

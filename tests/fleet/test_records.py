@@ -96,6 +96,18 @@ async def started(config_path: str, logs: list | None = None) -> Supervisor:
     return sup
 
 
+async def finished_run(tmp_path) -> Supervisor:
+    """A two-shard job run to its end by `fleet up --headless`, then a new supervisor that has
+    read its records once."""
+    config = job_toml(tmp_path, {"0": [[["print", "extract-only mode"]]], "1": [[["print", "extract-only mode"]]]})
+    up = subprocess.run([sys.executable, "-m", "fleet.cli", "up", "--headless", "-c", config], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    sup = Supervisor(load_config(config))
+    await sup.read_once()
+    return sup
+
+
 def shard(sup: Supervisor, k: int):
     return sup.snapshot().shards[k]
 
@@ -318,13 +330,8 @@ async def test_one_verdict_a_shard_of_an_unreachable_host_is_unknown_and_refused
     read is UNKNOWN in the decide pass's verdicts, in the snapshot and for a user's r, with the
     same reason, and what its record last said is kept for relocation's word."""
     from fleet.transport import HostError
-    config = job_toml(tmp_path, {"0": [[["print", "extract-only mode"]]], "1": [[["print", "extract-only mode"]]]})
-    up = subprocess.run([sys.executable, "-m", "fleet.cli", "up", "--headless", "-c", config], cwd=REPO,
-                        capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr
-    sup = Supervisor(load_config(config))
+    sup = await finished_run(tmp_path)
     try:
-        await sup.read_once()
         sup.links["local"].host.down(HostError("local: connection refused"))
         now = time.time()
         sup.decide(now)
@@ -344,13 +351,8 @@ async def test_a_run_is_not_finished_while_rows_are_on_their_way_to_a_host(tmp_p
     until the receiver's record says so (its shards reopened): the run is not finished meanwhile,
     and `fleet up --headless` does not end on it (a CI run once ended there, 1,200 rows undone)."""
     from fleet.relocate import Order
-    config = job_toml(tmp_path, {"0": [[["print", "extract-only mode"]]], "1": [[["print", "extract-only mode"]]]})
-    up = subprocess.run([sys.executable, "-m", "fleet.cli", "up", "--headless", "-c", config], cwd=REPO,
-                        capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr
-    sup = Supervisor(load_config(config))
+    sup = await finished_run(tmp_path)
     try:
-        await sup.read_once()
         assert sup.snapshot().totals.finished
         order = Order("adopt", "local", ((100, 200),), "gone", "local")
         sup.store.moves.ask(order, time.time())                 # as Supervisor.relocate does
