@@ -34,7 +34,7 @@ import torch._dynamo
 import bench.extract as ex
 from worker.batching import make_batches
 from worker.layers import resolve_layers
-from worker.model import Capture, compile_layers, find_decoder, uncompile_layers
+from worker.model import Capture, compile_layers, find_decoder
 
 # name -> (without transformers' packed-sequence search (worker.model.unpacked_rows), token budget)
 VARIANTS = {
@@ -119,58 +119,8 @@ def sdpa(peak: float) -> dict:
     return out
 
 
-def families(names_times) -> dict:
-    fam = {"copy": ("memcpy", "memset"), "triton": ("triton_",),      # first: names hold "attention"
-           "attention": ("flash", "fmha", "sdpa", "cudnn_generated"),   # before matmul: cuDNN's hold "sm90_"
-           "matmul": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")}
-    by = {f: 0.0 for f in (*fam, "other")}
-    for name, t in names_times:
-        low = name.lower()
-        by[next((f for f, keys in fam.items() if any(k in low for k in keys)), "other")] += t
-    total = sum(by.values()) or 1.0
-    return {f: round(t / total, 4) for f, t in by.items()}
-
-
-def profile_pass(base, samples, plan, budget: int, out_dir: str) -> dict:
-    """A real extraction pass under the profiler: kernel time by family, and the GPU's idle share
-    between its first and last kernel."""
-    from torch.profiler import ProfilerActivity, profile
-    trace = os.path.join(tempfile.gettempdir(), "r7-trace.json")
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU] if DEV == "cuda" else
-                 [ProfilerActivity.CPU]) as prof:
-        r = ex.ours(base, samples, plan, out_dir, budget)
-    prof.export_chrome_trace(trace)
-    events = json.load(open(trace))["traceEvents"]
-    os.remove(trace)
-    cats = ("kernel", "gpu_memcpy", "gpu_memset") if DEV == "cuda" else ("cpu_op",)
-    kern = [e for e in events if e.get("cat") in cats and "dur" in e]
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kern
-                   if e.get("cat") == cats[0])
-    busy, end, gaps = 0.0, None, []
-    for a, b in spans:
-        if end is None or a > end:
-            if end is not None:
-                gaps.append(a - end)
-            busy += b - a
-            end = b
-        elif b > end:
-            busy += b - end
-            end = b
-    window = spans[-1][1] - spans[0][0]
-    top: dict = {}
-    for e in kern:
-        top[e["name"][:100]] = top.get(e["name"][:100], 0.0) + float(e["dur"])
-    total = sum(top.values())
-    return {"tokens": r["tokens"], "seconds": round(r["seconds"], 2),
-            "kernel_window_s": round(window / 1e6, 3), "gpu_busy_share": round(busy / window, 4),
-            "gaps_over_100us": sum(g > 100 for g in gaps), "gap_s_over_100us": round(sum(g for g in gaps if g > 100) / 1e6, 3),
-            "share": families(top.items()),
-            "top": [{"kernel": k, "share": round(v / total, 4)} for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:25]]}
-
-
 def host_syncs(base, around) -> list:
     """The GPU-to-host syncs in one forward (torch's sync debug mode), each with where it came from."""
-    import traceback
     import warnings
     if DEV != "cuda":
         return []
@@ -287,7 +237,7 @@ def main() -> None:
         d = tempfile.mkdtemp(dir=args.disk, prefix="r7-")
         ex.ours(base, warm, plan, d, budget)                      # allocator, shapes
         if name in args.profile.split(","):
-            res["profile_" + name] = profile_pass(base, samples[: args.profile_samples], plan, budget, d)
+            res["profile_" + name] = ex.profile_pass(base, samples[: args.profile_samples], plan, d, budget)
             shutil.rmtree(d)
             d = tempfile.mkdtemp(dir=args.disk, prefix="r7-")
         r = ex.rate(ex.ours(base, samples, plan, d, budget), params, peak)

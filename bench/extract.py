@@ -38,6 +38,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np
 import torch
 
+from bench.window import window_lengths
+from worker.batching import make_batches, padding_share
 from worker.data import Sample
 from worker.demo import sharegpt_lengths
 from worker.events import EventLog
@@ -95,11 +97,14 @@ def make_config(shape: str, vocab: int, tiny: bool = False):
                                 linear_value_head_dim=128, **common)
 
 
-def make_samples(n: int, vocab: int, seed: int, max_len: int) -> list[Sample]:
-    rng = random.Random(seed)
+def make_samples(n: int, vocab: int, seed: int, max_len: int, window: int = 0, budget: int = 16384,
+                 pad: int = 8) -> list[Sample]:
+    """About `n` random-id rows: ShareGPT-like lengths, or with `window` the rows of every k-th
+    batch of one sort window of that many rows (bench/window.py: a real shard's padding)."""
+    lengths = (window_lengths(seed, n, budget, pad, window=window, max_len=max_len) if window
+               else [min(length, max_len) for length in sharegpt_lengths(random.Random(seed), n, 728)])
     out = []
-    for i, length in enumerate(sharegpt_lengths(rng, n, 728)):
-        length = min(length, max_len)
+    for i, length in enumerate(lengths):
         ids = np.random.default_rng(seed + i).integers(0, vocab, length, dtype=np.int64)
         out.append(Sample(i, ids, np.ones(length, dtype=np.uint8)))
     return out
@@ -203,6 +208,31 @@ def compile_hybrid_layers(model: torch.nn.Module) -> int:
     return n + len(decoder.layers)
 
 
+# Kernel families by name, first match wins: Inductor's fused kernels are all "triton_"; cuDNN's
+# attention kernels hold "sm90_" like the GEMMs, so attention comes before matmul.
+FAMILIES = (("copy", ("memcpy", "memset", "direct_copy")), ("inductor", ("triton_",)),
+            ("attention", ("flash", "fmha", "sdpa", "cudnn_generated", "attention")),
+            ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")), ("conv", ("conv",)),
+            ("fla", ("chunk", "recompute", "fwd_kernel", "l2norm", "delta", "solve_tril", "cumsum")))
+
+
+def family(kernel: str) -> str:
+    low = kernel.lower()
+    return next((f for f, keys in FAMILIES if any(k in low for k in keys)), "other")
+
+
+def kernel_summary(kernels: list[tuple[str, float, int]], top: int = 30) -> dict:
+    """(name, µs, calls) of each kernel: the share of each family and the `top` kernels by time."""
+    kernels = [k for k in kernels if k[1] > 0]
+    total = sum(t for _, t, _ in kernels) or 1.0
+    by_family = {f: 0.0 for f, _ in (*FAMILIES, ("other", ()))}
+    for name, t, _ in kernels:
+        by_family[family(name)] += t
+    return {"share": {f: round(t / total, 3) for f, t in by_family.items()},
+            "top": [{"kernel": name[:120], "ms": round(t / 1e3, 2), "calls": c, "share": round(t / total, 3)}
+                    for name, t, c in sorted(kernels, key=lambda k: -k[1])[:top]]}
+
+
 def profile_forward(base, n: int, vocab: int, rows: int = 16, width: int = 1024) -> dict:
     """Where a forward's GPU time goes: kernels by total time (top 30), and the time in each
     family (matmuls, flash-linear-attention's Triton kernels, convolutions, attention, the rest);
@@ -226,22 +256,49 @@ def profile_forward(base, n: int, vocab: int, rows: int = 16, width: int = 1024)
     field = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
     kernels = [(e.key, getattr(e, field, 0) or getattr(e, "self_cuda_time_total", 0), e.count)
                for e in prof.key_averages()]
-    kernels = [k for k in kernels if k[1] > 0]
-    total = sum(t for _, t, _ in kernels)
-    families = {"matmul": ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas"), "conv": ("conv",),
-                "attention": ("flash", "fmha", "attention", "sdpa"),
-                "fla": ("chunk", "recompute", "fwd_kernel", "l2norm", "delta", "solve_tril", "cumsum")}
-    by_family = {f: 0.0 for f in (*families, "other")}
-    for name, t, _ in kernels:
-        low = name.lower()
-        fam = next((f for f, keys in families.items() if any(k in low for k in keys)), "other")
-        by_family[fam] += t
-    top = sorted(kernels, key=lambda k: -k[1])[:30]
+    total = sum(t for _, t, _ in kernels if t > 0)
     return {"shape": [rows, width], "forwards": n, "tokens": rows * width * n,
             "wall_ms_per_forward": round(wall * 1e3, 2), "gpu_ms_per_forward": round(total / n / 1e3, 2),
-            "share": {f: round(t / total, 3) for f, t in by_family.items()},
-            "top": [{"kernel": name[:120], "ms": round(t / 1e3, 2), "calls": c, "share": round(t / total, 3)}
-                    for name, t, c in top]}
+            **kernel_summary(kernels)}
+
+
+def profile_pass(base, samples, plan, out_dir: str, budget: int, pad: int = 8, bucket_rows: bool = False) -> dict:
+    """A real extraction pass (`ours`) under the profiler: its wall time, the share of it the GPU
+    was busy (any kernel or copy on any stream), its idle gaps over 100 µs, and kernel time by
+    family, so a pass's rate can be set against the forward's alone."""
+    from torch.profiler import ProfilerActivity, profile
+    trace = os.path.join(tempfile.gettempdir(), f"pass-trace-{os.getpid()}.json")
+    with profile(activities=[ProfilerActivity.CUDA] if DEVICE == "cuda" else [ProfilerActivity.CPU]) as prof:
+        r = ours(base, samples, plan, out_dir, budget, pad, bucket_rows=bucket_rows)
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    os.remove(trace)
+    cats = ("kernel", "gpu_memcpy", "gpu_memset") if DEVICE == "cuda" else ("cpu_op",)
+    work = [e for e in events if e.get("cat") in cats and "dur" in e]
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in work)
+    busy, end, gaps = 0.0, None, []
+    for a, b in spans:                          # the union of the spans, and the holes between them
+        if end is None or a > end:
+            if end is not None:
+                gaps.append(a - end)
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    window = (spans[-1][1] - spans[0][0]) if spans else 1.0
+    times: dict = {}
+    for e in work:
+        name = e["name"]
+        t, c = times.get(name, (0.0, 0))
+        times[name] = (t + float(e["dur"]), c + 1)
+    long_gaps = [g for g in gaps if g > 100]
+    return {"tokens": r["tokens"], "seconds": round(r["seconds"], 2), "writer_wait_s": r["writer_wait_s"],
+            "gpu_window_s": round(window / 1e6, 3), "gpu_busy_share": round(busy / window, 4),
+            "gaps_over_100us": len(long_gaps), "gap_s_over_100us": round(sum(long_gaps) / 1e6, 3),
+            "largest_gaps_ms": [round(g / 1e3, 1) for g in sorted(long_gaps)[-10:]],
+            **kernel_summary([(k, t, c) for k, (t, c) in times.items()])}
 
 
 def check_fla_conv(base) -> dict:
@@ -320,6 +377,9 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=1200)
     p.add_argument("--budget", type=int, default=16384)
     p.add_argument("--max-len", type=int, default=8192)
+    p.add_argument("--window", type=int, default=0, metavar="ROWS",
+                   help="the rows of every k-th batch of one sort window of this many rows (20000: the "
+                        "worker's), so batches pad as a real shard's do; default: --samples rows sorted alone")
     p.add_argument("--disk", default=os.environ.get("BENCH_DISK", "/tmp"))
     p.add_argument("--skip-shm", action="store_true")
     p.add_argument("--skip-naive", action="store_true")
@@ -357,6 +417,9 @@ def main() -> None:
     p.add_argument("--fla-norms", action="store_true",
                    help="hybrid: run the RMS norms on fla's fused kernels (worker.model.use_fla_norms), "
                         "after comparing the model's hidden states with its own norms'")
+    p.add_argument("--profile-pass", action="store_true",
+                   help="after the timed passes, one more under the profiler: the GPU's busy share of a real "
+                        "pass, its idle gaps, kernel time by family (with --profile, the forward's too)")
     p.add_argument("--profile-long", action="store_true", help="with --profile: also 2 x 8,192-token forwards")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N forward passes of 16 x 1024 tokens (after a warm-up; a dense model's layers "
@@ -380,14 +443,17 @@ def main() -> None:
     base = lm.model
     params = sum(p.numel() for p in base.parameters()) - base.get_input_embeddings().weight.numel()
     plan = resolve_layers("speculators", config.num_hidden_layers)
-    samples = make_samples(args.samples, vocab, 1, args.max_len)
+    pad = int(args.pads.split(",")[0])
+    samples = make_samples(args.samples, vocab, 1, args.max_len, args.window, args.budget, pad)
+    rows = {"samples": len(samples), "window": args.window or None, "padding": round(padding_share(
+        make_batches(samples, args.budget, pad, args.bucket_rows), pad), 4)}
     naive_samples = make_samples(args.naive_samples, vocab, 2, args.max_len)
     warm = make_samples(40, vocab, 3, args.max_len)
     result = {"shape": args.shape, "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
               "torch": torch.__version__,
               "transformers": __import__("transformers").__version__, "peak_tflops": round(peak / 1e12, 1),
               "nonembedding_params": params, "model_init_s": round(init_s, 1),
-              "mean_tokens": round(sum(s.length for s in samples) / len(samples), 1)}
+              "mean_tokens": round(sum(s.length for s in samples) / len(samples), 1), "rows": rows}
     fla = __import__("importlib.util").util.find_spec("fla") is not None
     result["fla"] = fla
     if args.fla_conv:
@@ -433,10 +499,11 @@ def main() -> None:
         if args.profile_long:                             # the longest rows' batches: 2 x 8,192
             result["profile_long"] = profile_forward(base, args.profile, vocab, rows=2, width=8192)
         result["conv_source"] = conv_source(base)
-        print(json.dumps(result, indent=1))
-        if args.json:
-            json.dump(result, open(args.json, "w"), indent=1)
-        return
+        if not args.profile_pass:
+            print(json.dumps(result, indent=1))
+            if args.json:
+                json.dump(result, open(args.json, "w"), indent=1)
+            return
 
     def scratch(root):
         d = tempfile.mkdtemp(dir=root, prefix="fleet-bench-")
@@ -497,6 +564,10 @@ def main() -> None:
                 json.dump(result, open(args.json, "w"), indent=2)
             shutil.rmtree(d)
             d = scratch(root)
+        if args.profile_pass:                             # once more, under the profiler
+            result["profiled_" + name] = profile_pass(base, samples, plan, d, args.budget, pad, args.bucket_rows)
+            print(json.dumps({"profiled_" + name: {k: v for k, v in result["profiled_" + name].items()
+                                                   if k != "top"}}), flush=True)
         shutil.rmtree(d)
     import resource
     result["host_peak_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)

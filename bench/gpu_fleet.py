@@ -45,6 +45,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.window import window_lengths  # noqa: E402
+from worker.batching import length_batches, padding_share  # noqa: E402
 from worker.demo import sharegpt_lengths  # noqa: E402
 
 VOCAB = 151936
@@ -81,15 +83,20 @@ def nonembedding_params() -> int:
     return L * per_layer + H
 
 
-def make_data(path: str, n: int, seed: int) -> int:
+def make_data(path: str, n: int, seed: int, window: int = 0, pad: int = 16) -> dict:
+    """A dataset of about `n` random-id rows: ShareGPT-like lengths, or with `window` the rows of
+    every k-th batch of one sort window of that many rows (bench/window.py: a real shard's padding).
+    Its tokens, rows and the padding share of the batches a shard cuts from it."""
     rng = random.Random(seed)
+    lengths = (window_lengths(seed, n, 16384, pad, window=window) if window
+               else [min(length, 8192) for length in sharegpt_lengths(rng, n, 728)])
     tokens = 0
     with open(path, "w") as f:
-        for length in sharegpt_lengths(rng, n, 728):
-            length = min(length, 8192)
+        for length in lengths:
             tokens += length
             f.write(json.dumps({"input_ids": [rng.randrange(VOCAB) for _ in range(length)]}) + "\n")
-    return tokens
+    return {"tokens": tokens, "rows": len(lengths), "window": window or None,
+            "padding": round(padding_share(length_batches(lengths, 16384, pad), pad), 4)}
 
 
 PASSED = ("FLEET_TUNING_PRESETS", "FLEET_FULL_TUNING", "FLEET_SPLIT_PROJECTIONS")     # the bench's environment the workers get
@@ -234,10 +241,16 @@ def hybrid27(args, result: dict, peak: float, ngpu: int) -> None:
                                 "save_s": round(time.time() - t0, 1)}
         print(json.dumps(result["checkpoint"]), flush=True)
     data = f"{work}/data.jsonl"
-    result["tokens"] = make_data(data, args.samples, 2)
+    from worker.extract import HYBRID_PAD
+    extra = tuple(args.worker_args.split())
+    pads = argparse.ArgumentParser(add_help=False)
+    pads.add_argument("--pad-multiple", type=int, default=HYBRID_PAD)     # the worker's, as it will read it
+    pad = pads.parse_known_args(extra)[0].pad_multiple
+    result["data"] = make_data(data, args.samples, 2, args.window, pad=pad)
+    result["tokens"] = result["data"]["tokens"]
     for name in ("first",) if args.once else ("first", "again"):
         cfg = write_config(f"{work}/{name}.toml", work, data, f"{work}/out-{name}", list(range(ngpu)), name,
-                           dtype=args.dtype, model=model)
+                           dtype=args.dtype, model=model, extra=extra)
         t0 = time.time()
         rc, lines, _ = run_headless(cfg, f"{args.out}/{name}.log")
         per = []
@@ -333,6 +346,10 @@ def main() -> None:
                         "and a second one on the warm host cache)")
     p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="hidden states as stored")
     p.add_argument("--once", action="store_true", help="hybrid27: the first launch only")
+    p.add_argument("--window", type=int, default=0, metavar="ROWS",
+                   help="hybrid27: the rows of every k-th batch of one sort window of this many rows (20000: "
+                        "the worker's), so batches pad as a real shard's do; default: --samples rows sorted alone")
+    p.add_argument("--worker-args", default="", help="hybrid27: more worker arguments, e.g. \"--pad-multiple 8\"")
     p.add_argument("--checkpoint", default=None,
                    help="hybrid27: save the model as a real checkpoint here (say /dev/shm/h27: a warm page "
                         "cache) and load it, instead of random weights built on the GPU")
@@ -367,7 +384,7 @@ def main() -> None:
         return
     # 1. scaling, 1 GPU then all
     scale_data = f"{work}/scale.jsonl"
-    result["scale_tokens"] = make_data(scale_data, args.scale_samples, 1)
+    result["scale_tokens"] = make_data(scale_data, args.scale_samples, 1, pad=8)["tokens"]
     result["scaling"] = {}
     for n in ([ngpu] if args.split_only else sorted({1, ngpu})):
         name = f"scale{n}"
@@ -419,7 +436,7 @@ def main() -> None:
         return
     # 2. the main run with a SIGKILL
     data = f"{work}/data.jsonl"
-    result["tokens"] = make_data(data, args.samples, 2)
+    result["tokens"] = make_data(data, args.samples, 2, pad=8)["tokens"]
     cfg = write_config(f"{work}/main.toml", work, data, f"{work}/out", list(range(ngpu)), "main")
     victim = ngpu - 1
     kill = {"pid_file": f"{work}/fleet/main/shards/{victim}/pid",

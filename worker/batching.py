@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 
 def padded_length(length: int, multiple: int) -> int:
@@ -35,3 +35,21 @@ def make_batches(samples: Sequence, max_tokens: int, pad_multiple: int = 1,
         batches.append(ordered[i:i + rows])
         i += rows
     return batches
+
+
+class Row(NamedTuple):
+    """A row known only by its length (row i of a list of lengths has index i)."""
+    index: int
+    length: int
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int, pad_multiple: int = 1,
+                   bucket_rows: bool = False) -> list[list[Row]]:
+    """`make_batches` over bare lengths: the batches a shard makes of rows this long."""
+    return make_batches([Row(i, n) for i, n in enumerate(lengths)], max_tokens, pad_multiple, bucket_rows)
+
+
+def padding_share(batches: Sequence[Sequence], pad_multiple: int) -> float:
+    """The share of the batches' tokens that are padding (computed and thrown away)."""
+    padded = sum(len(b) * padded_length(max(s.length for s in b), pad_multiple) for b in batches)
+    return 1 - sum(s.length for b in batches for s in b) / padded if padded else 0.0

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .batching import make_batches, padded_length
+from .batching import length_batches, padded_length
 
 STATS = Counter()            # tuned: keys timed (or read from disk); reused: took a similar key's winner
 
@@ -318,14 +318,8 @@ def batch_shapes(lengths: Iterable[int], budget: int, pad: int, bucket_rows: boo
                  ) -> list[tuple[int, int]]:
     """The distinct (rows, width) of the batches `make_batches` makes of rows of these lengths,
     the shape holding the most tokens first (where the kernels tune), then by tokens."""
-    class Row:
-        __slots__ = ("index", "length")
-
-        def __init__(self, index: int, length: int):
-            self.index, self.length = index, length
-    rows = [Row(i, n) for i, n in enumerate(lengths)]
     tokens: Counter = Counter()
-    for batch in make_batches(rows, budget, pad, bucket_rows):
+    for batch in length_batches(list(lengths), budget, pad, bucket_rows):
         shape = (len(batch), padded_length(max(r.length for r in batch), pad))
         tokens[shape] += shape[0] * shape[1]
     return [shape for shape, _ in sorted(tokens.items(), key=lambda kv: (-kv[1], kv[0]))]
