@@ -224,17 +224,37 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
         await Supervisor(config).stop_all()
 
 
+class Tmux:
+    """A tmux server of the test's own (its own socket, `-L`): a test on another xdist worker
+    that ends its session stops only its own server. On the one shared server, that exit raced
+    this test's `new-session`, which then failed."""
+
+    def __init__(self, name: str):
+        self.socket, self.session = f"{name}-{os.getpid()}", name
+
+    def __call__(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(["tmux", "-L", self.socket, *args], **kw)
+
+    def start(self, cmd: str, cols: int, rows: int) -> None:
+        """The session, with the size set before its window exists (any later resize races the
+        app's start-up); one tmux command, so the new server holds a session before it can exit."""
+        self("start-server", ";", "set-option", "-g", "default-size", f"{cols}x{rows}", ";",
+             "new-session", "-d", "-s", self.session, "-x", str(cols), "-y", str(rows), cmd, check=True)
+
+    def screen(self, escapes: bool = False) -> str:
+        return self("capture-pane", *(["-e"] if escapes else []), "-p", "-t", self.session,
+                    capture_output=True, text=True).stdout
+
+    def stop(self) -> None:
+        self("kill-server", capture_output=True)
+
+
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by scripts/test.sh")
 def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
     config = local_toml(tmp_path, dense_model, long_data)
-    session = f"fleet-smoke-{os.getpid()}"
-    env_cmd = f"sleep 1; cd {REPO} && {sys.executable} -m fleet.cli up -c {config}; sleep 60"
-    # The size is set before the window exists: any later resize races the app's start-up.
-    subprocess.run(["tmux", "start-server", ";", "set-option", "-g", "default-size", "80x24"], check=True)
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", env_cmd], check=True)
-
-    def screen() -> str:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+    tmux = Tmux("fleet-smoke")
+    tmux.start(f"sleep 1; cd {REPO} && {sys.executable} -m fleet.cli up -c {config}; sleep 60", 80, 24)
+    screen = tmux.screen
 
     def wait_screen(pred, what, timeout=180):
         deadline = time.monotonic() + timeout
@@ -244,8 +264,8 @@ def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
                 return text
             time.sleep(0.3)
         raise AssertionError(f"timed out waiting for {what}; screen:\n{screen()}")
-    size = subprocess.run(["tmux", "display", "-p", "-t", session, "#{window_width}x#{window_height}"],
-                          capture_output=True, text=True).stdout.strip()
+    size = tmux("display", "-p", "-t", tmux.session, "#{window_width}x#{window_height}",
+                capture_output=True, text=True).stdout.strip()
     try:
         assert size == "80x24", size
         # Deploy steps are printed as they happen, before the live view opens.
@@ -254,16 +274,16 @@ def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
         assert "tok/s" in text and "ETA" in text and "no GPU telemetry" in text
         os.kill(pid_of(tmp_path, 0), signal.SIGKILL)
         text = wait_screen(lambda t: "✖ FATAL" in t and "killed by signal 9" in t, "FATAL and its reason")
-        subprocess.run(["tmux", "send-keys", "-t", session, "r"], check=True)
+        tmux("send-keys", "-t", tmux.session, "r", check=True)
         wait_screen(lambda t: "Restart shard(s) 0?" in t, "confirmation")
-        subprocess.run(["tmux", "send-keys", "-t", session, "y"], check=True)
+        tmux("send-keys", "-t", tmux.session, "y", check=True)
         wait_screen(lambda t: "✖ FATAL" not in t and t.count("▶ RUNNING") >= 2, "shard 0 running again")
-        subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True)     # quits like q
+        tmux("send-keys", "-t", tmux.session, "C-c", check=True)     # quits like q
         wait_screen(lambda t: "the workers keep running" in t, "quit message")
         events = [json.loads(l) for l in open(tmp_path / "fleet" / "tui" / "shards" / "0" / "events.jsonl")]
         assert [e["by"] for e in events if e["event"] == "launch"] == ["manual", "manual"]
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        tmux.stop()
         subprocess.run([sys.executable, "-m", "fleet.cli", "down", "--yes", "-c", config], cwd=REPO,
                        capture_output=True)
 
@@ -272,18 +292,15 @@ def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
 def test_no_color_sends_no_colour_to_a_real_terminal():
     """NO_COLOR=1: the live view (on the synthetic fleet) writes no colour escape at all — not even
     256-colour greys — and every state still reads by its glyph."""
-    session = f"fleet-nocolor-{os.getpid()}"
-    cmd = f"cd {REPO} && NO_COLOR=1 {sys.executable} bench/tui.py --show --hosts 3 --gpus 4; sleep 30"
-    subprocess.run(["tmux", "start-server", ";", "set-option", "-g", "default-size", "120x30"], check=True)
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "30", cmd], check=True)
+    tmux = Tmux("fleet-nocolor")
+    tmux.start(f"cd {REPO} && NO_COLOR=1 {sys.executable} bench/tui.py --show --hosts 3 --gpus 4; sleep 30", 120, 30)
     try:
         deadline, text = time.monotonic() + 60, ""
         while time.monotonic() < deadline and "▶ RUNNING" not in text:
             time.sleep(0.3)
-            text = subprocess.run(["tmux", "capture-pane", "-e", "-p", "-t", session],
-                                  capture_output=True, text=True).stdout
+            text = tmux.screen(escapes=True)
         assert "▶ RUNNING" in text, text
         colours = [m for m in ("[38;5;", "[48;5;", "[38;2;", "[48;2;", "[31m", "[32m", "[41m") if m in text]
         assert not colours, (colours, text[:400])
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        tmux.stop()
