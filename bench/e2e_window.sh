@@ -7,7 +7,8 @@
 #   h27-pad8    h27-window with batch widths padded to 8, not 16
 #   h27-pass    bench/extract.py --shape hybrid27, the worker's path (fla, its conv, the regions compiled,
 #               q/k/v split, its tuning): one 16 x 1,024 forward alone (--profile 3), then two passes
-#               of run_extraction over ~700 window rows, and a third under the profiler (--profile-pass)
+#               of run_extraction over the rows of every 29th batch of a 20,000-row window (636 rows),
+#               and a third under the profiler (--profile-pass)
 #   h27-pass-own  the same without the split (the linear-attention layers' own forward)
 #   dense       bench/extract.py --shape dense, compiled, local disk, 1,200 rows sorted alone
 #   dense-window  the same over a window's batches
