@@ -49,22 +49,13 @@ DEV = "cuda"
 
 
 def timed(fn, reps: int = 10) -> float:
-    for _ in range(2):
-        fn()
     if DEV == "cpu":
+        for _ in range(2):
+            fn()
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e) / 1e3)
-    return sorted(out)[len(out) // 2]
+    return ex.median_seconds(fn, reps, warmup=2)
 
 
 def gemms(layer, peak: float, ms=(16384, 8192)) -> dict:

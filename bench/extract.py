@@ -59,22 +59,27 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def median_seconds(fn, reps: int = 10, warmup: int = 3) -> float:
+    """The median of `reps` calls of `fn` on the GPU, each timed by CUDA events, after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        sync()
+        times.append(s.elapsed_time(e) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def matmul_peak() -> float:
     n = 8192
     a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    sync()
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        sync()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * n ** 3 / sorted(times)[len(times) // 2]
+    return 2 * n ** 3 / median_seconds(lambda: a @ b)
 
 
 def make_config(shape: str, vocab: int, tiny: bool = False):

@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch
 
+from bench.extract import median_seconds
+
 H, I = 5120, 17408                       # the 27B hybrid (bench/gpu_fleet.HYBRID27)
 GDN, ATTN = 48, 16                       # layers of each kind
 # name: (out features, in features, calls per forward)
@@ -37,21 +39,6 @@ FUSED = {           # one GEMM in place of several: (out features, in features, 
     "attn k|v": (2048, H, ATTN, ("attn k", "attn v")),
     "mlp gate|up": (2 * I, H, GDN + ATTN, ("mlp gate", "mlp up")),
 }
-
-
-def median_seconds(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def gemm(m: int, out_f: int, in_f: int, reps: int) -> float:
