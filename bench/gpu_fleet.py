@@ -50,6 +50,7 @@ from worker.batching import length_batches, padding_share  # noqa: E402
 from worker.demo import sharegpt_lengths  # noqa: E402
 
 VOCAB = 151936
+BUDGET = 16384          # [run] max_tokens_per_batch of the bench's runs: the data's padding is computed for it
 SHAPE = dict(vocab_size=VOCAB, hidden_size=5120, intermediate_size=21504, num_hidden_layers=64,
              num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
              tie_word_embeddings=False, model_type="qwen3", architectures=["Qwen3ForCausalLM"],
@@ -88,7 +89,7 @@ def make_data(path: str, n: int, seed: int, window: int = 0, pad: int = 16) -> d
     every k-th batch of one sort window of that many rows (bench/window.py: a real shard's padding).
     Its tokens, rows and the padding share of the batches a shard cuts from it."""
     rng = random.Random(seed)
-    lengths = (window_lengths(seed, n, 16384, pad, window=window) if window
+    lengths = (window_lengths(seed, n, BUDGET, pad, window=window) if window
                else [min(length, 8192) for length in sharegpt_lengths(rng, n, 728)])
     tokens = 0
     with open(path, "w") as f:
@@ -96,7 +97,7 @@ def make_data(path: str, n: int, seed: int, window: int = 0, pad: int = 16) -> d
             tokens += length
             f.write(json.dumps({"input_ids": [rng.randrange(VOCAB) for _ in range(length)]}) + "\n")
     return {"tokens": tokens, "rows": len(lengths), "window": window or None,
-            "padding": round(padding_share(length_batches(lengths, 16384, pad), pad), 4)}
+            "padding": round(padding_share(length_batches(lengths, BUDGET, pad), pad), 4)}
 
 
 PASSED = ("FLEET_TUNING_PRESETS", "FLEET_FULL_TUNING", "FLEET_SPLIT_PROJECTIONS")     # the bench's environment the workers get
@@ -121,7 +122,7 @@ model = "{model or work + '/model'}"
 data = "{data}"
 output = "{output}"
 layers = "speculators"
-max_tokens_per_batch = 16384
+max_tokens_per_batch = {BUDGET}
 device = "cuda"
 extra_args = {json.dumps(list(extra))}
 gpus_per_shard = {gpus_per_shard}
