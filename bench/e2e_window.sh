@@ -10,8 +10,10 @@
 #               of run_extraction over the rows of every 29th batch of a 20,000-row window (636 rows),
 #               and a third under the profiler (--profile-pass)
 #   h27-pass-own  the same without the split (the linear-attention layers' own forward)
+#   h27-pass-fused  h27-pass with the MLPs' gate, up and SiLU·mul as one Triton kernel (bench/swiglu.py, round 14)
 #   dense       bench/extract.py --shape dense, compiled, local disk, 1,200 rows sorted alone
 #   dense-window  the same over a window's batches
+#   dense-fused, dense-window-fused  the same two with that kernel
 #   OUT=/tmp/out RUNS="h27-window h27" bash bench/e2e_window.sh
 set -u
 OUT=${OUT:-/tmp/e2e-window}
@@ -31,8 +33,11 @@ for run in ${RUNS:-h27-window h27}; do
     h27-pad8) cmd="$h27 --window 20000 --worker-args=--pad-multiple=8" ;;
     h27-pass) cmd="$pass --split-projections --json $OUT/$run.json" ;;
     h27-pass-own) cmd="$pass --json $OUT/$run.json" ;;
+    h27-pass-fused) cmd="$pass --split-projections --fused-swiglu --json $OUT/$run.json" ;;
     dense) cmd="$dense" ;;
     dense-window) cmd="$dense --window 20000" ;;
+    dense-fused) cmd="$dense --fused-swiglu" ;;
+    dense-window-fused) cmd="$dense --window 20000 --fused-swiglu" ;;
     *) echo "unknown run $run"; continue ;;
   esac
   timeout "${STEP_TIMEOUT:-300}" $cmd > "$OUT/$run.log" 2>&1

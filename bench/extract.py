@@ -164,8 +164,11 @@ def disk_bandwidth(root: str, file_bytes: int, total_bytes: int, threads: int = 
     return n * file_bytes / timed_writes(root, file_bytes, n, threads)
 
 
-def reference_error(lm, base, samples, plan) -> float:
-    """Largest relative error of our batched capture against a bs=1 output_hidden_states forward."""
+def reference_error(lm, base, samples, plan, aside: bool = False) -> float:
+    """Largest relative error of our batched capture against a bs=1 output_hidden_states forward;
+    `aside`: that forward with the worker's own forwards set aside (worker.reference.eager), as
+    the worker's reference checks run it."""
+    from worker.reference import eager
     capture = Capture(find_decoder(base), plan)
     worst = 0.0
     with torch.inference_mode():
@@ -177,7 +180,8 @@ def reference_error(lm, base, samples, plan) -> float:
         base(input_ids=ids.to(DEVICE), use_cache=False)
         got = capture.take().float()
         for r, s in enumerate(batch):
-            out = lm.model(input_ids=torch.from_numpy(s.input_ids)[None].to(DEVICE), output_hidden_states=True)
+            with eager(base) if aside else contextlib.nullcontext():
+                out = lm.model(input_ids=torch.from_numpy(s.input_ids)[None].to(DEVICE), output_hidden_states=True)
             hs = list(out.hidden_states)
             ref = torch.stack([hs[i][0] for i in plan.ids], dim=1).float()
             if plan.last_layer_norm == "pre":     # hs[L] from transformers is post-norm; ours is pre
@@ -217,7 +221,7 @@ def compile_hybrid_layers(model: torch.nn.Module) -> int:
 # attention kernels hold "sm90_" like the GEMMs, so attention comes before matmul.
 FAMILIES = (("copy", ("memcpy", "memset", "direct_copy")), ("inductor", ("triton_",)),
             ("attention", ("flash", "fmha", "sdpa", "cudnn_generated", "attention")),
-            ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")), ("conv", ("conv",)),
+            ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "swiglu")), ("conv", ("conv",)),
             ("fla", ("chunk", "recompute", "fwd_kernel", "l2norm", "delta", "solve_tril", "cumsum")))
 
 
@@ -409,6 +413,8 @@ def main() -> None:
                         "sizes take the tuned winner (worker.tuning, what the worker's load does)")
     p.add_argument("--track-tuning", action="store_true",
                    help="log every Triton autotuning (kernel, key, seconds) and when it happened")
+    p.add_argument("--fused-swiglu", action="store_true",
+                   help="the MLPs' gate, up and SiLU·mul as one Triton kernel (bench/swiglu.py's probe; slower)")
     p.add_argument("--skip-disk-probe", action="store_true")
     p.add_argument("--json", default=None)
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU: checks the script runs")
@@ -486,6 +492,10 @@ def main() -> None:
         from worker.gdn import disagreement
         result["split_projections"]["rel_err_vs_own"] = disagreement(linear_attention_layers(base)[0])
     result["ref_rel_err"] = reference_error(lm, base, warm, plan)
+    if args.fused_swiglu:                                 # before compiling: traced as one op in a layer
+        from bench.swiglu import fuse_mlps
+        result["fused_swiglu"] = fuse_mlps(base)
+        result["ref_rel_err_fused"] = reference_error(lm, base, warm, plan, aside=True)
 
     if args.compile in ("regions", "layers"):
         from worker.model import compile_regions
