@@ -132,6 +132,9 @@ def fuse_mlps(model: torch.nn.Module) -> str:
     for mlp in model.modules():
         if not all(isinstance(getattr(mlp, p, None), torch.nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
             continue
+        if (type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation")
+                or mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None):
+            continue                             # not SwiGLU: its own forward
         gate, up, down, swiglu = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj, op()
 
         def forward(x: torch.Tensor, *args: Any, gate=gate, up=up, down=down, **kwargs: Any) -> torch.Tensor:
