@@ -128,6 +128,8 @@ def fuse_mlps(model: torch.nn.Module) -> str:
     """The kernel in place of every SwiGLU MLP's gate, up and SiLU·mul (before the model's
     layers are compiled: a fused MLP is then traced as one op; marked as the worker's forward,
     so worker.reference.eager sets it aside); what was done."""
+    if triton is None:
+        raise SystemExit("--fused-swiglu needs Triton 3.3 or later (TensorDescriptor)")
     fused = 0
     for mlp in model.modules():
         if not all(isinstance(getattr(mlp, p, None), torch.nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
@@ -176,6 +178,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="only the best tile measured (CONFIG)")
     args = p.parse_args()
+    if triton is None or not torch.cuda.is_available():
+        sys.exit("bench/swiglu.py needs a CUDA GPU and Triton 3.3 or later (TensorDescriptor)")
     torch.manual_seed(0)
     peak = matmul_peak()
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
