@@ -75,6 +75,17 @@ def median_seconds(fn, reps: int = 10, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def interleaved_medians(measures: dict, rounds: int) -> dict[str, float]:
+    """Each measure (a function returning seconds) taken once per round, the rounds interleaved,
+    then its median over the rounds: an H100's clocks drift under a long GEMM load (identical
+    shapes differed by 7% when timed minutes apart), so every figure is spread through the sweep."""
+    seconds: dict = {name: [] for name in measures}
+    for _ in range(rounds):
+        for name, measure in measures.items():
+            seconds[name].append(measure())
+    return {name: sorted(s)[len(s) // 2] for name, s in seconds.items()}
+
+
 def matmul_peak() -> float:
     n = 8192
     a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch
 
-from bench.extract import median_seconds
+from bench.extract import interleaved_medians, median_seconds
 
 H, I = 5120, 17408                       # the 27B hybrid (bench/gpu_fleet.HYBRID27)
 GDN, ATTN = 48, 16                       # layers of each kind
@@ -59,15 +59,10 @@ def main() -> None:
     shapes = {**PROJECTIONS, **{k: v[:3] for k, v in FUSED.items()}}
     for m in (int(t) for t in args.tokens.split(",")):
         rows, total_s, total_flops = {}, 0.0, 0.0
-        # Each shape timed once per round, the rounds interleaved: an H100's clocks drift under a
-        # long GEMM load (identical shapes differed by 7% when timed minutes apart), so each
-        # shape's figure is its median over rounds spread through the whole sweep.
-        seconds: dict = {name: [] for name in shapes}
-        for _ in range(args.rounds):
-            for name, (out_f, in_f, _calls) in shapes.items():
-                seconds[name].append(gemm(m, out_f, in_f, args.reps))
+        seconds = interleaved_medians({name: (lambda o=out_f, i=in_f: gemm(m, o, i, args.reps))
+                                       for name, (out_f, in_f, _calls) in shapes.items()}, args.rounds)
         for name, (out_f, in_f, calls) in shapes.items():
-            s = sorted(seconds[name])[len(seconds[name]) // 2]
+            s = seconds[name]
             flops = 2 * m * out_f * in_f
             rows[name] = {"ms": round(s * 1e3, 4), "of_peak": round(flops / s / peak, 3), "calls": calls,
                           "ms_per_forward": round(s * 1e3 * calls, 2)}

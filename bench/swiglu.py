@@ -167,10 +167,22 @@ def name(c: dict) -> str:
 
 
 UNFUSED = "unfused (cuBLAS ×2 + Inductor SiLU·mul)"
+ONE_GEMM = "gate|up one cuBLAS GEMM + SiLU·mul"
+
+
+def gate_up(x: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The model's own gate·up·SiLU, as the worker's compiled MLP runs it."""
+    return F.silu(F.linear(x, g)) * F.linear(x, u)
+
+
+def one_gemm(x: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
+    """The same with gate|up as one GEMM over the two weights concatenated."""
+    g, u = F.linear(x, gu).chunk(2, -1)
+    return F.silu(g) * u
 
 
 def main() -> None:
-    from bench.extract import matmul_peak, median_seconds
+    from bench.extract import interleaved_medians, matmul_peak, median_seconds
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True)
     p.add_argument("--tokens", default="16384,12000,4096")
@@ -184,13 +196,9 @@ def main() -> None:
     peak = matmul_peak()
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "triton": triton.__version__, "peak_tflops": round(peak / 1e12, 1), "shapes": {}}
-    unfused = torch.compile(lambda x, g, u: F.silu(F.linear(x, g)) * F.linear(x, u), dynamic=False)
-    def one(x, gu):
-        g, u = F.linear(x, gu).chunk(2, -1)
-        return F.silu(g) * u
-    one_gemm = torch.compile(one, dynamic=False)
-    mlp_unfused = torch.compile(lambda x, g, u, d: F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d),
-                                dynamic=False)
+    unfused = torch.compile(gate_up, dynamic=False)
+    one = torch.compile(one_gemm, dynamic=False)
+    mlp_unfused = torch.compile(lambda x, g, u, d: F.linear(gate_up(x, g, u), d), dynamic=False)
     cands = configs(args.quick)
     for shape, (h, i, layers) in SHAPES.items():
         gu = torch.randn(2 * i, h, device="cuda", dtype=torch.bfloat16) / h ** 0.5
@@ -199,30 +207,29 @@ def main() -> None:
         for m in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
             want = unfused(x, g, u).float()
+
+            def error(got: torch.Tensor) -> float:
+                return float((got.float() - want).norm() / want.norm())
             runs = {UNFUSED: lambda: unfused(x, g, u),
                     "two GEMMs alone": lambda: (F.linear(x, g), F.linear(x, u)),
-                    "gate|up one cuBLAS GEMM + SiLU·mul": lambda: one_gemm(x, gu),
+                    ONE_GEMM: lambda: one(x, gu),
                     "mlp unfused (with down)": lambda: mlp_unfused(x, g, u, d),
                     "mlp fused (with down)": lambda: F.linear(launch(x, g, u), d)}
-            errors = {"gate|up one cuBLAS GEMM + SiLU·mul": float((one_gemm(x, gu).float() - want).norm() / want.norm())}
+            errors = {ONE_GEMM: error(one(x, gu))}
             for c in cands:
                 grids = (None, 1 << 30) if c == CONFIG else (None,)      # persistent; one tile a program
                 for programs in grids:
                     key = f"fused {name(c)}" + (" one-tile" if programs else "")
                     try:
-                        got = launch(x, g, u, c, programs).float()
+                        errors[key] = error(launch(x, g, u, c, programs))
                     except Exception as e:                        # out of shared memory, registers...
                         errors[key] = f"{type(e).__name__}: {str(e)[:160]}"
                         continue
-                    errors[key] = float((got - want).norm() / want.norm())
                     runs[key] = (lambda c=c, programs=programs: launch(x, g, u, c, programs))
-            seconds: dict = {k: [] for k in runs}
-            for _ in range(args.rounds):
-                for k, fn in runs.items():
-                    seconds[k].append(median_seconds(fn, args.reps))
+            seconds = interleaved_medians({k: (lambda fn=fn: median_seconds(fn, args.reps)) for k, fn in runs.items()},
+                                          args.rounds)
             rows = {}
             for k, s in seconds.items():
-                s = sorted(s)[len(s) // 2]
                 flops = 2 * 2 * m * h * i * (1.5 if k.startswith("mlp") else 1)
                 rows[k] = {"ms": round(s * 1e3, 4), "of_peak": round(flops / s / peak, 3),
                            "ms_per_forward": round(s * 1e3 * layers, 2)}
@@ -232,7 +239,7 @@ def main() -> None:
             result["shapes"][f"{shape} M={m}"] = {
                 "rows": rows, "rel_error": errors, "best": best,
                 "best_saves_ms_per_forward": round((base - fused[best]["ms"]) * layers, 2) if best else None,
-                "one_gemm_saves_ms_per_forward": round((base - rows["gate|up one cuBLAS GEMM + SiLU·mul"]["ms"]) * layers, 2),
+                "one_gemm_saves_ms_per_forward": round((base - rows[ONE_GEMM]["ms"]) * layers, 2),
                 "mlp_saves_ms_per_forward": round((rows["mlp unfused (with down)"]["ms"]
                                                    - rows["mlp fused (with down)"]["ms"]) * layers, 2)}
             print(json.dumps({f"{shape} M={m}": {k: (v["ms"], v["of_peak"]) for k, v in rows.items()}}), flush=True)
