@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fleet.config import load_config
 from fleet.state import State
-from fleet import setup
 from fleet.supervisor import Supervisor
 from bench.ssh_latency import write_config
 from tests.sshd_server import start_sshd
@@ -57,9 +56,7 @@ async def storm(config_path: str, timeout: float) -> dict:
     logs: list[str] = []
     unreachable: dict[str, str] = {}
     sup = Supervisor(config, on_log=logs.append)
-    results, failures = await setup.deploy_all(sup)
-    assert not failures, failures
-    await setup.settle_plan(sup, results)
+    await sup.prepare(say=lambda line: None, step=lambda line: None)
     await sup.start()
 
     def watch() -> None:

@@ -28,7 +28,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fleet.config import load_config
 from fleet.state import State
-from fleet import setup
 from fleet.supervisor import Supervisor
 from tests.sshd_server import start_sshd
 
@@ -81,9 +80,7 @@ async def wait(predicate, timeout=30.0, step=0.001):
 async def detection(config_path: str, trials: int) -> dict:
     config = load_config(config_path)
     sup = Supervisor(config)
-    results, failures = await setup.deploy_all(sup)
-    assert not failures, failures
-    await setup.settle_plan(sup, results)
+    await sup.prepare(say=lambda line: None, step=lambda line: None)
     await sup.start()
     await sup.launch_all()
     pid_file = os.path.join(config.run_dir(config.hosts[0]), "shards", "0", "pid")
@@ -107,9 +104,7 @@ async def detection(config_path: str, trials: int) -> dict:
 async def launch_hosts(config_path: str) -> None:
     config = load_config(config_path)
     sup = Supervisor(config)
-    results, failures = await setup.deploy_all(sup)
-    assert not failures, failures
-    await setup.settle_plan(sup, results)
+    await sup.prepare(say=lambda line: None, step=lambda line: None)
     await sup.start()
     await sup.launch_all()
     await sup.close()

@@ -287,7 +287,7 @@ class SyntheticFleet:
                  for k, (host, gpu, r) in enumerate(self.shards)]
         return build_snapshot("synthetic", views, self.hosts, self.now, self.expected)
 
-    def history(self, step: float, points: int) -> list[tuple[float, float, float]]:
+    async def history(self, step: float, points: int) -> list[tuple[float, float, float]]:
         return throughput_history([(r, self.hosts[h].clock_offset) for h, _, r in self.shards],
                                   self.now, step, points)
 

@@ -23,17 +23,20 @@ from worker.formats import FORMATS
 from worker.protocol import Plan
 from worker.text import runs_text
 
-from . import render, setup
+from . import control, render
 from .actions import describe
+from .client import Client, RequestFailed, StartFailed, SupervisorGone, differs, host_stop, join, join_at, start
+from .client import stop as stop_supervisor
 from .config import Config, ConfigError, load_config
 from .schema import json_schema
 from .snapshot import status_exit_code
 from .state import SETTLED
 from .supervisor import Supervisor
 from .plan import PlanError, refusal, spec_of
-from .transport import HostError, HostUnusable
+from .runhome import RunHome
+from .transport import HostError
 
-EXIT_FAULT, EXIT_CONFIG, EXIT_UNREACHABLE = 1, 2, 3
+from .setup import EXIT_CONFIG, EXIT_FAULT, EXIT_UNREACHABLE
 
 config_option = click.option("-c", "--config", "config_path", default="fleet.toml", show_default=True,
                              type=click.Path(dir_okay=False), help="the run's fleet.toml")
@@ -56,7 +59,8 @@ def run_async(fn: Callable[[], Awaitable[int]]) -> None:
     try:
         code = asyncio.run(fn())
     except KeyboardInterrupt:
-        click.echo("interrupted; workers keep running (fleet status to see them)", err=True)
+        click.echo("interrupted; the workers keep running, and the run's supervisor keeps supervising where "
+                   "one runs (fleet status to see them)", err=True)
         code = 130
     sys.exit(code)
 
@@ -67,7 +71,8 @@ def main() -> None:
     """Run one hidden-state extraction worker per GPU across a fleet of hosts, and watch it.
 
     \b
-    fleet up            deploy, launch every shard, open the live view
+    fleet up            start the run's supervisor (or join it) and open the live view
+    fleet serve         run the run's supervisor in the foreground (a head node, systemd, tmux)
     fleet status        one snapshot (--json for scripts)
     fleet logs SHARD    a shard's log (-f to follow)
     fleet restart SHARD restart a shard (it resumes)
@@ -77,157 +82,239 @@ def main() -> None:
     """
 
 
-# --- up ----------------------------------------------------------------------------------------
+# --- the run's supervisor ---------------------------------------------------------------------
 
-async def deploy_and_plan(sup: Supervisor, replan: bool = False, allow_partial: bool = False) -> Plan:
-    """Deploy and preflight every host, check the output fits, then settle the run's plan; exits
-    on any refusal."""
-    config = sup.config
-    click.echo(f"deploying to {len(config.hosts)} host(s)…", err=True)
-    results, failures = await setup.deploy_all(sup)
-    from .deploy import format_preflight
-    groups = output_needs(sup, results, replan)
-    click.echo(format_preflight(results, failures, {h: g.need for g in groups for h in g.hosts},
-                                width=shutil.get_terminal_size((120, 24)).columns), err=True)
-    refusals = output_verdicts(config, results, groups, allow_partial)
-    unreachable = {h: e for h, e in failures.items() if not isinstance(e, HostUnusable)}
-    if unreachable:
-        fail(f"{len(unreachable)} host(s) unreachable: " + "; ".join(map(str, unreachable.values())),
-             EXIT_UNREACHABLE)
-    errors = [str(e) for e in failures.values()] + [f"{r.host}: {e}" for r in results for e in r.errors]
-    if errors or refusals:
-        fail("preflight refused: " + "; ".join(errors + refusals), EXIT_FAULT)
+def home_of(config: Config) -> RunHome:
+    return RunHome(config.run.name, config.path)
+
+
+at_option = click.option("--at", metavar="HOST", default=None,
+                         help="the run's supervisor runs on another machine: join it there over SSH (a "
+                              "[[hosts]] name of fleet.toml, or [user@]host[:port] through ~/.ssh/config)")
+
+
+async def joined_at(config: Config, at: str, who: str) -> tuple[Client, control.Welcome]:
     try:
-        return await setup.settle_plan(sup, results, replan)
-    except PlanError as e:
-        fail(str(e), EXIT_FAULT)
+        return await join_at(config, at, who)
+    except RequestFailed as e:
+        fail(str(e), e.code)
         raise
 
 
-def output_needs(sup: Supervisor, results: list, replan: bool) -> list:
-    """What each output folder must hold for its hosts' shards, with the shard layout the run will
-    use: the plan the hosts hold (unless --replan), else the one fleet.toml makes now."""
-    from .footprint import needs
-    config, engine = sup.config, sup.launcher
-    held = [r.plan for r in results if r.plan]
-    if held and not replan:
-        places = engine.placements(max(held, key=lambda p: p.created))
-    else:
-        places = engine.place({h.name: [] for h in config.hosts} | {r.host: r.gpus for r in results})
-    by_host: dict[str, list[int]] = {}
-    for p in places:
-        by_host.setdefault(p.host, []).append(p.shard)
-    outputs = {h.name: config.output_dir(h) for h in config.hosts}
-    return needs({r.host: r.report for r in results}, outputs, by_host, len(places), config.run.keep_local)
+def reconnect(config: Config, at: str | None):
+    """Another connection to the same supervisor (the view opens one for a shard's log)."""
+    async def again() -> Client | None:
+        if at is None:
+            return await Client.connect(home_of(config).socket)
+        try:
+            return (await join_at(config, at, "log"))[0]
+        except RequestFailed:
+            return None
+    return again
 
 
-def output_verdicts(config: Config, results: list, groups: list, allow_partial: bool) -> list[str]:
-    """Print the whole run's projection (and where it ships) and the warnings; return the refusals."""
-    from .footprint import describe, disk_warnings, gb, shipping_lines, verdicts
-    fp = next((r.report.footprint for r in results if r.report.footprint), None)
-    refusals, warnings = verdicts(groups, allow_partial)
-    if fp:
-        click.echo(describe(fp), err=True)
-        rates = {r.host: r.report.write_bps for r in results if r.report.write_bps}
-        if rates:
-            click.echo("output disks measured: " + ", ".join(f"{h} {gb(b)}/s" for h, b in sorted(rates.items()))
-                       + " (fsync'd files, 8 at once)", err=True)
-        warnings += disk_warnings(fp, groups, config.spec.expected.tokens_per_s_per_gpu, rates)
-        if config.run.destination is not None:
-            line, slow = shipping_lines(fp, config.run.destination, config.run.keep_local, groups,
-                                        config.spec.expected.tokens_per_s_per_gpu,
-                                        {r.host: r.report.uplink_bps for r in results})
-            click.echo(line, err=True)
-            warnings += slow
-    for w in warnings:
-        click.echo(f"warning: {w}", err=True)
-    return refusals
+def check_metrics(address: str | None) -> None:
+    if address:
+        from .metrics import AddressError, parse_address
+        try:
+            parse_address(address)
+        except AddressError as e:
+            fail(f"--metrics {e}", EXIT_CONFIG)
+
+
+async def reach(config: Config, who: str, options: list[str], restart: str | None = None):
+    """The run's supervisor for `fleet up`: joined where it runs for this fleet.toml (restarted
+    first when it reads another fleet.toml or fleet, or `restart` says why), else started in the
+    background. Returns (client, welcome, started)."""
+    home = home_of(config)
+    joined = await join(home, config, who)
+    if joined is not None:
+        client, welcome = joined
+        why = restart or differs(welcome, config) or ("its setup was refused" if welcome.phase == "failed" else None)
+        if why is None:
+            click.echo(f"joining the run's supervisor (pid {welcome.pid}, log {welcome.log})", err=True)
+            return client, welcome, False
+        click.echo(f"restarting the run's supervisor (pid {welcome.pid}): {why}", err=True)
+        if not await stop_supervisor(client, home):
+            fail(f"the run's supervisor (pid {welcome.pid}) did not stop; see {welcome.log}", EXIT_FAULT)
+    click.echo(f"starting the run's supervisor in the background (log {home.log})", err=True)
+    try:
+        client, welcome = await start(home, config, options, who)
+    except StartFailed as e:
+        fail(str(e), e.code)
+    return client, welcome, True
+
+
+async def follow_setup(client: Client) -> control.Snap:
+    """Print what the supervisor's setup says (the deploy's steps, the preflight table) until it
+    supervises; exits with setup's refusal."""
+    client.send(control.Watch())
+    while True:
+        try:
+            msg = await client.next_push()
+        except SupervisorGone as e:
+            fail(f"the run's supervisor stopped during its setup ({e}); see its log", EXIT_FAULT)
+        if isinstance(msg, control.Say):
+            click.echo(msg.text, err=msg.err)
+        elif isinstance(msg, control.Note) and not msg.past:
+            click.echo(f"  {msg.text}", err=True)
+        elif isinstance(msg, control.Changes):
+            for line in msg.lines:
+                click.echo(line)
+        elif isinstance(msg, control.Failed):
+            fail(msg.message, msg.code)
+        elif isinstance(msg, control.Snap) and msg.phase == "supervising":
+            return msg
 
 
 @main.command()
 @config_option
-@click.option("--headless", is_flag=True, help="no TUI: print one line per state change; exit when "
-                                                 "every shard is DONE, FATAL or STOPPED")
+@click.option("--headless", is_flag=True, help="no view: print one line per state change; exit when the "
+                                                 "run is finished (0) or nothing more happens (1)")
 @click.option("--replan", is_flag=True, help="the run's plan (shard layout, model, data, layers) no "
                                              "longer matches fleet.toml: make a new one. Only when no "
                                              "shard is live; finished samples are kept")
 @click.option("--allow-partial", is_flag=True, help="launch even where preflight projects more output "
                                                     "than the disk holds: shards stop when it is full")
 @click.option("--metrics", metavar="HOST:PORT", default=None,
-              help="serve the run's figures for Prometheus on http://HOST:PORT/metrics while supervising "
-                   "(e.g. 127.0.0.1:9400)")
-def up(config_path: str, headless: bool, replan: bool, allow_partial: bool, metrics: str | None) -> None:
-    """Deploy the worker, launch a shard on every GPU and supervise them.
+              help="the run's supervisor serves the run's figures for Prometheus on http://HOST:PORT/metrics "
+                   "for as long as it supervises (e.g. 127.0.0.1:9400)")
+@click.option("--take-over", is_flag=True, help="another supervisor holds the run (another machine, or a "
+                                                "copy of this fleet.toml): end its hold and supervise here")
+@at_option
+def up(config_path: str, headless: bool, replan: bool, allow_partial: bool, metrics: str | None,
+       take_over: bool, at: str | None) -> None:
+    """Supervise the run: start its supervisor (or join the one that runs), then watch it.
 
-    The first `fleet up` fixes the run's plan (which shard runs where, and the identity of the
-    model, data and layers) on every host; later commands follow it, and a fleet.toml that
-    disagrees is refused with the differences. Re-running `fleet up` on a live run re-attaches:
-    live shards are never started twice, failed ones are restarted and resume where they
-    stopped. Quitting leaves the workers running. A host whose free disk cannot hold what its
-    shards will write (preflight's projection) is refused unless --allow-partial.
+    The run's supervisor lives in the background, apart from this terminal: it deploys and
+    preflights every host that answers, fixes the run's plan (which shard runs where, and the
+    identity of the model, data and layers) or checks fleet.toml against it, launches every shard
+    that is neither live nor done, and supervises — restarts, stalls, rows of lost or idle hosts,
+    [notify], --metrics — until the run has ended and no client is left. Quitting the view (or
+    closing the terminal) leaves it supervising; `fleet up` again joins it in a second, with no
+    deploy. A host that does not answer never stops the others: its shards are UNKNOWN, and after
+    host_lost_after its rows go to the others. A host whose free disk cannot hold what its shards
+    will write (preflight's projection) is refused unless --allow-partial.
     """
     config = load(config_path)
+    check_metrics(metrics)
+    options = (["--replan"] if replan else []) + (["--allow-partial"] if allow_partial else []) + \
+        (["--metrics", metrics] if metrics else []) + (["--take-over"] if take_over else []) + \
+        ["--width", str(shutil.get_terminal_size((120, 24)).columns)]
+    restart = "--replan" if replan else "--allow-partial" if allow_partial else "--take-over" if take_over else None
 
     async def go() -> int:
-        t0 = time.monotonic()
-        async with Supervisor(config, on_log=lambda m: click.echo(f"  {time.monotonic() - t0:5.1f}s  {m}",
-                                                                  err=True)) as sup:
-            await deploy_and_plan(sup, replan, allow_partial)
-            if metrics:
-                await serve_metrics(sup, metrics)
-            if not headless:
-                from .tui.app import run_tui
-                message = await run_tui(sup)
-                if message:
-                    print(message)
-                return 0
-            return await supervise_headless(sup)
+        if at is not None:
+            if restart:
+                fail(f"{restart} is for a supervisor started here; on {at}, give it to `fleet serve` there", EXIT_CONFIG)
+            client, welcome = await joined_at(config, at, "up")
+            started = False
+            click.echo(f"joining the run's supervisor on {welcome.machine} (pid {welcome.pid}, log {welcome.log})",
+                       err=True)
+        else:
+            client, welcome, started = await reach(config, "up", options, restart)
+        snap = await follow_setup(client)
+        since = 0.0
+        try:
+            if not started:
+                since = float((await client.ask(control.Up())).data or 0.0)
+                if metrics and (reply := await client.ask(control.Metrics(address=metrics))).error:
+                    fail(reply.error, reply.code)
+        except SupervisorGone as e:
+            fail(f"the run's supervisor stopped: {e}", EXIT_FAULT)
+        if headless:
+            return await supervise_headless(client, since, home_of(config) if at is None else None)
+        from .tui.app import run_tui
+        message = await run_tui(client, reconnect(config, at), snap.snapshot)
+        if message:
+            print(message)
+        return 0
     run_async(go)
 
 
-async def serve_metrics(sup: Supervisor, address: str) -> None:
-    """/metrics on `address`, from a snapshot the supervisor's loop takes every 2 s (the HTTP
-    thread never reads the store itself); the server ends with the supervisor."""
-    from .metrics import serve
-    newest: dict = {"snap": None}
-
-    async def keep() -> None:
-        while True:
-            newest["snap"] = sup.snapshot()
-            await asyncio.sleep(2.0)
+async def supervise_headless(client: Client, since: float, home: RunHome | None) -> int:
+    """`up --headless`: one line per transition as the supervisor publishes it, until the run has
+    ended (every shard settled, or every row done, nothing in flight); 0 when its rows are all
+    done. Interrupted, the supervisor goes on; at the end, it goes once its last client has (this
+    waits for that, so the next command reads the hosts themselves)."""
+    latest = None
     try:
-        server = serve(address, lambda: newest["snap"])
-    except (OSError, ValueError) as e:
-        fail(f"--metrics {address}: cannot serve there: {e}", EXIT_CONFIG)
-    task = asyncio.get_running_loop().create_task(keep())
-    sup.on_close(lambda: (task.cancel(), server.shutdown(), server.server_close()))
-    click.echo(f"metrics: http://{address}/metrics", err=True)
-
-
-async def supervise_headless(sup: Supervisor) -> int:
-    """`up --headless`: one line per transition as it is published, until every shard settles
-    (DONE, FATAL or STOPPED) or the run's rows are all done (a lost host's by the others); 0 when
-    they are."""
-    sup.on_log = lambda m: click.echo(f"  {m}", err=True)
-    sup.subscribe(lambda changes: [click.echo(line) for line in render.transition_lines(changes, sup.snapshot())])
-    await sup.start()
-    await sup.launch_all()
-    sup.settled_event.clear()                     # judged again once the launches are in flight
-    while not (sup.settled_event.is_set() or (sup.replayed and not sup.acting and
-                                              (sup.snapshot().totals.settled or sup.snapshot().totals.finished))):
-        if sup.runner.done():                     # supervising itself ended: say why, never hang
-            why = sup.runner.exception() if not sup.runner.cancelled() else "cancelled"
-            await sup.close()
-            fail(f"supervising stopped: {why!r}; the workers keep running (fleet status)", EXIT_FAULT)
-        try:                                      # the decide loop's event, or a look once a second
-            async with asyncio.timeout(1.0):
-                await sup.settled_event.wait()
-        except asyncio.TimeoutError:
-            pass
-    await sup.close()
-    snap = sup.snapshot()
+        while latest is None or not (latest.ended and latest.snapshot.time >= since):
+            msg = await client.next_push()
+            if isinstance(msg, control.Note) and not msg.past:
+                click.echo(f"  {msg.text}", err=True)
+            elif isinstance(msg, control.Changes):
+                for line in msg.lines:
+                    click.echo(line)
+            elif isinstance(msg, control.Snap):
+                latest = msg
+            elif isinstance(msg, control.Failed):
+                fail(msg.message, msg.code)
+    except SupervisorGone as e:
+        fail(f"the run's supervisor stopped ({e}); the workers keep running (fleet status)", EXIT_FAULT)
+    await client.close()
+    deadline = time.monotonic() + 15
+    while home is not None and home.held() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    snap = latest.snapshot
     click.echo(render.format_status(snap))
     return 0 if snap.totals.finished else EXIT_FAULT
+
+
+@main.command()
+@config_option
+@click.option("--stop", "stop_it", is_flag=True, help="stop the run's supervisor that runs here (the workers "
+                                                      "keep running; `fleet up` starts it again)")
+@click.option("--replan", is_flag=True, help="as for fleet up")
+@click.option("--allow-partial", is_flag=True, help="as for fleet up")
+@click.option("--metrics", metavar="HOST:PORT", default=None, help="serve /metrics there while supervising")
+@click.option("--take-over", is_flag=True, help="as for fleet up")
+@click.option("--background", is_flag=True, hidden=True, help="started by a client: its output is the log")
+@click.option("--width", type=int, default=None, hidden=True, help="the starting client's terminal width")
+def serve(config_path: str, stop_it: bool, replan: bool, allow_partial: bool, metrics: str | None,
+          take_over: bool, background: bool, width: int | None) -> None:
+    """Run the run's supervisor here, in the foreground: what `fleet up` starts in the background.
+
+    For a head node or one of the GPU hosts, so the run is supervised whatever becomes of your
+    laptop: under systemd (`ExecStart=fleet serve -c /path/fleet.toml`) or in tmux (`tmux new -d -s
+    fleet fleet serve`). It deploys, preflights, launches what is neither live nor done and
+    supervises until the run has ended and no client is left (or --stop, or SIGTERM). Its log and
+    socket: ~/.local/state/fleet/<run>-<id>/ ($FLEET_STATE_DIR to move them). One per run: a
+    second (here, or on another machine: the hosts hold the run for the first) refuses and says
+    where the first runs.
+    """
+    config = load(config_path)
+    home = home_of(config)
+    if stop_it:
+        async def go() -> int:
+            joined = await join(home, config, "serve --stop")
+            if joined is None:
+                click.echo(f"no supervisor of run {config.run.name} runs here ({home.dir})")
+                return 0
+            client, welcome = joined
+            if not await stop_supervisor(client, home):
+                fail(f"the run's supervisor (pid {welcome.pid}) did not stop; see {welcome.log}", EXIT_FAULT)
+            click.echo(f"stopped supervising run {config.run.name} (pid {welcome.pid}); the workers keep running")
+            return 0
+        run_async(go)
+    check_metrics(metrics)
+    from .service import serve_forever
+    echo = None if background else (lambda line: click.echo(line, err=True))
+    sys.exit(serve_forever(config, home, echo, replan=replan, allow_partial=allow_partial, metrics=metrics,
+                           take_over=take_over, width=width))
+
+
+async def ask_supervisor(config: Config, who: str, at: str | None = None) -> tuple[Client, control.Welcome] | None:
+    """The run's supervisor here (or `at` another machine), if one runs (a note on stderr when it
+    reads another fleet.toml)."""
+    joined = await join(home_of(config), config, who) if at is None else await joined_at(config, at, who)
+    if joined is not None and joined[1].phase == "failed":         # its setup was refused: it is going
+        await joined[0].close()
+        return None
+    if joined is not None and (why := differs(joined[1], config)):
+        click.echo(f"note: the run's supervisor (pid {joined[1].pid}) answers; {why} (`fleet up` restarts it)",
+                   err=True)
+    return joined
 
 
 # --- status ------------------------------------------------------------------------------------
@@ -239,11 +326,16 @@ async def supervise_headless(sup: Supervisor) -> int:
               help="print the JSON schema of --json's output and exit (reads no fleet.toml)")
 @click.option("--prometheus", "as_prometheus", is_flag=True,
               help="print the snapshot in Prometheus' text format (for node_exporter's textfile collector)")
-def status(config_path: str, as_json: bool, as_schema: bool, as_prometheus: bool) -> None:
+@click.option("--from-hosts", is_flag=True, help="read the hosts' records here, over SSH, whether or not a "
+                                                   "supervisor runs (what status does when none does)")
+@at_option
+def status(config_path: str, as_json: bool, as_schema: bool, as_prometheus: bool, from_hosts: bool,
+           at: str | None) -> None:
     """One snapshot of the run: hosts, GPUs, shards, throughput, ETA.
 
-    The same verdicts `fleet up` acts on (fleet status acts on none). Exit 0 healthy, done or
-    stopped, 1 a shard STALLED/FAILED/BACKOFF/FATAL, 2 config error, 3 a host unreachable.
+    From the run's supervisor when one runs here (the verdicts it acts on), else read from the
+    hosts once (said on stderr; it acts on nothing). Exit 0 healthy, done or stopped, 1 a shard
+    STALLED/FAILED/BACKOFF/FATAL, 2 config error, 3 a host unreachable.
     """
     if as_schema:
         click.echo(json.dumps(json_schema(), indent=2))
@@ -251,13 +343,28 @@ def status(config_path: str, as_json: bool, as_schema: bool, as_prometheus: bool
     config = load(config_path)
 
     async def go() -> int:
-        sup = Supervisor(config)
-        try:
-            snap = await sup.read_once()
-        except PlanError as e:
-            fail(str(e), EXIT_CONFIG)
-        finally:
-            await sup.close()
+        snap = None
+        if not from_hosts and (joined := await ask_supervisor(config, "status", at)) is not None:
+            client, welcome = joined
+            try:
+                msg = await client.ask(control.SnapshotRequest())
+            except SupervisorGone:
+                msg = None
+            await client.close()
+            if msg is not None and msg.phase in ("setup", "launching") and not msg.snapshot.shards:
+                click.echo(f"run {config.run.name}: its supervisor (pid {welcome.pid}) is deploying and "
+                           f"preflighting (fleet up shows it; log {welcome.log})")
+                return 0
+            snap = msg.snapshot if msg is not None else None
+        if snap is None:
+            if not from_hosts:
+                click.echo(f"fleet: no supervisor runs for run {config.run.name} here: read from the hosts once",
+                           err=True)
+            sup = Supervisor(config)
+            try:
+                snap = await sup.read_once()
+            finally:
+                await sup.close()
         if as_json:
             click.echo(snap.to_json())
         elif as_prometheus:
@@ -277,25 +384,43 @@ def status(config_path: str, as_json: bool, as_schema: bool, as_prometheus: bool
 @config_option
 @click.option("--yes", "-y", is_flag=True, help="do not ask")
 @click.option("--timeout", default=10.0, show_default=True, help="seconds before SIGKILL")
-def down(config_path: str, yes: bool, timeout: float) -> None:
-    """Stop every shard of the run (SIGTERM, then SIGKILL). Output already written stays."""
+@at_option
+def down(config_path: str, yes: bool, timeout: float, at: str | None) -> None:
+    """Stop every shard of the run (SIGTERM, then SIGKILL). Output already written stays.
+
+    Through the run's supervisor when one runs (it then goes, the run being stopped), else
+    host by host; an unreachable host is said and the others are stopped."""
     config = load(config_path)
 
     async def go() -> int:
-        sup = Supervisor(config)
+        joined = await ask_supervisor(config, "down", at)
+        sup = None if joined else Supervisor(config)
         try:
-            try:
+            if joined:
+                snap = (await joined[0].ask(control.SnapshotRequest())).snapshot
+            else:
                 snap = await sup.read_once()
-            except PlanError as e:
-                fail(str(e), EXIT_CONFIG)
             if all(s.state in SETTLED for s in snap.shards) and all(h.reachable for h in snap.hosts):
                 click.echo(f"run {config.run.name}: nothing is running or waiting to restart; nothing to stop")
                 return 0
             if not yes and not click.confirm(f"stop every shard of run {config.run.name}?", default=False):
                 fail("not confirmed; nothing stopped", EXIT_FAULT)
-            results = await sup.stop_all(timeout)
+            if joined:
+                reply = await joined[0].ask(control.StopAll(timeout=timeout))
+                if reply.error:
+                    fail(reply.error, reply.code or EXIT_FAULT)
+                results = [host_stop(h) for h in reply.stopped]
+            else:
+                results = await sup.stop_all(timeout)
+        except PlanError as e:
+            fail(str(e), EXIT_CONFIG)
+        except SupervisorGone as e:
+            fail(f"the run's supervisor stopped ({e}); try again", EXIT_FAULT)
         finally:
-            await sup.close()
+            if joined:
+                await joined[0].close()
+            else:
+                await sup.close()
         code = 0
         for r in results:
             click.echo(r.text(), err=r.error is not None)
@@ -329,7 +454,8 @@ async def find_shard(sup: Supervisor, ref: str) -> int:
 @main.command()
 @config_option
 @click.argument("shard")
-def restart(config_path: str, shard: str) -> None:
+@at_option
+def restart(config_path: str, shard: str, at: str | None) -> None:
     """Restart SHARD (an id, or HOST:GPU); it resumes from its manifest.
 
     It runs as the run's plan says (its GPU, its share of the rows), whatever fleet.toml or an
@@ -338,14 +464,27 @@ def restart(config_path: str, shard: str) -> None:
     config = load(config_path)
 
     async def go() -> int:
-        sup = Supervisor(config)
-        try:
-            k = await find_shard(sup, shard)
-            if sup.plan and (diffs := differences(sup.plan.spec, spec_of(config))):
-                fail(refusal(sup.plan, diffs), EXIT_FAULT)
-            result = (await sup.request([k], "restart", wait=config.spec.supervise.stop_grace + 30))[k]
-        finally:
-            await sup.close()
+        wait = config.spec.supervise.stop_grace + 30
+        if (joined := await ask_supervisor(config, "restart", at)) is not None:
+            client = joined[0]
+            try:
+                reply = await client.ask(control.Act(kind="restart", shards=[shard], wait=wait))
+            except SupervisorGone as e:
+                fail(f"the run's supervisor stopped ({e}); try again", EXIT_FAULT)
+            finally:
+                await client.close()
+            if reply.error:
+                fail(reply.error, reply.code or EXIT_FAULT)
+            result = reply.acted[0].result()
+        else:
+            sup = Supervisor(config)
+            try:
+                k = await find_shard(sup, shard)
+                if sup.plan and (diffs := differences(sup.plan.spec, spec_of(config))):
+                    fail(refusal(sup.plan, diffs), EXIT_FAULT)
+                result = (await sup.request([k], "restart", wait=wait))[k]
+            finally:
+                await sup.close()
         if result.status == "refused":
             fail(result.detail or "refused", EXIT_FAULT)
         if result.status == "error":
@@ -362,11 +501,24 @@ def restart(config_path: str, shard: str) -> None:
 @click.argument("shard")
 @click.option("-f", "--follow", is_flag=True, help="keep printing new lines")
 @click.option("-n", "--lines", default=100, show_default=True, help="lines from the end")
-def logs(config_path: str, shard: str, follow: bool, lines: int) -> None:
+@at_option
+def logs(config_path: str, shard: str, follow: bool, lines: int, at: str | None) -> None:
     """Print SHARD's log (an id, or HOST:GPU)."""
     config = load(config_path)
 
     async def go() -> int:
+        if (joined := await ask_supervisor(config, "logs", at)) is not None:
+            client = joined[0]
+            try:
+                async for line in client.stream(control.Log(shard=shard, last=lines, follow=follow)):
+                    click.echo(line)
+            except RequestFailed as e:
+                fail(str(e), e.code)
+            except SupervisorGone as e:
+                fail(f"the run's supervisor stopped ({e})", EXIT_FAULT)
+            finally:
+                await client.close()
+            return 0
         sup = Supervisor(config)
         try:
             k = await find_shard(sup, shard)
@@ -399,9 +551,11 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
         from .verify import reopen_repaired, skip_problem, verify_fleet
         sup = Supervisor(config)
         try:
-            if repair and (live := await setup.live_shards(sup)):
+            if repair and (live := await sup.live_shards()):
                 fail(f"--repair needs every shard stopped; live: {', '.join(live)} (fleet down first)",
                      EXIT_FAULT)
+            for line in await sup.tell_moved():          # a host back from being lost learns first
+                click.echo(line)
             result, failures = await verify_fleet(
                 config, {n: l.transport for n, l in sup.links.items()}, deep=not shallow, repair=repair)
             skip_problem(result, config.run.max_skip_fraction)
@@ -436,9 +590,13 @@ def verify(config_path: str, shallow: bool, repair: bool) -> None:
                        f"layer: {layers}")
         for note in result.notes[:20]:
             click.echo(f"note: {note}")
-        for command in dict.fromkeys(result.commands.values()):       # one line per distinct folder
-            hosts = [h for h, c in result.commands.items() if c == command]
-            click.echo(f"train ({', '.join(hosts)}): {command}")
+        if result.copies:                 # a trainer over these folders would read those rows twice
+            click.echo(f"train: not yet: {result.copies} row(s) have a second copy that a trainer would read as "
+                       f"well; `fleet verify --repair` removes the copies that do not count")
+        else:
+            for command in dict.fromkeys(result.commands.values()):   # one line per distinct folder
+                hosts = [h for h, c in result.commands.items() if c == command]
+                click.echo(f"train ({', '.join(hosts)}): {command}")
         if failures:
             return EXIT_UNREACHABLE
         if result.ok:

@@ -17,7 +17,7 @@ import asyncio
 import json
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 from worker import protocol
 from worker.text import printable, printable_data, printable_lines
@@ -28,9 +28,11 @@ from .launcher import Launcher
 from .state import State
 from .hosts import Host
 from .store import Store
-from .transport import HostError, HostUnusable, Stream, Transport
+from .transport import HostError, HostUnusable, RunClaimed, Stream, Transport
 
 AGENT_START_S = 30.0          # a new agent stream: its Python start and replay, on a loaded host
+PING_S = 10.0                 # a line to a claiming agent's stdin this often (worker/claim.py)
+UNUSABLE_RETRY_S = 120.0      # a host that answered but cannot be used is tried again after this
 AGENT_SILENCE_S = 5.0         # no line from an agent for this long: the host is unreachable...
 LATE_S = 0.5                  # a wait that ends this much past its time: this process ran late
 SILENCE_PER_ACTION_S = 2.0    # ...plus this per shard starting or acted on there (a launch storm)
@@ -51,6 +53,12 @@ class HostLink:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     diagnostics: deque = field(default_factory=lambda: deque(maxlen=5))
     delay: float = 1.0                                # before the next reconnect
+    claim: protocol.SupervisorClaim | None = None     # hold the run on the host for this supervisor
+    take_over: bool = False                           # ...ending the agent of the one holding it
+    unprepared: bool = False                          # not deployed and preflighted yet (it did not answer)
+    prepare: Callable[[HostLink], Awaitable[None]] | None = None   # does that once it answers
+    on_claimed: Callable[[RunClaimed], None] = lambda e: None      # another supervisor holds the run
+    pinged: float = 0.0
 
     @property
     def name(self) -> str:
@@ -66,8 +74,11 @@ class HostLink:
         args = ["--run-dir", config.run_dir(self.spec), "--shards", shards,
                 "--output", config.output_dir(self.spec),
                 "--interval", str(config.spec.supervise.telemetry_interval), *self.launcher.agent_args()]
-        return await deploy.worker_argv(self.transport, config, self.spec, "agent", *args,
-                                        *(["--once"] if once else []))
+        if once:
+            args.append("--once")
+        elif self.claim is not None:
+            args += ["--claim", self.claim.to_json()] + (["--take-over"] if self.take_over else [])
+        return await deploy.worker_argv(self.transport, config, self.spec, "agent", *args)
 
     def silence(self) -> float:
         """How long the agent may be silent before its host counts as unreachable: longer while the
@@ -108,11 +119,20 @@ class HostLink:
             try:
                 await self.transport.connect()
                 self.diagnostics.clear()
+                if self.unprepared and self.prepare is not None:
+                    await self.prepare(self)
+                    self.unprepared = False
                 self.stream = await self.transport.stream(await self.agent_argv())
                 await self._read(self.stream.lines().__aiter__())
+            except RunClaimed as e:                     # another supervisor's run: stop here
+                await self.drop()
+                self.on_claimed(e)
+                return
             except HostError as e:
                 self.down(e)
                 await self.drop()
+                if isinstance(e, HostUnusable):         # its python, its preflight: not fixed in seconds
+                    self.delay = max(self.delay, UNUSABLE_RETRY_S)
             except asyncio.CancelledError:
                 raise
             except Exception as e:                      # a bug must not silently stop a host's loop
@@ -161,6 +181,10 @@ class HostLink:
         """One line of the live stream folded; the host is up once its record is replayed."""
         if isinstance(self.take(line), protocol.Beat):
             self.delay = 1.0                     # healthy for a while: reconnect fast next time
+            now = asyncio.get_running_loop().time()
+            if self.claim is not None and self.stream is not None and now - self.pinged >= PING_S:
+                self.pinged = now
+                self.stream.ping()
         if self.host.reachable is not True and self.host.replayed:
             self.host.up()
             self.on_log(f"{self.name}: connected")

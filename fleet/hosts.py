@@ -38,6 +38,14 @@ class Host:
     offsets: deque = field(default_factory=deque)   # (supervisor time, host clock - it) of each line heard
     behind_s: float = 0.0                  # how old the newest line read was when read (a backlog)
     stale: bool = False                    # our loop ran late: nothing read on time since
+    removed: bool = False                  # the plan has shards here; fleet.toml no longer lists it
+
+    @classmethod
+    def removed_from_config(cls, name: str) -> Host:
+        """A host of the run's plan that fleet.toml no longer lists: never reached again, lost
+        from the start (its unfinished rows go to the others)."""
+        return cls(name, "-", reachable=False, removed=True, down_since=0.0,
+                   error="no longer in fleet.toml: its rows go to the other hosts")
 
     def host_now(self, now: float) -> float:
         return now + self.clock_offset
@@ -90,8 +98,9 @@ class Host:
             self.down_since = time.time() if now is None else now
 
     def lost(self, now: float, after: float | None) -> bool:
-        """Unreachable (not merely unusable) for `after` seconds: its rows go to the others."""
-        return after is not None and self.reachable is False and not self.unusable and \
+        """Unreachable, or reached but unable to run the worker (a preflight refused when it came
+        back, its python gone), for `after` seconds: its rows go to the others."""
+        return after is not None and self.reachable is False and \
             self.down_since is not None and now - self.down_since >= after
 
     def replay_starts(self) -> None:

@@ -105,12 +105,26 @@ class _Newest(Collector):
         return families(snap) if snap is not None else []
 
 
+class AddressError(ValueError):
+    """--metrics was given something that is no HOST:PORT."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'127.0.0.1:9400', ':9400' (loopback), '[::1]:9400' -> (host, port); AddressError (one line) else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise AddressError(f"{address!r} is not HOST:PORT with a port from 1 to 65535 (e.g. 127.0.0.1:9400)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host or "127.0.0.1", int(port)
+
+
 def serve(address: str, newest: Callable[[], FleetSnapshot | None]):
     """Serve /metrics on `address` (HOST:PORT) from `newest()` at each scrape, in a thread of
-    prometheus_client's own; returns its server (shutdown() stops it)."""
+    prometheus_client's own; returns its server (shutdown() stops it). Raises AddressError or OSError."""
     from prometheus_client.exposition import start_http_server
-    host, _, port = address.rpartition(":")
+    host, port = parse_address(address)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Newest(newest))
-    server, _ = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
+    server, _ = start_http_server(port, addr=host, registry=registry)
     return server

@@ -10,6 +10,7 @@ which keeps every finished sample: output files are named by global index).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable
 
 from worker.identity import differences, upgraded
@@ -110,9 +111,23 @@ def refusal(old: Plan, diffs: list[str]) -> str:
             "(finished samples are kept); or restore fleet.toml")
 
 
-def check_hosts(plan: Plan, config: Config) -> None:
+def removed_hosts(plan: Plan, config: Config) -> list[str]:
+    """Hosts the run's plan places shards on that fleet.toml no longer lists (under [slurm], whose
+    one host is the login node, none): a lost host's from the start, their rows go to the others."""
+    if config.spec.slurm is not None:
+        return []
     known = {h.name for h in config.hosts}
-    missing = sorted({s.host for s in plan.shards} - known)
-    if missing:
-        raise PlanError(f"the run's plan places shards on {', '.join(missing)}, which fleet.toml no "
-                        f"longer lists: restore it, or `fleet down` and `fleet up --replan`")
+    return sorted({s.host for s in plan.shards} - known)
+
+
+def without_hosts(plan: Plan, hosts: list[str]) -> Plan:
+    """The plan as if `hosts` were never in it: what fleet.toml, which no longer lists them, is
+    compared with (their shards stay in the run's plan, and their rows go to the others)."""
+    if not hosts:
+        return plan
+    gone = set(hosts)
+    spec = dict(plan.spec)
+    if isinstance(spec.get("output"), dict):
+        spec["output"] = {h: o for h, o in spec["output"].items() if h not in gone}
+    return replace(plan, shards=[s for s in plan.shards if s.host not in gone], spec=spec,
+                   host_ids={h: i for h, i in plan.host_ids.items() if h not in gone})

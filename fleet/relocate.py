@@ -1,6 +1,14 @@
 """Rows of a lost host go to the live hosts (issue 33): decided here, carried out on the hosts by
 `python -m worker.relocate` (adopt on a receiver, revoke on the lost host once it is back).
 
+A host that answers but can do nothing more — every shard FATAL, or stopped by the user, while
+its pool still holds rows (`idle`: a rented box whose one GPU is bad) — gives its rows away the
+same way (issue 52): it is asked which of its rows are not done (`count`: `worker.relocate
+pending`, under its ledger's lock), those are adopted by the others and then revoked there at
+once, with the same records. Its finished rows stay its own (its disk is readable). A restart of
+one of its shards (`r`) makes it a host that can take rows again. A host taken out of fleet.toml
+whose shards the plan still has is a lost host from the start (`why` removed).
+
 A host's own GPUs share its rows without a supervisor (worker/leases.py). Rows move *between*
 hosts only while a supervisor is attached: a host unreachable for `[supervise] host_lost_after`
 that still had work is lost; every row it is responsible for (its shards' planned rows, plus what
@@ -36,18 +44,21 @@ class Move:
     redone: int = 0
     told: bool = False         # the lost host has said it holds them no more (side "out")
     asked: bool = False        # asked by this supervisor, not yet in a record
+    why: str = "lost"          # lost | idle | removed (protocol.Relocated.why)
 
 
 @dataclass(frozen=True)
 class Order:
-    """One command to run: `kind` "adopt" on `host` (the receiver) or "revoke" on `host` (the
-    lost host, back)."""
+    """One command to run: `kind` "adopt" on `host` (the receiver), "revoke" on `host` (the lost
+    host, back; an idle host, at once) or "count" on `host` (an idle host: which rows are not done);
+    `why` the move's reason (lost, idle, removed)."""
     kind: str
     host: str
     runs: tuple[tuple[int, int], ...]
     from_host: str
     to_host: str
     redone: int = 0
+    why: str = "lost"
 
 
 @dataclass
@@ -69,13 +80,14 @@ class Moves:
         for k, m in list(self.moves.items()):
             if m.asked and (m.from_host, m.to_host) == key[2:] and m.start < ev.stop and ev.start < m.stop:
                 del self.moves[k]
-        m = self.moves[key] = Move(ev.start, ev.stop, ev.from_host, ev.to_host, ev.t)
+        m = self.moves[key] = Move(ev.start, ev.stop, ev.from_host, ev.to_host, ev.t, why=ev.why)
         return m
 
     def ask(self, order: Order, t: float) -> None:
         for a, b in order.runs:
             self.moves.setdefault((a, b, order.from_host, order.to_host),
-                                  Move(a, b, order.from_host, order.to_host, t, order.redone, asked=True))
+                                  Move(a, b, order.from_host, order.to_host, t, order.redone, asked=True,
+                                       why=order.why))
 
     def withdraw(self, order: Order) -> None:
         """The order's asked moves no record will show: refused, or already recorded before."""
@@ -98,6 +110,10 @@ class Moves:
     def untold(self, host: str) -> list[Move]:
         """Moves away from `host` it has not yet been told of (recorded on the receiver)."""
         return [m for m in self.away_from(host) if not m.told and not m.asked]
+
+    def untold_hosts(self) -> set[str]:
+        """Every host with moves away from it that it has not yet been told of."""
+        return {m.from_host for m in self.moves.values() if not m.told and not m.asked}
 
     @property
     def in_flight(self) -> bool:
@@ -124,6 +140,9 @@ class HostFacts:
     had_work: bool              # a shard of it was not DONE when last heard of
     finished_rows: int = 0      # rows its records counted finished (done and skipped)
     planned: tuple[tuple[int, int], ...] = ()   # its shards' planned rows
+    idle: bool = False          # usable, but every shard FATAL, STOPPED or DONE and one holds rows
+    unfinished: tuple[tuple[int, int], ...] | None = None   # an idle host's rows not done (its count)
+    removed: bool = False       # the plan has shards there, fleet.toml no longer lists it
 
 
 def planned_rows(shards: dict[int, tuple[int, int] | None], num_rows: int | None,
@@ -170,32 +189,48 @@ def split(runs: Runs, weights: dict[str, int]) -> dict[str, Runs]:
 
 def orders(hosts: list[HostFacts], moves: Moves) -> list[Order]:
     """What is due now: every lost host that had work has its rows adopted by the usable ones,
-    and every host that is back is told of the moves away from it first."""
+    an idle host its unfinished rows (counted first), and every host that is back (or idle) is
+    told of the moves away from it before anything more is done there."""
     out = []
     for h in hosts:
         if h.usable and (untold := moves.untold(h.name)):
-            by_target: dict[str, list] = {}
+            by_target: dict[tuple, list] = {}
             for m in untold:
-                by_target.setdefault(m.to_host, []).append((m.start, m.stop))
-            out += [Order("revoke", h.name, tuple(merge(r)), h.name, to) for to, r in sorted(by_target.items())]
+                by_target.setdefault((m.to_host, m.why), []).append((m.start, m.stop))
+            out += [Order("revoke", h.name, tuple(merge(r)), h.name, to, why=why)
+                    for (to, why), r in sorted(by_target.items())]
     receivers = {h.name: len(h.shards) for h in hosts
-                 if h.usable and not h.lost and h.shards and not moves.untold(h.name)}
+                 if h.usable and not h.lost and not h.idle and h.shards and not moves.untold(h.name)}
     for h in hosts:
-        if not h.lost or not h.had_work or not receivers:
+        if not receivers or not ((h.lost and h.had_work) or (h.idle and not h.lost)):
             continue
-        runs = rows_of(h, moves)
+        if h.idle and h.unfinished is None:
+            out.append(Order("count", h.name, (), h.name, h.name, why="idle"))
+            continue
+        if h.idle:
+            runs, finished, why = subtract(list(h.unfinished), [(m.start, m.stop) for m in moves.away_from(h.name)]), 0, "idle"
+        else:
+            runs, finished, why = rows_of(h, moves), h.finished_rows, "removed" if h.removed else "lost"
         rows = sum(b - a for a, b in runs)
         for to, part in split(runs, receivers).items():
             share = sum(b - a for a, b in part)
-            out.append(Order("adopt", to, tuple(part), h.name, to,
-                             redone=h.finished_rows * share // rows if rows else 0))
+            out.append(Order("adopt", to, tuple(part), h.name, to, redone=finished * share // rows if rows else 0,
+                             why=why))
     return out
+
+
+WHY_WORDS = {"lost": "lost", "idle": "no shard of it can go on", "removed": "no longer in fleet.toml"}
 
 
 def order_line(order: Order) -> str:
     """The log view's line for a move: 'rows 41,200–45,000 of gpubox3 (lost) → gpubox1'."""
     rows = ", ".join(f"{a:,}–{b:,}" for a, b in order.runs[:3]) + (" …" if len(order.runs) > 3 else "")
     n = sum(b - a for a, b in order.runs)
+    why = WHY_WORDS.get(order.why, order.why)
     if order.kind == "adopt":
-        return f"rows {rows} of {order.from_host} (lost) → {order.to_host} ({n:,} rows)"
+        return f"rows {rows} of {order.from_host} ({why}) → {order.to_host} ({n:,} rows)"
+    if order.kind == "count":
+        return f"{order.host}: {why}: counting the rows it has not done, for the other hosts"
+    if order.why == "idle":
+        return f"{order.host}: its rows {rows} went to {order.to_host} ({why}): marking them gone there"
     return f"{order.host}: back; its rows {rows} went to {order.to_host} while it was lost: stopping them there"

@@ -150,8 +150,8 @@ def lease_line(ev, shard: int, where, state_of=lambda k: None) -> str | None:
 
 VERIFY_NEXT = {True: "; check the output and get the exact training command: fleet verify"}   # not for a [job]
 
-QUIT_MESSAGE = ("fleet: the workers keep running. `fleet up` re-attaches to them, `fleet status` "
-                "shows them, `fleet down` stops them.")
+QUIT_MESSAGE = ("fleet: the workers keep running, and the run's supervisor keeps supervising them. "
+                "`fleet up` rejoins, `fleet status` shows them, `fleet down` stops them.")
 
 
 def quit_message(snap: FleetSnapshot | None) -> str:

@@ -312,6 +312,9 @@ class FleetSnapshot(BaseModel):
     totals: Totals
     verifiable: bool = Field(True, description="the shards run the built-in worker, whose output "
                                                "`fleet verify` checks (false for a [job])")
+    supervisor: Optional[str] = Field(None, description="the run's supervisor this picture is from: its "
+                                                        "pid, machine, user, start and log; null when read "
+                                                        "from the hosts directly (none runs)")
 
     def to_json(self, indent: int | None = 2) -> str:
         return self.model_dump_json(by_alias=True, indent=indent)

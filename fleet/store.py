@@ -19,14 +19,14 @@ from worker import protocol
 from .config import Config
 from .jobs import Placement
 from .judge import LaunchFailure, Policy, Verdict, judge
-from .plan import check_hosts
+from .plan import removed_hosts
 from .record import ShardRecord
 from .relocate import HostFacts, Moves, planned_rows
 from .hosts import Host
 from .schema import FleetSnapshot
 from .snapshot import ShardView, all_replayed, build_snapshot
 from .state import State
-from .transport import HostError, HostUnusable
+from .transport import HostError, HostUnusable, RunClaimed
 
 
 EXTRAPOLATE_S = 10.0      # a shard's idle time is carried past its host's last word by at most this
@@ -109,6 +109,16 @@ class Transition:
     t: float
 
 
+GIVEN_UP = (State.FATAL, State.STOPPED)
+
+
+def idle_host(shards: list[tuple[State, bool]]) -> bool:
+    """A reachable host that can do nothing more with rows it still holds: every shard (state,
+    holds rows) FATAL, STOPPED or DONE, and one that gave up or was stopped still holding rows."""
+    return bool(shards) and all(st in GIVEN_UP or st == State.DONE for st, _ in shards) and \
+        any(st in GIVEN_UP and holds for st, holds in shards)
+
+
 def changes(shown: dict[int, tuple[State, int]], current: list[tuple[int, State, int]],
             t: float) -> list[Transition]:
     """The transitions from what was last published (`shown`, updated) to `current` (shard,
@@ -150,6 +160,7 @@ class Store:
         self.decided: dict[int, Verdict] = {}             # the last decide pass's verdicts (Store.decide)...
         self._decided_on: tuple = ()                      # ...and the inputs they were judged from
         self.applied = 0                                  # agent messages folded so far
+        self.unfinished: dict[str, tuple] = {}            # an idle host's rows not done, as it counted them
 
     @property
     def num_shards(self) -> int:
@@ -161,11 +172,12 @@ class Store:
     # --- the plan ----------------------------------------------------------------------------------
     def use_plan(self, plan: protocol.Plan) -> None:
         """Take the shard layout from the run's plan and create the shard records."""
-        check_hosts(plan, self.config)
         self.plan = plan
         self.placements = self.engine.placements(plan)
         self.shards = {p.shard: self._new(p) for p in self.placements}
         self.decided = {}
+        for name in removed_hosts(plan, self.config):     # its rows go to the others, as a lost host's
+            self.hosts.setdefault(name, Host.removed_from_config(name))
 
     def forget(self) -> None:
         """No plan, no shards (a one-shot read starts here and finds them)."""
@@ -173,21 +185,30 @@ class Store:
 
     def host_facts(self, verdicts: dict[int, Verdict], now: float, after: float | None) -> list[HostFacts]:
         """Each host as fleet/relocate.py needs it: lost or usable, whether it had work, its rows."""
-        num_rows = max((s.record.num_rows or 0 for s in self.shards.values()), default=0) or None
+        num_rows = self.num_rows
         by_host: dict[str, list[Shard]] = {name: [] for name in self.hosts}
         for s in self.shards.values():
             by_host.setdefault(s.placement.host, []).append(s)
         out = []
         for name, host in self.hosts.items():
             mine = by_host[name]
+            usable = host.reachable is True and host.replayed
+            idle = usable and idle_host([(verdicts[s.id].state, s.record.holds_rows) for s in mine if s.id in verdicts])
+            if not idle:
+                self.unfinished.pop(name, None)         # counted again if it is idle again later
             out.append(HostFacts(
-                name, tuple(s.id for s in mine), host.lost(now, after),
-                usable=host.reachable is True and host.replayed,
+                name, tuple(s.id for s in mine), host.lost(now, after), usable=usable,
                 had_work=any((verdicts[s.id].recorded or verdicts[s.id].state) != State.DONE
                              for s in mine if s.id in verdicts),
                 finished_rows=sum(s.record.done + s.record.skipped for s in mine),
-                planned=tuple(planned_rows({s.id: s.record.planned for s in mine}, num_rows, self.num_shards))))
+                planned=tuple(planned_rows({s.id: s.record.planned for s in mine}, num_rows, self.num_shards)),
+                idle=idle, unfinished=self.unfinished.get(name), removed=host.removed))
         return out
+
+    @property
+    def num_rows(self) -> int | None:
+        """The run's rows, as the shards' records say (their `started` events)."""
+        return max((s.record.num_rows or 0 for s in self.shards.values()), default=0) or None
 
     def _new(self, p: Placement) -> Shard:
         return Shard(p, ShardRecord(needs_done_sentinel=self.policy.needs_done_sentinel))
@@ -267,6 +288,8 @@ class Store:
             host.replay_done()
         elif isinstance(msg, protocol.AgentError):
             raise HostError(f"{host_name}: agent failed: {msg.message}")
+        elif isinstance(msg, protocol.Claimed):
+            raise RunClaimed(f"{host_name}: the run is supervised by another supervisor", msg.holder)
         return None
 
     def resolve(self, ref: str) -> int:

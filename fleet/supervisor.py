@@ -21,7 +21,7 @@ from typing import Callable
 from worker import protocol
 from worker.text import runs_text
 
-from . import deploy, relocate
+from . import deploy, relocate, setup
 from .actions import HostStop, UNDER_WAY, busy_mark, policy_action, refusal as action_refusal, user_action
 from .config import Config
 from .follow import HostLink, read_all
@@ -31,8 +31,8 @@ from .notify import Notifier
 from .schema import FleetSnapshot
 from .state import LIVE, SETTLED, State
 from .hosts import CATCH_UP_S
-from .store import Shard, Store, Transition
-from .transport import HostError, HostUnusable, make_transport
+from .store import GIVEN_UP, Shard, Store, Transition
+from .transport import HostError, HostUnusable, RunClaimed, make_transport
 
 ACTION_TIMEOUT_S = 60.0       # an action whose outcome never shows up in the record: judge again
 CLOSE_TIMEOUT_S = 10.0        # its tasks' end after the close's cancel (a quit must not hang)
@@ -40,18 +40,27 @@ CLOSE_TIMEOUT_S = 10.0        # its tasks' end after the close's cancel (a quit 
 
 class Supervisor:
     def __init__(self, config: Config, on_change: Callable[[], None] | None = None,
-                 on_log: Callable[[str], None] | None = None):
+                 on_log: Callable[[str], None] | None = None, claim: protocol.SupervisorClaim | None = None,
+                 take_over: bool = False, allow_partial: bool = False):
+        """`claim`: hold the run on its hosts while following them (the run's supervisor does; a
+        second one is then refused: `claimed`); `take_over`: from whoever holds it now."""
         self.config = config
         self.sup = config.spec.supervise
         self.on_change = on_change or (lambda: None)
         self.on_log = on_log or (lambda msg: None)
         self.launcher = make_launcher(config)
         self.store = Store(config, policy_for(config), self.launcher)
+        self.allow_partial = allow_partial
         slots = asyncio.Semaphore(self.sup.max_concurrent_connects)
         self.links: dict[str, HostLink] = {
             h.name: HostLink(h, make_transport(h, self.sup, slots), self.store, self.launcher,
-                             lambda: self.starved, lambda m: self.on_log(m), lambda: self._changed())
+                             lambda: self.starved, lambda m: self.on_log(m), lambda: self._changed(),
+                             claim=claim, take_over=take_over, prepare=self._preflight_late,
+                             on_claimed=self._claimed)
             for h in config.hosts}
+        self.claimed: RunClaimed | None = None      # another supervisor holds the run (its agents said)
+        self.claimed_event = asyncio.Event()
+        self._moves_due = False                     # the last decide pass left moves to carry out
         self.listeners: list[Callable[[list[Transition]], None]] = []
         self.replayed_event = asyncio.Event()       # every host replayed (or known down)
         self.settled_event = asyncio.Event()        # every shard settled, nothing in flight
@@ -101,6 +110,42 @@ class Supervisor:
             self.replayed_event.set()
         self.on_change()
 
+    async def prepare(self, say: Callable[[str], None], step: Callable[[str], None], replan: bool = False,
+                      width: int | None = None) -> protocol.Plan:
+        """Deploy, preflight and settle the run's plan (fleet/setup.py); raises SetupRefused."""
+        plan = await setup.prepare(self.links, self.config, self.launcher, say, step, self.live_shards, replan,
+                                   self.allow_partial, width)
+        self.store.use_plan(plan)
+        return plan
+
+    async def _preflight_late(self, link: HostLink) -> None:
+        await setup.preflight_late(link, self.config, self.launcher, self.store.plan, self.on_log, self.allow_partial)
+
+    def _claimed(self, e: RunClaimed) -> None:
+        if self.claimed is None:
+            self.claimed = e
+            self.claimed_event.set()
+            self.on_change()
+
+    async def live_shards(self) -> list[str]:
+        """'id (host:gpu)' of every shard whose process is alive, on every reachable host (a
+        one-shot read of its own, beside whatever this supervisor follows)."""
+        async with Supervisor(self.config) as probe:
+            snap = await probe.read_once()
+        return [f"{s.id} ({s.host}:{s.gpu})" for s in snap.shards if s.alive]
+
+    def run_ended(self, snap: FleetSnapshot | None = None) -> bool:
+        """Nothing more happens by itself: every host read, no action or move in flight or due
+        (a host back from being lost is told of its rows first), and every shard settled or the
+        run's rows all done (`snap`: the picture now, where the caller has it). The run's
+        supervisor goes once its clients have read this."""
+        if not self.store.replayed or self.store.acting or self.store.moves.in_flight or self._moves_due:
+            return False
+        snap = snap or self.snapshot()
+        if any(self.store.published_state(s.id) != s.state for s in snap.shards):
+            return False                                # its last transitions are not told yet
+        return snap.totals.settled or snap.totals.finished
+
     async def read_once(self) -> FleetSnapshot:
         """Connect to every host, replay its record once, return the snapshot (same judge, no
         actions): `status`, `restart`, `logs`."""
@@ -137,7 +182,7 @@ class Supervisor:
         await self.wait_replayed()
         due: dict[str, list[protocol.ShardAction]] = {}
         for s in self.shards.values():
-            if self.links[s.placement.host].host.reachable and s.busy_since is None and not s.alive and \
+            if self.store.hosts[s.placement.host].reachable and s.busy_since is None and not s.alive and \
                     not self.store.moves.untold(s.placement.host) and \
                     self.verdict(s).state not in LIVE | {State.DONE, State.QUEUED}:
                 s.begin(time.time(), busy_mark(s.record))
@@ -178,7 +223,7 @@ class Supervisor:
         due: dict[str, list[protocol.ShardAction]] = {}
         self._tell_catching_up()
         for s in list(self.shards.values()):
-            host = self.links[s.placement.host].host
+            host = self.store.hosts[s.placement.host]
             s.settle(now, busy_mark(s.record), ACTION_TIMEOUT_S)
             v = verdicts[s.id] = self.verdict(s, now)
             if not host.reachable or not host.replayed or s.busy_since is not None or host.catching_up or \
@@ -195,16 +240,20 @@ class Supervisor:
         self.publish(verdicts, now)
 
     def relocate(self, verdicts: dict[int, Verdict], now: float) -> None:
-        """Rows of lost hosts to the live ones, and hosts that are back told of it (fleet/relocate.py
-        decides; `worker.relocate` carries it out). The built-in worker, or a [job] taking its
-        rows, over SSH: any other [job] keeps its fixed shards, and Slurm places its tasks itself."""
+        """Rows of lost and idle hosts to the others, and hosts that are back told of it
+        (fleet/relocate.py decides; `worker.relocate` carries it out). The built-in worker, or a
+        [job] taking its rows, over SSH: any other [job] keeps its fixed shards, and Slurm places
+        its tasks itself."""
+        self._moves_due = False
         job = self.config.spec.job
         if self.sup.host_lost_after is None or (job is not None and not job.takes_rows) or \
                 not self.launcher.moves_rows or not self.store.replayed:
             return
-        if not self.store.moves.moves and all(h.reachable is not False for h in self.store.hosts.values()):
-            return                                      # the common pass: nothing lost, nothing moved
+        if not self.store.moves.moves and all(h.reachable is not False for h in self.store.hosts.values()) and \
+                not any(v.state in GIVEN_UP for v in verdicts.values()):
+            return                                      # the common pass: nothing lost, idle or moved
         due = relocate.orders(self.store.host_facts(verdicts, now, self.sup.host_lost_after), self.store.moves)
+        self._moves_due = bool(due)
         self._moving = {o: t for o, t in self._moving.items() if o in due or t > now}
         for order in due:
             if order in self._moving:
@@ -215,32 +264,62 @@ class Supervisor:
             self.on_log(relocate.order_line(order))
             self._spawn(self._carry_move(order))
 
-    async def _carry_move(self, order: relocate.Order) -> None:
+    def _move_args(self, order: relocate.Order) -> list[str]:
+        """`python -m worker.relocate`'s arguments for an order: where the host's pool keeps its
+        ledger (a [job]'s in the run's folder), its shards, the rows and why they move."""
         link = self.links[order.host]
         job = self.config.spec.job
-        where = ["--out", self.config.run_dir(link.spec), "--num-rows", str(job.rows)] if job is not None \
-            else ["--out", self.config.output_dir(link.spec)]          # where the pool's ledger is
-        args = [order.kind, *where,
+        num_rows = job.rows if job is not None else self.store.num_rows
+        where = self.config.run_dir(link.spec) if job is not None else self.config.output_dir(link.spec)
+        return [order.kind if order.kind != "count" else "pending", "--out", where,
+                *(["--num-rows", str(num_rows)] if num_rows else []),
                 "--run-dir", self.config.run_dir(link.spec), "--num-shards", str(self.store.num_shards),
                 "--pool", ",".join(str(p.shard) for p in self.store.on(order.host)),
                 "--rows", runs_text(order.runs), "--from-host", order.from_host,
-                "--to-host", order.to_host, "--redone", str(order.redone)]
+                "--to-host", order.to_host, "--redone", str(order.redone), "--why", order.why]
+
+    async def _carry_move(self, order: relocate.Order) -> None:
+        link = self.links[order.host]
+        kind = protocol.Unfinished if order.kind == "count" else protocol.Status
         try:
-            reply = await deploy.run_worker_module(link.transport, self.config, link.spec, "relocate", *args,
-                                                   reply=protocol.Status, timeout=60)
-            why = reply.detail if reply.status == "error" else None
+            reply = await deploy.run_worker_module(link.transport, self.config, link.spec, "relocate",
+                                                   *self._move_args(order), reply=kind, timeout=60)
+            why = reply.error if isinstance(reply, protocol.Unfinished) else \
+                reply.detail if reply.status == "error" else None
         except HostError as e:
             why = str(e)
-        if why is None:
+        if why is not None:
+            self.store.moves.withdraw(order)
+            self._moving[order] = time.time() + 10.0        # tried again then
+            self.on_log(f"{order.host}: {order.kind} of rows from {order.from_host} failed: {why}")
+        elif isinstance(reply, protocol.Unfinished):
+            self.store.unfinished[order.host] = tuple((a, b) for a, b in reply.runs)
+            self._moving[order] = time.time() + 5.0
+            n = sum(b - a for a, b in reply.runs)
+            self.on_log(f"{order.host}: {n:,} row(s) not done: " + (runs_text(reply.runs[:8]) or "none"))
+        else:
             self._moving[order] = time.time() + 30.0        # its record is on the way
             if reply.status == "already":                   # ... or was there before: nothing new comes
                 self.store.moves.withdraw(order)
             self.on_log(f"{order.host}: {order.kind}: {reply.status}: {reply.detail}")
-        else:
-            self.store.moves.withdraw(order)
-            self._moving[order] = time.time() + 10.0        # tried again then
-            self.on_log(f"{order.host}: {order.kind} of rows from {order.from_host} failed: {why}")
         self.on_change()
+
+    async def tell_moved(self) -> list[str]:
+        """One-shot (`fleet verify`): every reachable host that has not recorded where its rows
+        went while it was lost or idle is told now (revoke), from the other hosts' records, so its
+        copies are marked and `verify --repair` can remove them. The lines say what was told."""
+        await self.read_once()
+        lines: list[str] = []
+        facts = self.store.host_facts({}, time.time(), None)
+        for order in [o for o in relocate.orders(facts, self.store.moves) if o.kind == "revoke"]:
+            lines.append(relocate.order_line(order))
+            told = self.on_log
+            self.on_log = lines.append
+            try:
+                await self._carry_move(order)
+            finally:
+                self.on_log = told
+        return lines
 
     def publish(self, verdicts: dict[int, Verdict], now: float) -> None:
         """Tell every listener what changed, once; note whether the run has settled."""

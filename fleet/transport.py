@@ -33,6 +33,14 @@ class HostUnusable(HostError):
     not writable, a worker module failed): a preflight refusal, not an unreachable host."""
 
 
+class RunClaimed(HostError):
+    """The host's agent says another supervisor holds the run (worker/claim.py): `holder` is who."""
+
+    def __init__(self, message: str, holder):
+        super().__init__(message)
+        self.holder = holder
+
+
 @dataclass
 class Completed:
     rc: int
@@ -49,6 +57,9 @@ class Stream:
 
     async def close(self) -> None:
         raise NotImplementedError
+
+    def ping(self) -> None:
+        """A line on the process's stdin: a claiming agent (worker/claim.py) hears its supervisor."""
 
 
 class Transport:
@@ -109,6 +120,10 @@ class LocalStream(Stream):
             except asyncio.TimeoutError:
                 self.proc.kill()
 
+    def ping(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.is_closing():
+            self.proc.stdin.write(b"\n")
+
 
 class LocalTransport(Transport):
     async def run(self, argv: list[str], timeout: float | None = 120, input: bytes | None = None) -> Completed:
@@ -152,6 +167,12 @@ class SSHStream(Stream):
         except Exception:
             pass
         self.proc.close()
+
+    def ping(self) -> None:
+        try:
+            self.proc.stdin.write(b"\n")
+        except Exception:                    # a channel closing: its reader says so
+            pass
 
 
 SSH_CONFIG = "~/.ssh/config"

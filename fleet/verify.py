@@ -31,6 +31,7 @@ class VerifyResult:
     shared: dict[str, str] = field(default_factory=dict)      # host -> the host whose folder it shares
     commands: dict[str, str] = field(default_factory=dict)    # host -> the command that trains on its folder
     notes: list[str] = field(default_factory=list)            # what the trainer would miss, not wrong
+    copies: int = 0                # rows with a second copy a trainer would read: another host's, or moved away
     checked_rows: int = 0                                     # rows the reference forward re-computed
     layer_ids: list[int] = field(default_factory=list)
     worst_cosine: list[float] = field(default_factory=list)   # per saved layer, over every host's checks
@@ -106,8 +107,9 @@ def _add_report(result: VerifyResult, owner: dict[int, str], host: str, rep: pro
     """One host's problems, notes, command, repair and counts added to the result, and its indices
     (written or skipped) to `owner`: an index another host holds too is a problem."""
     result.problems += [f"{host}: {p}" for p in rep.problems]
-    if rep.command:
+    if rep.command and (rep.written or rep.skipped):          # a folder of rows that count
         result.commands[host] = rep.command
+    result.copies += rep.moved_copies
     result.notes += [f"{host}: {n}" for n in rep.notes]
     if rep.repaired:
         result.repaired[host] = rep.repaired
@@ -115,6 +117,7 @@ def _add_report(result: VerifyResult, owner: dict[int, str], host: str, rep: pro
     for i in list(expand(rep.written)) + [int(i) for i in rep.skipped]:
         if i in owner:
             result.problems.append(f"sample {i}: present on {owner[i]} and on {host}")
+            result.copies += 1
         owner[i] = host
     result.written += sum(b - a for a, b in rep.written)
     result.skipped.update({int(i): why for i, why in rep.skipped.items()})

@@ -5,6 +5,7 @@ Nothing is mocked: the models are real transformers models with random weights, 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -126,6 +127,74 @@ def pytest_collection_modifyitems(config, items):
              and not hasattr(m, t.split("::")[1])]
     if stale:              # a renamed test would leave the list silently: say so
         raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests that do not exist: {stale}")
+
+
+@pytest.fixture(autouse=True)
+def supervisors(tmp_path_factory, monkeypatch):
+    """Each test's run supervisors (fleet/service.py, started in the background by `fleet up`) keep
+    their sockets, logs and locks in a folder of the test's own ($FLEET_STATE_DIR), and any still
+    running when the test ends is stopped (SIGTERM, then SIGKILL): none outlives its test."""
+    root = tmp_path_factory.mktemp("fleet-state")
+    monkeypatch.setenv("FLEET_STATE_DIR", str(root))
+    yield root
+    stop_supervisors(root)
+
+
+def supervisor_pids(root) -> list[int]:
+    """The pids of the supervisors whose folders are under `root` and that still hold their lock."""
+    pids = []
+    for info in glob.glob(os.path.join(str(root), "*", "supervisor.json")):
+        try:
+            pid = json.load(open(info))["pid"]
+        except (OSError, ValueError, KeyError):
+            continue
+        lock = os.path.join(os.path.dirname(info), "supervisor.lock")
+        if os.path.exists(lock) and _locked(lock):
+            pids.append(int(pid))
+    return pids
+
+
+def _locked(path: str) -> bool:
+    import fcntl
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def stop_supervisors(root) -> None:
+    import signal
+    pids = supervisor_pids(root)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 15
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _alive(p)]
+        time.sleep(0.1)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:                                   # a zombie of ours: reap it
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return True
 
 
 @pytest.fixture(scope="session")

@@ -71,7 +71,7 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_imports_inside_functions_and_under_type_checking():
     edges = graph()
-    assert "fleet.tui.source" in edges["fleet.tui.app"]        # imported inside run_tui
+    assert "fleet.client" in edges["fleet.tui.app"]             # imported inside run_tui
     assert "worker.protocol" in edges["worker.files"] and "fleet.config" in edges["fleet.store"]
 
 

@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 
-from . import protocol, slurm
+from . import claim, protocol, slurm
 from .gpu import GpuReader
 from .hostctl import is_acting, is_running, read_pid
 from .plan import read_plan
@@ -42,6 +42,7 @@ REPLAY_BUCKET_S = 60.0            # older progress: one per minute (the throughp
 SLURM_URGENT_S = 1.0              # squeue interval while a task is completing or its end is unread
 SLURM_END_WINDOW_S = 600.0        # a launch that ended this recently still gets Slurm's final word
 IDLE_EVERY_S = 1.0                # how often a live shard's idle time is sent
+CLAIM_TTL_S = 300.0               # a claiming agent's supervisor silent on stdin this long: gone
 
 
 class ShardFollower:
@@ -366,6 +367,28 @@ class Agent:
             self.flush()
 
 
+def watch_stdin(stop: threading.Event, ttl: float | None) -> None:
+    """Stop the agent when its stdin closes (the channel did), or (`ttl`) once nothing came on it
+    for that long: a supervisor that holds the run writes a line every few seconds, so one that
+    went away behind a channel still open lets go of the run. An agent blocked writing to such a
+    channel is ended here too (os._exit): the claim's lock goes with the process."""
+    import select
+    fd = sys.stdin.fileno()
+    heard = time.monotonic()
+    try:
+        while True:
+            ready, _, _ = select.select([fd], [], [], 1.0)
+            if ready:
+                if not os.read(fd, 4096):
+                    break
+                heard = time.monotonic()
+            elif ttl is not None and time.monotonic() - heard > ttl:
+                os._exit(0)
+    except (OSError, ValueError):
+        pass
+    stop.set()
+
+
 def read_host_id(run_dir: str) -> str | None:
     """The machine's identity file under the host's root (preflight writes it; this only reads)."""
     try:
@@ -413,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slurm", action="store_true",
                     help="the shards are Slurm array tasks: liveness and final states from squeue")
     ap.add_argument("--slurm-interval", type=float, default=5.0, help="seconds between squeue calls")
+    ap.add_argument("--claim", default=None, help="hold the run for this supervisor (a SupervisorClaim's "
+                    "JSON): worker/claim.py")
+    ap.add_argument("--take-over", action="store_true", help="with --claim: end the agent that holds it")
+    ap.add_argument("--claim-ttl", type=float, default=CLAIM_TTL_S,
+                    help="with --claim: exit after this many seconds without a line on stdin")
     args = ap.parse_args(argv)
     agent = None
     try:
@@ -423,16 +451,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.once:
             agent.once()
             return 0
+        if args.claim is not None:
+            held = claim.take(args.run_dir, protocol.SupervisorClaim.from_dict(json.loads(args.claim)),
+                              args.take_over)
+            if isinstance(held, protocol.SupervisorClaim):      # another supervisor's: say whose
+                agent.send(protocol.Claimed(holder=held))
+                agent.flush()
+                return 0
         stop = threading.Event()
-
-        def watch_stdin() -> None:          # the channel closing closes our stdin
-            try:
-                while sys.stdin.buffer.read(4096):
-                    pass
-            except OSError:
-                pass
-            stop.set()
-        threading.Thread(target=watch_stdin, daemon=True).start()
+        ttl = args.claim_ttl if args.claim is not None else None
+        threading.Thread(target=watch_stdin, args=(stop, ttl), daemon=True).start()
         agent.follow(args.interval, args.gpu_interval, stop)
     except (BrokenPipeError, KeyboardInterrupt):
         pass

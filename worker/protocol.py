@@ -510,8 +510,9 @@ class LeaseMoved(Record):
 @event
 @dataclass
 class Relocated(Record):
-    """Rows [start, stop) moved from the host `from_host`, lost for `[supervise] host_lost_after`,
-    to the host `to_host` (fleet/relocate.py, through `hostctl adopt`/`revoke`). Written on the
+    """Rows [start, stop) moved from the host `from_host` — lost for `[supervise] host_lost_after`,
+    or reachable with every shard FATAL or stopped while holding rows (`why` "idle"), or no longer
+    in fleet.toml — to the host `to_host` (fleet/relocate.py, through `worker.relocate`). Written on the
     receiving host into its pool's first shard (`side` "in", when they are adopted) and, once the
     lost host is back, into each of its pool's shards (`side` "out": it holds them no more, and
     the copies it wrote of them are removed by `fleet verify --repair`). `redone`: the rows the
@@ -526,6 +527,7 @@ class Relocated(Record):
     to_host: str = ""
     side: str = "in"
     redone: int = 0
+    why: str = "lost"          # lost (unreachable) | idle (reachable, no GPU of it can go on) | removed
 
 
 @event
@@ -714,6 +716,15 @@ class TaskGpus(Message):
 
 @message
 @dataclass
+class Claimed(Message):
+    """The run is another supervisor's (its agent holds the run's claim on this host): the agent
+    says whose and exits, and the supervisor that asked refuses to run beside it (issue 52)."""
+    KIND: ClassVar[str] = "claimed"
+    holder: Optional["SupervisorClaim"] = None
+
+
+@message
+@dataclass
 class End(Message):
     KIND: ClassVar[str] = "end"
 
@@ -730,6 +741,8 @@ class AgentError(Message):
 # --- actions (supervisor -> `hostctl act`, one JSON object a line on its stdin) -----------------
 
 ACT_LOCK_FILE = "act.lock"   # held by whoever carries out a shard's stop or restart
+CLAIM_LOCK_FILE = "supervisor.lock"   # in the run dir: held by the supervising agent (worker/agent.py)
+CLAIM_FILE = "supervisor.json"        # beside it: who holds it (SupervisorClaim)
 
 
 @dataclass
@@ -932,6 +945,30 @@ class Status(Reply):
 
 
 @dataclass
+class SupervisorClaim(CompactReply):
+    """Who supervises the run: written by its agent into `<run dir>/supervisor.json` while it holds
+    the run's claim (`supervisor.lock`), and handed to an agent of another supervisor as the
+    reason it refuses (`Claimed`)."""
+    id: str = ""                # machine:pid:start of the supervisor
+    run: str = ""
+    machine: str = ""
+    user: str = ""
+    pid: int = 0
+    started: float = 0.0
+    config: str = ""            # its fleet.toml, on its machine
+    socket: str = ""            # its control socket, on its machine
+    agent_pid: Optional[int] = None
+
+
+@dataclass
+class Unfinished(Reply):
+    """`worker.relocate pending`: the rows of a host's pool not yet done (held, free, less every
+    row a manifest there records), which a host whose every GPU has given up gives to the others."""
+    runs: list[list[int]] = field(default_factory=list)
+    error: Optional[str] = None
+
+
+@dataclass
 class GpuStat(CompactReply):
     """One GPU as telemetry read it (worker/gpu.py); None where a reading is not available."""
     index: int = 0
@@ -1101,6 +1138,7 @@ class VerifyReport(Reply):
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     command: Optional[str] = None                # the command that trains on the folder
+    moved_copies: int = 0                        # files here of rows another host holds now (a trainer reads them too)
     checked_rows: int = 0                        # rows re-computed by the reference forward (worker/reference.py)
     layer_ids: list[int] = field(default_factory=list)
     worst_cosine: list[float] = field(default_factory=list)   # per saved layer, over those rows

@@ -96,6 +96,7 @@ def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = F
     report.written = to_runs(r["index"] for r in found.written)
     report.skipped = {str(i): why for i, why in sorted(found.skipped.items())}
     report.unrecorded_files, report.problems = len(unrecorded), found.problems + away_problems(found.away)
+    report.moved_copies = len(found.away)
     from .trainers import trainer_problems, training_command      # issue 22: what trains on it
     more, report.notes = trainer_problems(out, meta)
     report.problems += more

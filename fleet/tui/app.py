@@ -9,7 +9,6 @@ go to the source (the supervisor), never to SSH directly.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Awaitable, Callable
 
@@ -136,18 +135,25 @@ class FleetApp(App[str]):
             await close()
 
 
-async def run_tui(sup) -> str | None:
-    """The live view on a deployed, planned supervisor, in this event loop: follow every host,
-    launch what is not live, draw; returns what to print once it closes."""
-    from .source import SupervisorSource
+async def run_tui(client, connect, snap: FleetSnapshot) -> str | None:
+    """The live view as a client of the run's supervisor (fleet/client.py), in this event loop;
+    returns what to print once it closes. Quitting leaves the supervisor supervising; if it goes
+    away meanwhile, the view closes and says so."""
+    from ..client import RemoteSource
 
-    async def open_source() -> SupervisorSource:
-        await sup.start()
-        source = SupervisorSource(sup)
-        source.launch_task = asyncio.create_task(sup.launch_all())
-        return source
+    app = FleetApp()
+    gone: list[str] = []
 
-    return await FleetApp(open_source=open_source).run_async()
+    def on_gone(why: str) -> None:
+        if not gone:
+            gone.append(why)
+            app.exit(f"fleet: the run's supervisor went away ({why}); the workers keep running. "
+                     f"`fleet up` starts it again, `fleet status` reads the hosts.")
+    app.source = RemoteSource(client, connect, snap, on_gone=on_gone)
+    message = await app.run_async()
+    if message and not gone:
+        message += f"\n  (its supervisor: {snap.supervisor})" if snap.supervisor else ""
+    return message
 
 
 def help_text(app) -> str:

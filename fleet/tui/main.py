@@ -10,7 +10,7 @@ arrive on the app's timer.
 
 from __future__ import annotations
 
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -112,19 +112,27 @@ class MainScreen(Screen):
         self.snap = snap
         if not self.query(ShardTable):
             return                                  # not composed yet: on_mount draws it
-        if snap.totals.replayed:
-            chart = self.query_one(ThroughputChart)
-            if first and not chart.rebuilt:
-                history = getattr(self.app.source, "history", None)
-                if history is not None:
-                    width = max(chart.size.width, 60)
-                    # The past at the resolution the chart will draw it: a run shorter than the
-                    # chart's width in 10 s columns is rebuilt in finer steps (and no longer).
-                    step = min(BUCKET_S, max((snap.totals.elapsed_s or 0.0) / width, 0.25))
-                    chart.fill(history(step, width), "tokens" if snap.totals.tokens is not None else "samples")
+        if snap.totals.replayed and first and not self.query_one(ThroughputChart).rebuilt:
+            self.rebuild_chart(snap)
         self.query_one(ThroughputChart).add(snap)
         self.query_one(GpuTable).observe(snap)
         self.redraw()
+
+    @work(exclusive=True, group="chart")
+    async def rebuild_chart(self, snap: FleetSnapshot) -> None:
+        """The chart's past from the records (the source rebuilds it: a remote supervisor answers
+        over its socket), at the resolution the chart will draw it: a run shorter than the chart's
+        width in 10 s columns is rebuilt in finer steps (and no longer)."""
+        history = getattr(self.app.source, "history", None)
+        chart = self.query_one(ThroughputChart)
+        if history is None or chart.rebuilt:
+            return
+        width = max(chart.size.width, 60)
+        step = min(BUCKET_S, max((snap.totals.elapsed_s or 0.0) / width, 0.25))
+        past = await history(step, width)
+        if not chart.rebuilt:
+            chart.fill(past, "tokens" if snap.totals.tokens is not None else "samples")
+            chart.refresh()
 
     def tell(self, changes, snap: FleetSnapshot) -> None:
         """Transitions published while watching: a toast (and the bell) for what needs a look."""

@@ -295,7 +295,8 @@ def test_an_address_the_resolver_refuses_is_a_one_line_host_error(tmp_path):
                                         f'name = "far"\naddress = "{"x" * 70}.example"')
     open(config, "w").write(text)
     r = fleet("status", "-c", config, timeout=120)
-    assert r.returncode == 3 and "Traceback" not in r.stderr + r.stdout and r.stderr == "", r.stderr
+    assert r.returncode == 3 and "Traceback" not in r.stderr + r.stdout, r.stderr
+    assert r.stderr == "fleet: no supervisor runs for run a here: read from the hosts once\n", r.stderr
     line = next(line for line in r.stdout.splitlines() if line.startswith("host far: unreachable"))
     assert line.endswith(f"the address '{'x' * 70}.example' is not a host name the resolver takes "
                          f"(label empty or too long))"), r.stdout

@@ -67,6 +67,23 @@ def fleet(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess
                           text=True, timeout=timeout, **kw)
 
 
+def stop_supervisor(config: str) -> str:
+    """The run's supervisor stopped (`fleet serve --stop`): the workers run on, unsupervised, as
+    after a `fleet up` killed before supervisors outlived their clients. What it printed."""
+    r = fleet("serve", "--stop", "-c", config, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def supervisor_info(config: str):
+    """The run's supervisor's supervisor.json (fleet/runhome.py), or None when none runs."""
+    from fleet.config import load_config
+    from fleet.runhome import RunHome
+    cfg = load_config(config)
+    home = RunHome(cfg.run.name, cfg.path)
+    return home.info() if home.held() else None
+
+
 def fleet_popen(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fleet.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

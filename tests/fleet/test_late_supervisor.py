@@ -1,8 +1,9 @@
-"""The supervisor's own lateness is never read as the shards' (issue 35): `fleet up --headless`
-stopped (SIGSTOP) for two minutes while its [job] shards run and finish, then continued, and
-stopped again and again for seconds at a time (a starved event loop): no shard is judged STALLED,
-FAILED or UNKNOWN, nothing is restarted or launched twice, the run ends as it really did, and the
-supervisor says it was catching up."""
+"""The supervisor's own lateness is never read as the shards' (issue 35): the run's supervisor (the
+process `fleet up --headless` started: fleet/service.py) stopped (SIGSTOP) for two minutes while its
+[job] shards run and finish, then continued, and stopped again and again for seconds at a time (a
+starved event loop): no shard is judged STALLED, FAILED or UNKNOWN, nothing is restarted or launched
+twice, the run ends as it really did, and the supervisor says it was catching up — to the client
+that waited for it all along."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 import pytest
 
 from tests.conftest import REPO, read_events, wait_for
+from tests.fleet.conftest import supervisor_info
 from tests.fleet.test_records import job_toml
 
 FALSE = ("-> STALLED", "-> FAILED", "-> BACKOFF", "-> UNKNOWN", "-> FATAL", "unreachable", "(auto)")
@@ -40,10 +42,12 @@ def test_a_stopped_or_starved_supervisor_decides_nothing_false(tmp_path, stops):
         wait_for(lambda: all(has(f"shard {k} local:{k}") and any(f"shard {k} " in l and "-> RUNNING" in l
                                                                   for l in lines) for k in range(4)),
                  120, what="every shard RUNNING")
+        supervisor = supervisor_info(config).pid
+        assert supervisor != proc.pid
         for seconds in stops:
-            os.kill(proc.pid, signal.SIGSTOP)
+            os.kill(supervisor, signal.SIGSTOP)
             time.sleep(seconds)
-            os.kill(proc.pid, signal.SIGCONT)
+            os.kill(supervisor, signal.SIGCONT)
             time.sleep(2.0)
         assert proc.wait(300) == 0, "\n".join(lines)
     finally:

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from tests.conftest import run_worker
-from tests.fleet.conftest import fleet, fleet_popen, hosts_toml
+from tests.fleet.conftest import stop_supervisor, fleet, fleet_popen, hosts_toml
 from tests.sshd_server import start_sshd
 
 pytestmark = pytest.mark.ssh
@@ -83,6 +83,7 @@ def test_the_layout_is_fixed_at_the_first_launch_and_followed_by_every_command(
             time.sleep(0.2)
         up.kill()
         up.wait(10)
+        stop_supervisor(config)                                        # every command on its own from here
         assert json.load(open(tmp_path / "root-box1" / "t" / "plan.json"))["num_shards"] == 2
         assert json.load(open(tmp_path / "root-box2" / "t" / "plan.json")) == \
             json.load(open(tmp_path / "root-box1" / "t" / "plan.json"))
@@ -98,11 +99,13 @@ def test_the_layout_is_fixed_at_the_first_launch_and_followed_by_every_command(
         # Growing box1's GPUs while shards are live: refused, with the differences and the way out.
         grown = hosts_toml(tmp_path, {"box1": sshd}, model=dense_model, data=rows, gpus={"box1": [0, 1]})
         r = fleet("up", "--headless", "-c", grown)
-        assert r.returncode == 1 and "gpus of box1: [0] -> [0, 1]; gpus of box2: [0] -> none" in r.stderr
+        assert r.returncode == 1 and "gpus of box1: [0] -> [0, 1]. To run the new plan" in r.stderr, r.stderr
         assert "`fleet down`, then `fleet up --replan`" in r.stderr
         assert argv_value(launches(tmp_path, "box1", "t", 0)[-1], "--num-shards") == "2"   # nothing launched
-        r = fleet("status", "-c", grown)                              # box2's shards would be lost
-        assert r.returncode == 2 and "box2, which fleet.toml no longer lists" in r.stderr
+        r = fleet("status", "--json", "-c", grown)                     # box2 taken out: its shards UNKNOWN
+        st = json.loads(r.stdout)
+        assert r.returncode == 3 and [s["state"] for s in st["shards"]][1] == "UNKNOWN", r.stdout + r.stderr
+        assert "no longer in fleet.toml" in st["shards"][1]["reason"]
     finally:
         if up.poll() is None:
             up.kill()

@@ -20,7 +20,6 @@ from fleet.config import load_config
 from fleet.judge import rates
 from fleet.record import fold
 from fleet.state import State
-from fleet import setup
 from fleet.supervisor import Supervisor
 from tests.conftest import REPO
 from worker import protocol
@@ -83,9 +82,7 @@ async def deployed(config_path: str, logs: list | None = None) -> Supervisor:
     """A supervisor for fleet.toml at `config_path`, its worker deployed and its plan settled."""
     config = load_config(config_path)
     sup = Supervisor(config, on_log=(logs.append if logs is not None else None))
-    results, failures = await setup.deploy_all(sup)
-    assert not failures and not results[0].errors, (failures, results[0].errors)
-    await setup.settle_plan(sup, results)
+    await sup.prepare(say=lambda line: None, step=lambda line: None)
     return sup
 
 

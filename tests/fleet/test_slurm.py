@@ -240,7 +240,7 @@ def test_a_task_queued_behind_a_full_node_is_queued_with_slurms_reason_and_fleet
         assert st["totals"]["expected_per_s"] is None                     # nor expected to produce
         # Slurm not answering is said, and concludes nothing: the tasks are not taken for ended.
         dead = slurm.unreachable_conf(str(tmp_path / "dead.conf"))
-        blind = fleet("status", "--json", "-c", config, env={**os.environ, "SLURM_CONF": dead})
+        blind = fleet("status", "--json", "--from-hosts", "-c", config, env={**os.environ, "SLURM_CONF": dead})
         st = json.loads(blind.stdout)
         assert st["hosts"][0]["error"].startswith("Slurm: squeue failed:"), st["hosts"][0]
         assert [s["state"] for s in st["shards"]] == ["QUEUED", "QUEUED"] and blind.returncode == 0

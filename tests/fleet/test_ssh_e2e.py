@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -14,7 +15,7 @@ import jsonschema
 import pytest
 
 from tests.conftest import wait_for
-from tests.fleet.conftest import fleet, fleet_popen, fleet_toml
+from tests.fleet.conftest import fleet, fleet_popen, fleet_toml, supervisor_info
 from tests.sshd_server import free_port, keygen
 
 pytestmark = pytest.mark.ssh
@@ -92,6 +93,9 @@ def test_up_headless_to_done_then_status_and_verify(tmp_path, sshd, dense_model,
     assert again.returncode == 0
     assert len(launches(tmp_path, 0)) == 1 and len(launches(tmp_path, 1)) == 1
     assert len(glob.glob(os.path.join(str(tmp_path), "remote", "fleet", "t", "code", "*"))) == 1
+    # The run is finished and no client is left: its supervisor goes by itself (the commands below
+    # then read the hosts themselves).
+    wait_for(lambda: supervisor_info(config) is None, 30, what="the finished run's supervisor to go")
     # fleet upgraded here: the host holds the run's worker only under another version's hash (and
     # its python has no fleet of its own, tests/host_python.py). Each command puts this fleet's back.
     [code] = glob.glob(os.path.join(str(tmp_path), "remote", "fleet", "t", "code", "*"))
@@ -135,15 +139,17 @@ def test_sigkilled_worker_fails_restarts_resumes_and_completes(tmp_path, sshd, d
     assert st["shards"][0]["rows_moved_out"] == st["shards"][1]["rows_moved_in"]
 
 
-def test_supervisor_killed_then_up_reattaches_without_starting_twice(tmp_path, sshd, dense_model, token_rows):
+def test_supervisor_sigkilled_mid_run_then_up_starts_one_that_goes_on_without_starting_twice(
+        tmp_path, sshd, dense_model, token_rows):
     config = cfg(tmp_path, sshd, dense_model, token_rows(3000, mean=50))
     first = fleet_popen("up", "--headless", "-c", config)
     out = Output(first)
     try:
         wait_for(lambda: out.has("shard 1", "-> RUNNING") and out.has("shard 0", "-> RUNNING"), 120,
                  what="both shards running")
-        first.send_signal(signal.SIGKILL)
-        first.wait(10)
+        info = supervisor_info(config)
+        os.kill(info.pid, signal.SIGKILL)                 # the run's supervisor, not its client
+        assert first.wait(30) == 1 and "the run's supervisor stopped" in out.text(), out.text()
     finally:
         if first.poll() is None:
             first.kill()
@@ -151,14 +157,15 @@ def test_supervisor_killed_then_up_reattaches_without_starting_twice(tmp_path, s
             for k in (0, 1)]
     for pid in pids:
         os.kill(pid, 0)                                   # the workers outlived their supervisor
-    st = fleet("status", "--json", "-c", config)
-    assert st.returncode == 0
+    st = fleet("status", "--json", "-c", config)         # no supervisor: read from the hosts, saying so
+    assert st.returncode == 0 and "no supervisor runs for run t here" in st.stderr, st.stderr
     assert {s["state"] for s in json.loads(st.stdout)["shards"]} <= {"RUNNING", "LOADING", "DONE"}
     again = fleet("up", "--headless", "-c", config)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "launch (manual): started" not in again.stderr
+    assert "starting the run's supervisor" in again.stderr and "launch (manual): started" not in again.stderr
     for k in (0, 1):
         assert len(launches(tmp_path, k)) == 1
+    assert not re.search(r"-> (STALLED|FAILED|BACKOFF|FATAL|UNKNOWN)", again.stdout), again.stdout
     assert sorted(manifest(tmp_path)) == list(range(3000))
 
 
@@ -170,9 +177,10 @@ def test_restart_logs_and_down_commands(tmp_path, sshd, dense_model, token_rows)
     out = Output(proc)
     try:
         wait_for(lambda: out.has("shard 0", "-> RUNNING"), 120, what="shard 0 running")
-        proc.send_signal(signal.SIGKILL)                  # leave the workers running, unsupervised
+        proc.send_signal(signal.SIGKILL)                  # the client goes; its supervisor stays
         proc.wait(10)
-        logs = fleet("logs", "box:0", "-c", config)
+        assert supervisor_info(config) is not None
+        logs = fleet("logs", "box:0", "-c", config)       # each command a client of that supervisor
         assert logs.returncode == 0 and "[shard 0]" in logs.stdout
         rs = fleet("restart", "0", "-c", config)
         assert rs.returncode == 0 and "shard 0: started" in rs.stdout, rs.stdout + rs.stderr

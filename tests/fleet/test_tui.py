@@ -18,7 +18,6 @@ import pytest
 
 from fleet.config import load_config
 from fleet.state import State
-from fleet import setup
 from fleet.supervisor import Supervisor
 from tests.fleet.tui_wait import until
 from fleet.tui.app import QUIT_MESSAGE, FleetApp
@@ -28,7 +27,7 @@ from fleet.tui.panes.log import LogView
 from fleet.tui.panes.shards import COLUMN_KEYS, ShardTable
 from fleet.tui.panes.throughput import ThroughputChart
 from fleet.tui.panes.topbar import TopBar
-from fleet.tui.source import SupervisorSource
+from fleet.source import SupervisorSource
 from tests.conftest import REPO
 
 
@@ -124,9 +123,7 @@ def supervised_app(sup: Supervisor) -> FleetApp:
 async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp_path, dense_model, long_data):
     config = load_config(local_toml(tmp_path, dense_model, long_data))
     sup = Supervisor(config)
-    results, failures = await setup.deploy_all(sup)
-    assert not failures and not results[0].errors
-    await setup.settle_plan(sup, results)
+    await sup.prepare(say=lambda line: None, step=lambda line: None)
 
     app = Watched(open_source=opener(sup), interval=0.2)
     try:
@@ -253,7 +250,8 @@ class Tmux:
 def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
     config = local_toml(tmp_path, dense_model, long_data)
     tmux = Tmux("fleet-smoke")
-    tmux.start(f"sleep 1; cd {REPO} && {sys.executable} -m fleet.cli up -c {config}; sleep 60", 80, 24)
+    tmux.start(f"sleep 1; cd {REPO} && {sys.executable} -m fleet.cli up -c {config}; echo QUIT-ONE; "
+               f"{sys.executable} -m fleet.cli up -c {config}; sleep 60", 80, 24)
     screen = tmux.screen
 
     def wait_screen(pred, what, timeout=180):
@@ -279,7 +277,15 @@ def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
         tmux("send-keys", "-t", tmux.session, "y", check=True)
         wait_screen(lambda t: "✖ FATAL" not in t and t.count("▶ RUNNING") >= 2, "shard 0 running again")
         tmux("send-keys", "-t", tmux.session, "C-c", check=True)     # quits like q
-        wait_screen(lambda t: "the workers keep running" in t, "quit message")
+        # The view was a client: its supervisor goes on, and a `fleet up` joins it at once, with
+        # no deploy and no preflight, and finds shard 0 as the restart left it.
+        wait_screen(lambda t: "QUIT-ONE" in t, "the first view closed")
+        wait_screen(lambda t: t.count("▶ RUNNING") >= 2 and "local:1" in t and "QUIT-ONE" not in t, "the view again")
+        tmux("send-keys", "-t", tmux.session, "q", check=True)
+        wait_screen(lambda t: t.count("its supervisor: pid") == 2, "the second quit message")
+        said = tmux("capture-pane", "-p", "-S", "-400", "-t", tmux.session, capture_output=True,
+                    text=True).stdout.split("QUIT-ONE")[1]
+        assert "joining the run's supervisor (pid" in said and "deploying" not in said and "preflight" not in said, said
         events = [json.loads(l) for l in open(tmp_path / "fleet" / "tui" / "shards" / "0" / "events.jsonl")]
         assert [e["by"] for e in events if e["event"] == "launch"] == ["manual", "manual"]
     finally:

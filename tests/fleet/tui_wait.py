@@ -18,8 +18,15 @@ async def until(pilot, predicate, timeout: float = 120, what: str = "condition")
 
 
 async def drawn(pilot, app, timeout: float = 60) -> None:
-    """The main screen has drawn a snapshot (its first, at mount) and is idle."""
+    """The main screen has drawn a snapshot (its first, at mount), the chart's past is in (a worker
+    asks the source for it) where the run's hosts are read, and it is idle."""
+    from fleet.tui.panes.throughput import ThroughputChart
     await until(pilot, lambda: app.screen_stack and app.snap is not None, timeout, "the first snapshot drawn")
+
+    def charted() -> bool:
+        charts = app.main.query(ThroughputChart)
+        return not app.snap.totals.replayed or not charts or charts.first().rebuilt
+    await until(pilot, charted, timeout, "the chart's past rebuilt")
     await pilot.pause()
 
 

@@ -88,7 +88,9 @@ class ThroughputChart(Widget):
     def fill(self, history: list[tuple[float, float, float]], unit: str) -> None:
         """The past, rebuilt from the records: (time, tokens/s, samples/s)."""
         self.rebuilt = True
-        self.points.extendleft(reversed([(t, tok if unit == "tokens" else smp) for t, tok, smp in history]))
+        first = self.points[0][0] if self.points else float("inf")    # (readings added meanwhile)
+        self.points.extendleft(reversed([(t, tok if unit == "tokens" else smp) for t, tok, smp in history
+                                         if t <= first]))
         self._lines = None
 
     def add(self, snap: FleetSnapshot) -> None:

@@ -1,8 +1,10 @@
-"""What the TUI reads and asks for, behind one small interface (Harlequin's adapter idea).
+"""What the live view reads and asks for, behind one small interface (Harlequin's adapter idea).
 
-`SupervisorSource` drives a live Supervisor; anything else with the same methods (the benchmark's
-synthetic 512-shard fleet, a fixed snapshot for visual tests) can feed the same screen. The TUI
-never talks SSH itself and never builds a path or a command: the source does.
+`SupervisorSource` drives a Supervisor in this process (the run's supervisor serves its clients
+through one: fleet/service.py); `fleet.client.RemoteSource` is the same interface over the
+supervisor's control socket, which is what `fleet up` opens the view on; the benchmark's synthetic
+512-shard fleet and the visual tests' fixed snapshots feed the same screen. The view never talks
+SSH itself and never builds a path or a command: the source does.
 """
 
 from __future__ import annotations
@@ -11,18 +13,20 @@ import time
 from collections import deque
 from typing import AsyncIterator, Callable, Protocol
 
-from ..actions import describe
-from ..judge import throughput_history
-from ..schema import FleetSnapshot
-from ..store import Transition
-from ..supervisor import Supervisor
-from ..transport import HostError
+from .actions import describe
+from .judge import throughput_history
+from .schema import FleetSnapshot
+from .store import Transition
+from .supervisor import Supervisor
+from .transport import HostError
 
 
 class FleetSource(Protocol):
+    messages: deque                       # the supervisor's newest log lines (the log pane's title)
+
     def snapshot(self) -> FleetSnapshot: ...
 
-    def history(self, step: float, points: int) -> list[tuple[float, float, float]]:
+    async def history(self, step: float, points: int) -> list[tuple[float, float, float]]:
         """(time, tokens/s, samples/s) per interval up to now, rebuilt from the records."""
 
     def refusal(self, shard_id: int, kind: str) -> str | None:
@@ -41,11 +45,16 @@ class FleetSource(Protocol):
 
 
 class SupervisorSource:
-    def __init__(self, sup: Supervisor):
+    def __init__(self, sup: Supervisor, on_log: Callable[[str], None] | None = None):
         self.sup = sup
         self.launch_task = None
         self.messages: deque[str] = deque(maxlen=50)   # the supervisor's log lines, for the screen
-        sup.on_log = self.messages.append
+        more = on_log or (lambda line: None)
+
+        def told(line: str) -> None:
+            self.messages.append(line)
+            more(line)
+        sup.on_log = told
 
     async def close(self) -> None:
         """Stop following; the workers keep running."""
@@ -57,10 +66,13 @@ class SupervisorSource:
     def subscribe(self, listener: Callable[[list[Transition]], None]) -> None:
         self.sup.subscribe(listener)
 
-    def history(self, step: float, points: int) -> list[tuple[float, float, float]]:
+    def history_now(self, step: float, points: int) -> list[tuple[float, float, float]]:
         offsets = {name: host.clock_offset for name, host in self.sup.store.hosts.items()}
         records = [(s.record, offsets[s.placement.host]) for s in self.sup.shards.values()]
         return throughput_history(records, time.time(), step, points)
+
+    async def history(self, step: float, points: int) -> list[tuple[float, float, float]]:
+        return self.history_now(step, points)
 
     def refusal(self, shard_id: int, kind: str) -> str | None:
         """The one rule for what may be done to a shard (the same as `fleet restart`'s)."""
