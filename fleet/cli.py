@@ -145,6 +145,20 @@ async def reach(config: Config, who: str, options: list[str], restart: str | Non
     return client, welcome, True
 
 
+def tell(msg) -> None:
+    """What a client prints of what the supervisor pushes: setup's lines, its new log lines, the
+    transitions' lines; a refusal ends the command with its exit code."""
+    if isinstance(msg, control.Say):
+        click.echo(msg.text, err=msg.err)
+    elif isinstance(msg, control.Note) and not msg.past:
+        click.echo(f"  {msg.text}", err=True)
+    elif isinstance(msg, control.Changes):
+        for line in msg.lines:
+            click.echo(line)
+    elif isinstance(msg, control.Failed):
+        fail(msg.message, msg.code)
+
+
 async def follow_setup(client: Client) -> control.Snap:
     """Print what the supervisor's setup says (the deploy's steps, the preflight table) until it
     supervises; exits with setup's refusal."""
@@ -154,16 +168,8 @@ async def follow_setup(client: Client) -> control.Snap:
             msg = await client.next_push()
         except SupervisorGone as e:
             fail(f"the run's supervisor stopped during its setup ({e}); see its log", EXIT_FAULT)
-        if isinstance(msg, control.Say):
-            click.echo(msg.text, err=msg.err)
-        elif isinstance(msg, control.Note) and not msg.past:
-            click.echo(f"  {msg.text}", err=True)
-        elif isinstance(msg, control.Changes):
-            for line in msg.lines:
-                click.echo(line)
-        elif isinstance(msg, control.Failed):
-            fail(msg.message, msg.code)
-        elif isinstance(msg, control.Snap) and msg.phase == "supervising":
+        tell(msg)
+        if isinstance(msg, control.Snap) and msg.phase == "supervising":
             return msg
 
 
@@ -241,15 +247,9 @@ async def supervise_headless(client: Client, since: float, home: RunHome | None)
     try:
         while latest is None or not (latest.ended and latest.snapshot.time >= since):
             msg = await client.next_push()
-            if isinstance(msg, control.Note) and not msg.past:
-                click.echo(f"  {msg.text}", err=True)
-            elif isinstance(msg, control.Changes):
-                for line in msg.lines:
-                    click.echo(line)
-            elif isinstance(msg, control.Snap):
+            tell(msg)
+            if isinstance(msg, control.Snap):
                 latest = msg
-            elif isinstance(msg, control.Failed):
-                fail(msg.message, msg.code)
     except SupervisorGone as e:
         fail(f"the run's supervisor stopped ({e}); the workers keep running (fleet status)", EXIT_FAULT)
     await client.close()

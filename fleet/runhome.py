@@ -158,14 +158,19 @@ class RunHome:
 
     def held(self) -> bool:
         """Whether a live supervisor holds the lock now."""
-        try:
-            fd = os.open(self.lock, os.O_RDWR)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
+        return lock_held(self.lock)
+
+
+def lock_held(path: str) -> bool:
+    """Whether a live process holds the flock on `path` (a supervisor's lock) now."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
         return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

@@ -414,10 +414,11 @@ class Service:
             peer.send(control.Reply(id=req.id, error=host.error or f"{host.name}: unreachable", code=EXIT_UNREACHABLE))
             return
         try:
-            async for line in sup.log_lines(k, req.last, req.follow):
-                peer.send(control.LogLine(id=req.id, text=line))
-                if peer.closed:
-                    return
+            async with contextlib.aclosing(sup.log_lines(k, req.last, req.follow)) as lines:
+                async for line in lines:                  # (closed at once when the client goes)
+                    peer.send(control.LogLine(id=req.id, text=line))
+                    if peer.closed:
+                        return
         except HostError as e:
             peer.send(control.Reply(id=req.id, error=str(e), code=EXIT_UNREACHABLE))
             return

@@ -142,28 +142,16 @@ def supervisors(tmp_path_factory, monkeypatch):
 
 def supervisor_pids(root) -> list[int]:
     """The pids of the supervisors whose folders are under `root` and that still hold their lock."""
+    from fleet.runhome import lock_held
     pids = []
     for info in glob.glob(os.path.join(str(root), "*", "supervisor.json")):
         try:
             pid = json.load(open(info))["pid"]
         except (OSError, ValueError, KeyError):
             continue
-        lock = os.path.join(os.path.dirname(info), "supervisor.lock")
-        if os.path.exists(lock) and _locked(lock):
+        if lock_held(os.path.join(os.path.dirname(info), "supervisor.lock")):
             pids.append(int(pid))
     return pids
-
-
-def _locked(path: str) -> bool:
-    import fcntl
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def stop_supervisors(root) -> None:

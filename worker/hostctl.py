@@ -226,10 +226,10 @@ def _run_rows(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, la
         elif isinstance(ev, protocol.LeaseMoved):
             _log_marker(p["log"], f"launch {launch_n}: gave rows {ev.start:,}–{ev.stop:,} to shard {ev.to_shard}")
 
-    def run_chunk(chunk_argv: list[str], a: int, b: int, translate) -> ranged.Chunk:
+    def run_chunk(chunk_argv: list[str], a: int, b: int, translate, alive_fd: int) -> ranged.Chunk:
         _log_marker(p["log"], f"launch {launch_n}: rows {a:,}–{b:,}")
         offset = log_size(p["log"])
-        child = _start(chunk_argv, p["log"], lock_fd, cwd)
+        child = _start(chunk_argv, p["log"], lock_fd, cwd, alive_fd)
         if isinstance(child, OSError):
             append(protocol.Failed(launch=launch_n, reason=f"cannot start {chunk_argv[0]}: {child.strerror}",
                                    exit_code=127))
@@ -276,14 +276,17 @@ def _forward_stops(stopping: list[int], children: list[subprocess.Popen]) -> Non
         signal.signal(s, forward)
 
 
-def _start(argv: list[str], log_path: str, lock_fd: int, cwd: str | None) -> subprocess.Popen | OSError:
+def _start(argv: list[str], log_path: str, lock_fd: int, cwd: str | None,
+           alive_fd: int | None = None) -> subprocess.Popen | OSError:
     """The shard's process in a session (and process group) of its own, its output appended to the
-    log, holding the shard's lock; a command that cannot start is returned as its OSError (the
-    launch fails with it) while a log that cannot be opened raises."""
+    log, holding the shard's lock (and, for a [job] taking its rows, its pool member's alive lock);
+    a command that cannot start is returned as its OSError (the launch fails with it) while a log
+    that cannot be opened raises."""
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                pass_fds=(lock_fd,), cwd=cwd, start_new_session=True)
+                                pass_fds=(lock_fd,) if alive_fd is None else (lock_fd, alive_fd), cwd=cwd,
+                                start_new_session=True)
     except OSError as e:
         return e
     finally:

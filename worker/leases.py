@@ -467,6 +467,13 @@ class Pool:
         """The ledger under its lock (made from the planned ranges on first use), saved after."""
         return open_ledger(self.path, self.ranges)
 
+    @property
+    def alive_fd(self) -> int:
+        """The alive lock's descriptor: a process this member starts to do its rows (a [job]'s
+        chunk) inherits it, so the shard counts as alive — and its lease is nobody else's — until
+        every process of it is gone, even where the member itself was killed first."""
+        return self._alive.fileno()
+
     def alive(self, slot: int) -> bool:
         return slot == self.slot or slot_alive(self.work, slot)
 

@@ -46,9 +46,11 @@ def run_rows(share: protocol.RowShare, shard_dir: str, launch: int, argv: list[s
              run_chunk: Callable[..., Chunk],
              append: Callable[[protocol.Record], None], stopping: Callable[[], bool],
              needs_done_line: bool, started: dict | None = None) -> int:
-    """The launch's exit code. `run_chunk(argv, start, stop, translate)` runs the command once over
-    rows [start, stop) and reports how it ended; `translate` turns each record its log gives into
-    the shard's (None: dropped). `started`: more fields for `started` (a Slurm task's node)."""
+    """The launch's exit code. `run_chunk(argv, start, stop, translate, alive_fd)` runs the command
+    once over rows [start, stop) and reports how it ended; `translate` turns each record its log
+    gives into the shard's (None: dropped); the command inherits `alive_fd` (the pool member's
+    alive lock: no other shard takes its rows while it runs, even with this runner killed).
+    `started`: more fields for `started` (a Slurm task's node)."""
     slot = int(os.path.basename(os.path.normpath(shard_dir)))
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(shard_dir)))
     ranges = {k: shard_range(share.num_rows, share.num_shards, k) for k in sorted({slot, *(share.pool or [])})}
@@ -109,7 +111,7 @@ def _hold(pool: Pool, lease: Lease, move: Move | None, share: protocol.RowShare,
             if isinstance(ev, protocol.Progress):
                 return protocol.Progress(t=ev.t, launch=launch, done=base + min(ev.done, b - a), total=total)
             return ev
-        chunk = run_chunk(fill(argv, a, b), a, b, translate)
+        chunk = run_chunk(fill(argv, a, b), a, b, translate, pool.alive_fd)
         if chunk.code != 0:
             return chunk.code
         if chunk.fail_line:

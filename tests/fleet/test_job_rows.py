@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import time
 
@@ -150,6 +151,39 @@ async def test_restart_of_a_fatal_slot_relaunches_it_into_the_pool(tmp_path):
     log = (tmp_path / "fleet" / "rows" / "shards" / "2" / "log").read_text()     # and its log says so
     assert f"leased rows {leases[-1].start:,}–{leases[-1].stop:,} (stolen from shard {leases[-1].from_shard})" in log
     assert {i for i, s, _ in rows if s == 2} <= {i for e in leases for i in range(e.start, e.stop)}
+
+
+async def test_a_killed_runner_whose_chunk_runs_on_keeps_its_rows_until_every_process_of_it_is_gone(tmp_path):
+    """Slot 0's runner SIGKILLed while its command runs a chunk (issue 53): the chunk runs on,
+    holding the slot's alive lock it inherited, so slot 1, out of rows, takes none of slot 0's
+    until that process has ended — rows may be done again after it, never by two at once — and
+    the run finishes with every row."""
+    sup = await started(rows_toml(tmp_path, 24, "--sleep 0.05 --slow 0=20", gpus=(0, 1), min_chunk=4))
+    try:
+        folder = tmp_path / "fleet" / "rows" / "shards" / "0"
+        await until(lambda: any(s == 0 for _, s, _ in written(tmp_path)), 120, what="slot 0's first row")
+        chunk = int((folder / "pid").read_text())
+        os.kill(int((folder / "runner.pid").read_text()), signal.SIGKILL)
+        await until(lambda: not os.path.exists(f"/proc/{chunk}") or
+                    open(f"/proc/{chunk}/stat").read().split(")")[1].split()[0] == "Z", 60,
+                    what="the orphaned chunk to end")
+        ended = time.time()
+        await until(lambda: sup.snapshot().totals.finished, 180, what="the run finished")
+    finally:
+        await sup.stop_all()
+        await sup.close()
+    rows = written(tmp_path)
+    orphan = [(i, t) for i, s, t in rows if s == 0 and t <= ended]
+    assert orphan and sorted({i for i, _, _ in rows}) == list(range(24))
+    lease = range(*shard_range_of(tmp_path, 0))
+    by_one = [(i, t) for i, s, t in rows if s == 1 and i in lease]
+    assert all(t >= min(t0 for _, t0 in orphan) and t > max(t0 for _, t0 in orphan) for _, t in by_one), \
+        (orphan, by_one)                                     # slot 1 only after the orphan's last row
+
+
+def shard_range_of(tmp_path, k: int) -> tuple[int, int]:
+    started_ev = next(e for e in events(tmp_path, k) if isinstance(e, protocol.Started))
+    return started_ev.start, started_ev.stop
 
 
 def test_a_lost_hosts_rows_are_finished_by_the_other_host_and_it_stops_them_once_back(tmp_path):
