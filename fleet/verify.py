@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from worker import protocol
 from worker.ranges import expand, shard_of, to_runs
+from worker.text import runs_text
 
 from . import deploy
 from .config import Config
@@ -50,9 +51,11 @@ def merge_reports(reports: dict[str, protocol.VerifyReport]) -> VerifyResult:
     every host must agree on, every index held by one host only, and the runs no host holds."""
     result = VerifyResult()
     owner: dict[int, str] = {}                     # index -> the host that holds it
-    for host, rep in _distinct_folders(reports, result.shared):
+    distinct = _distinct_folders(reports, result.shared)
+    for host, rep in distinct:
         _check_agreement(result, host, rep)
         _add_report(result, owner, host, rep)
+    _add_moved(result, owner, distinct)
     if result.num_samples is None:
         there = result.written + len(result.skipped) + result.unrecorded_files
         result.problems.append(
@@ -109,7 +112,6 @@ def _add_report(result: VerifyResult, owner: dict[int, str], host: str, rep: pro
     result.problems += [f"{host}: {p}" for p in rep.problems]
     if rep.command and (rep.written or rep.skipped):          # a folder of rows that count
         result.commands[host] = rep.command
-    result.copies += rep.moved_copies
     result.notes += [f"{host}: {n}" for n in rep.notes]
     if rep.repaired:
         result.repaired[host] = rep.repaired
@@ -128,23 +130,93 @@ def _add_report(result: VerifyResult, owner: dict[int, str], host: str, rep: pro
             if result.worst_cosine else list(rep.worst_cosine)
 
 
+@dataclass
+class MovedCopies:
+    """What fleet verify makes of the copies that hosts' ledgers say moved to another host
+    (`moved_copies`), per host: `extra` (another host holds the row whole, so this copy is a second
+    one: --repair removes it), `counted` (nobody else holds it whole and this is the copy that
+    counts), `restore` (the ledger gave the row to a host that never took it — one the run does not
+    have, or this one — so --repair lifts that line and the row is this host's again)."""
+    extra: dict[str, set[int]] = field(default_factory=dict)
+    counted: dict[str, set[int]] = field(default_factory=dict)
+    restore: dict[str, set[int]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def moved_copies(reports: dict[str, protocol.VerifyReport]) -> MovedCopies:
+    """The one rule for copies of moved rows: a claim that a row lives elsewhere is checked where it
+    is said to live, and a copy is removed only where another is whole; of several copies nobody
+    else holds, one counts (the first whole one, by host name)."""
+    held = {h: set(expand(r.written)) - set(expand(r.broken)) for h, r in reports.items()}
+    away = {h: {i: to for to, runs in r.away.items() for i in expand(runs)} for h, r in reports.items()}
+    whole_away = {h: {i for i in rows if i not in set(expand(reports[h].broken))} for h, rows in away.items()}
+    out = MovedCopies({h: set() for h in reports}, {h: set() for h in reports}, {h: set() for h in reports})
+    owner: dict[int, str] = {}
+    for h in sorted(reports):
+        for i in sorted(whole_away[h]):
+            if not any(i in rows for rows in held.values()):
+                owner.setdefault(i, h)                  # the first whole copy nobody else holds counts
+    for h in sorted(reports):
+        out.extra[h] |= {i for i in expand(reports[h].strays)            # unrecorded files of moved rows
+                         if any(i in rows for other, rows in held.items() if other != h)}
+        for i, to in sorted(away[h].items()):
+            if any(i in rows for rows in held.values()) or owner.get(i, h) != h:
+                out.extra[h].add(i)
+            elif i in whole_away[h]:
+                out.counted[h].add(i)
+            if (to not in reports or to == h) and not any(i in rows for rows in held.values()):
+                out.restore[h].add(i)
+        for to in sorted({to for i, to in away[h].items() if i in out.counted[h] | out.restore[h]}):
+            rows = sorted(i for i, t in away[h].items() if t == to and i in out.counted[h] | out.restore[h])
+            why = "this host itself" if to == h else f"{to}, which holds none of them whole" if to in reports else \
+                f"{to}, which is not a host of the run (or could not be read)"
+            keeps = "this copy counts" if set(rows) & out.counted[h] else "no copy is whole"
+            out.problems.append(f"{h}: {len(rows)} sample(s) here ({runs_text(to_runs(rows))}) are marked moved to "
+                                f"{why}: {keeps}; --repair keeps it" + (" and lifts that ledger line"
+                                                                        if set(rows) & out.restore[h] else ""))
+    return out
+
+
+def _add_moved(result: VerifyResult, owner: dict[int, str], reports: list[tuple[str, protocol.VerifyReport]]) -> None:
+    """The copies of moved rows counted as `moved_copies` says: a second copy (a trainer would read
+    it too: `copies`), or the row's own."""
+    moved = moved_copies(dict(reports))
+    result.problems += moved.problems
+    for host, rows in moved.extra.items():
+        result.copies += len(rows)
+    for host, rows in moved.counted.items():
+        for i in rows:
+            owner[i] = host
+            result.written += 1
+
+
 async def verify_fleet(config: Config, transports: dict[str, Transport], deep: bool = True,
                        repair: bool = False) -> tuple[VerifyResult, dict[str, str]]:
     """Run the per-host check everywhere in parallel; (merged result, unreachable hosts)."""
     if config.spec.job is not None:
         raise HostError("verify checks the built-in worker's output; this run uses a custom [job]")
 
-    async def one(host, *where: str, repair: bool = repair):
+    async def one(host, *where: str, repair: bool = repair, confirmed: set | None = None, restore: set | None = None):
         t = transports[host.name]
         await t.connect()
         await deploy.upload_worker(t, config, host)      # a newer fleet's checks, not the old ones
-        args = list(where) + ([] if deep else ["--shallow"]) + (["--repair"] if repair else [])
+        args = list(where) + ([] if deep else ["--shallow"]) + (["--repair"] if repair else []) + \
+            (["--confirmed", runs_text(to_runs(confirmed))] if repair and confirmed else []) + \
+            (["--restore", runs_text(to_runs(restore))] if repair and restore else [])
         return await deploy.run_worker_module(t, config, host, "verify", *args, reply=protocol.VerifyReport,
                                               timeout=None, env=config.run.env)
 
     async def each(hosts, where, repair: bool = repair):
-        """host name -> its report, and host name -> why it could not be asked."""
-        results = await asyncio.gather(*(one(h, *where(h), repair=repair) for h in hosts), return_exceptions=True)
+        """host name -> its report, and host name -> why it could not be asked. A repair first
+        checks every host as it is, so that what moved is removed only where the other host is
+        found to hold it whole (`confirmed_moves`)."""
+        moved = MovedCopies()
+        if repair:
+            checked, _ = await each(hosts, where, repair=False)
+            moved = moved_copies(checked)
+        results = await asyncio.gather(*(one(h, *where(h), repair=repair, confirmed=moved.extra.get(h.name),
+                                             restore=moved.restore.get(h.name)) for h in hosts),
+                                       return_exceptions=True)
         reports, failures = {}, {}
         for host, r in zip(hosts, results):
             if isinstance(r, HostError):

@@ -1118,6 +1118,7 @@ class Repair(Reply):
     removed_files: int = 0
     retried_skips: list[int] = field(default_factory=list)
     moved_away: list[int] = field(default_factory=list)   # copies of rows another host holds now
+    restored: list[int] = field(default_factory=list)     # rows given to a host that never took them: back
     reshipped: list[int] = field(default_factory=list)    # whole here, wrong or missing at the destination:
                                                           # the next launch ships them again
 
@@ -1138,7 +1139,9 @@ class VerifyReport(Reply):
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     command: Optional[str] = None                # the command that trains on the folder
-    moved_copies: int = 0                        # files here of rows another host holds now (a trainer reads them too)
+    away: dict[str, list[list[int]]] = field(default_factory=dict)   # host -> runs here its ledger says moved there
+    broken: list[list[int]] = field(default_factory=list)            # runs of rows whose file here is wrong
+    strays: list[list[int]] = field(default_factory=list)            # files no manifest records, of moved rows
     checked_rows: int = 0                        # rows re-computed by the reference forward (worker/reference.py)
     layer_ids: list[int] = field(default_factory=list)
     worst_cosine: list[float] = field(default_factory=list)   # per saved layer, over those rows

@@ -22,7 +22,7 @@ from .formats import FORMATS, FormatError, Layout
 from .layers import LayerPlan
 from .leases import gone_to, ledger_files, moved_away
 from .ranges import to_runs
-from .text import ranges_text
+from .text import parse_runs_text, ranges_text
 
 
 def layout_of(meta: dict) -> Layout:
@@ -74,29 +74,39 @@ def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) 
     return check_folder(out, deep, threads, repair).to_dict()
 
 
-def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = False) -> protocol.VerifyReport:
+def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = False,
+                 confirmed: set[int] = frozenset(), restore: set[int] = frozenset()) -> protocol.VerifyReport:
     """The folder's report; with `repair`, manifest entries whose files are missing or broken are
-    dropped (and the broken files removed), so the next launch of their shard redoes exactly those."""
+    dropped (and the broken files removed), so the next launch of their shard redoes exactly those,
+    and the copies here of rows this host's ledger says moved to another host are removed where
+    `confirmed` says another host holds them whole (fleet verify checked it there): never the only
+    copy of a row on the word of a ledger line alone. `restore`: rows the ledger says moved to a
+    host that never took them (one the run does not have, or this one): that line is lifted, and
+    the rows are this host's again (done where their copy here is whole, else redone)."""
     meta = _read_meta(out)
     layout = layout_of(meta)
     found = _read_manifests(out, meta.get("num_samples"))
-    if deep and found.written:
-        found.broken = _check_files(layout, out, found.written, meta.get("hidden_size"), threads)
+    if deep and (found.written or found.away_recs):     # (a copy of a row that moved: whole, or not?)
+        found.broken = _check_files(layout, out, found.written + [r for r in found.away_recs.values()
+                                                                   if "skipped" not in r],
+                                    meta.get("hidden_size"), threads)
     _odd_states(found, layout)
     found.problems += found.broken.values()
     report = protocol.VerifyReport(num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
                                    checked=len(found.written), folder_id=meta.get("folder_id"))
+    report.broken = to_runs(found.broken)
     if repair:
-        report.repaired = _repair(out, layout, found)
+        report.repaired = _repair(out, layout, found, confirmed, restore)
     unrecorded = set(layout.scan(out)) - {r["index"] for r in found.written}
-    if repair and (stray := _moved_strays(out, layout, unrecorded, found)):
+    if repair and (stray := _moved_strays(out, layout, unrecorded, found, confirmed)):
         report.repaired = report.repaired or protocol.Repair()
         report.repaired.removed_files += len(stray)
         unrecorded -= stray
+    report.strays = to_runs(i for i in unrecorded if _gone(found, i))
     report.written = to_runs(r["index"] for r in found.written)
     report.skipped = {str(i): why for i, why in sorted(found.skipped.items())}
     report.unrecorded_files, report.problems = len(unrecorded), found.problems + away_problems(found.away)
-    report.moved_copies = len(found.away)
+    report.away = away_runs(found.away)
     from .trainers import trainer_problems, training_command      # issue 22: what trains on it
     more, report.notes = trainer_problems(out, meta)
     report.problems += more
@@ -135,7 +145,8 @@ def manifest_records_in(folder: str):
 
 
 def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | None = None,
-                      repair: bool = False) -> protocol.VerifyReport:
+                      repair: bool = False, confirmed: set[int] = frozenset(),
+                      restore: set[int] = frozenset()) -> protocol.VerifyReport:
     """The run's destination ([run] destination) checked from here. Alone: the whole run there —
     a path as an output folder, every file opened; a store (s3://, sftp://) by its manifests, meta
     and ledgers read back, and its listing: every recorded file there with the size and (deep) the
@@ -171,10 +182,12 @@ def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | 
         _odd_states(found, layout)
         report = protocol.VerifyReport(num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
                                        checked=len(found.written), folder_id=url)
+        report.broken = to_runs(found.broken)
         if out is not None and repair:
-            report.repaired = _repair_at(dest, out, layout, found)
+            report.repaired = _repair_at(dest, out, layout, found, confirmed, restore)
         found.problems += found.broken.values()
         found.problems += away_problems(found.away)
+        report.away = away_runs(found.away)
         recorded = {os.path.relpath(layout.path(here, r["index"]), here) for r in found.written}
         samples = {p for p in listing if os.path.basename(p).startswith(protocol.SAMPLE_PREFIX)}
         from .trainers import training_command
@@ -235,7 +248,8 @@ def _landed_wrong(layout: Layout, here: str, written: list[dict], listing: dict,
     return wrong
 
 
-def _repair_at(dest, out: str, layout: Layout, found: "_Findings") -> protocol.Repair | None:
+def _repair_at(dest, out: str, layout: Layout, found: "_Findings", confirmed: set[int],
+               restore: set[int]) -> protocol.Repair | None:
     """Mend this host's part of the destination: a sample whose copy there is missing or wrong is
     shipped again by the next launch where its file is still here and whole (its wrong copy
     removed); else its manifest entry is dropped (and the copy there removed), so the next launch
@@ -248,10 +262,10 @@ def _repair_at(dest, out: str, layout: Layout, found: "_Findings") -> protocol.R
         rclone(dest, "deletefile", dest.under(rel), timeout=600)    # absent already: nothing to do
     kept = {i: why for i, why in found.broken.items() if i in reship}
     found.broken = {i: why for i, why in found.broken.items() if i not in reship}
-    repaired = _repair(out, layout, found) or protocol.Repair()
+    repaired = _repair(out, layout, found, confirmed, restore) or protocol.Repair()
     repaired.reshipped = sorted(reship)
     unrecorded = set(layout.scan(out)) - {r["index"] for r in found.written}
-    repaired.removed_files += len(_moved_strays(out, layout, unrecorded, found))
+    repaired.removed_files += len(_moved_strays(out, layout, unrecorded, found, confirmed))
     found.broken = kept                       # still missing there until the next launch ships them
     folder = os.path.join(out, protocol.MANIFEST_DIR)
     records = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".jsonl")]
@@ -281,6 +295,7 @@ class _Findings:
     problems: list[str]
     broken: dict[int, str] = field(default_factory=dict)
     away: dict[int, str] = field(default_factory=dict)       # index -> the host its rows moved to
+    away_recs: dict[int, dict] = field(default_factory=dict)  # index -> its entry here (its file checked too)
     gone: dict[str, list[list]] = field(default_factory=dict)  # manifest name -> its pool's moved rows
     outside: dict[int, str] = field(default_factory=dict)     # index outside the dataset -> its manifest
 
@@ -302,6 +317,7 @@ def _read_manifests(out: str, num_samples: int | None = None) -> _Findings:
     problems: list[str] = []
     gone = moved_away(out)
     away: dict[int, str] = {}
+    away_recs: dict[int, dict] = {}
     outside: dict[int, str] = {}
     for name, rec in manifest_entries(out):
         i = rec["index"]
@@ -311,6 +327,7 @@ def _read_manifests(out: str, num_samples: int | None = None) -> _Findings:
             continue
         if (to := gone_to(gone, name, i)) is not None:
             away[i] = to
+            away_recs.setdefault(i, rec)
             continue
         if i in seen:
             problems.append(f"sample {i}: recorded twice in the manifests")
@@ -319,17 +336,24 @@ def _read_manifests(out: str, num_samples: int | None = None) -> _Findings:
         seen[i] = rec
     written = [r for r in seen.values() if "skipped" not in r]
     skipped = {i: r["skipped"] for i, r in seen.items() if "skipped" in r}
-    return _Findings(written, skipped, twice, problems, away=away, gone=gone, outside=outside)
+    return _Findings(written, skipped, twice, problems, away=away, away_recs=away_recs, gone=gone, outside=outside)
 
 
 def away_problems(away: dict[int, str]) -> list[str]:
-    """One problem per host that rows written here moved to (left until --repair removes them)."""
+    """One problem per host that this host's ledger says rows written here moved to (fleet verify
+    checks the copy there: where it is whole, it counts and --repair removes these)."""
     out = []
     for to in sorted(set(away.values())):
         mine = [i for i, h in away.items() if h == to]
-        out.append(f"{len(mine)} sample(s) here ({ranges_text(mine)}) moved to {to} "
-                   f"while this host was lost: that copy counts; `fleet verify --repair` removes this one")
+        out.append(f"{len(mine)} sample(s) here ({ranges_text(mine)}) moved to {to} while this host was lost or "
+                   f"idle (its ledger says): the copy there counts where it is whole, and `fleet verify --repair` "
+                   f"removes these then")
     return out
+
+
+def away_runs(away: dict[int, str]) -> dict[str, list[list[int]]]:
+    """host -> runs of the rows here this host's ledger says moved there."""
+    return {to: to_runs(i for i, h in away.items() if h == to) for to in sorted(set(away.values()))}
 
 
 def _check_files(layout: Layout, out: str, written: list[dict], hidden: int | None,
@@ -344,45 +368,85 @@ def _check_files(layout: Layout, out: str, written: list[dict], hidden: int | No
     return broken
 
 
-def _repair(out: str, layout: Layout, found: _Findings) -> protocol.Repair | None:
-    """Drop the broken and twice-recorded entries and the retryable skips (repair_folder), and take
-    them out of the findings: what is dropped is no longer a problem but work for the next launch."""
+def _repair(out: str, layout: Layout, found: _Findings, confirmed: set[int] = frozenset(),
+            restore: set[int] = frozenset()) -> protocol.Repair | None:
+    """Drop the broken and twice-recorded entries, the retryable skips and the copies of rows that
+    moved to another host whose copy there is `confirmed` (repair_folder); lift the ledger's lines
+    for the `restore` rows (`restore_rows`); and take all that out of the findings: what is dropped
+    is no longer a problem but work for the next launch; a move nobody confirmed stays, said."""
     if found.outside:              # not this run's lines: nothing is changed until a person looks
         i, name = next(iter(found.outside.items()))
         found.problems.append(f"--repair refused: {protocol.MANIFEST_DIR}/{name} holds index {i}, outside the "
                               f"dataset: a line no run of this data wrote; remove it (or the manifest) first")
         return None
     retry = {i for i, why in found.skipped.items() if retryable(why)}
-    if not (found.broken or found.twice or retry or found.away):
+    moved = {i for i in found.away if i in confirmed}
+    restored = {i for i in found.away if i in restore and i not in moved}
+    if not (found.broken or found.twice or retry or moved or restored):
         return None
+    if restored:
+        restore_rows(out, found, restored)
     folder = os.path.join(out, protocol.MANIFEST_DIR)
-    repaired = repair_folder(out, layout, found.broken, found.twice, folder, retry, found.gone, set(found.away))
+    repaired = repair_folder(out, layout, found.broken, found.twice, folder, retry, found.gone, moved)
     dropped = set(found.broken) | found.twice
     found.skipped = {i: why for i, why in found.skipped.items() if i not in retry}
     found.problems = [p for p in found.problems if not any(p.startswith(f"sample {i}:") for i in dropped)]
-    found.away = {}                             # removed: the other host's copy is the one
+    found.written += [found.away_recs[i] for i in sorted(restored) if i not in found.broken
+                      and "skipped" not in found.away_recs[i]]
+    found.skipped.update({i: found.away_recs[i]["skipped"] for i in restored if "skipped" in found.away_recs[i]})
+    found.away = {i: to for i, to in found.away.items() if i not in moved | restored}   # (moved: the other copy counts)
     found.written = [r for r in found.written if r["index"] not in found.broken]
+    repaired.restored = sorted(restored)
     return repaired
 
 
-def _moved_strays(out: str, layout: Layout, unrecorded: set[int], found: _Findings) -> set[int]:
-    """Files no manifest records, of rows that moved to another host (a file written as the host
-    was lost, before its manifest line): nobody here will ever finish them. Removed; returned."""
-    gone = [(a, b) for runs in found.gone.values() for a, b, _ in runs]
-    stray = {i for i in unrecorded if any(a <= i < b for a, b in gone)}
+def restore_rows(out: str, found: _Findings, rows: set[int]) -> None:
+    """Lift the ledger lines that gave `rows` away to a host that never took them: the rows are the
+    pool's again, free (a launch takes free rows and skips those its manifests record: a whole copy
+    here is kept, a missing one redone)."""
+    from .leases import Ledger, merge, open_ledger, subtract
+    runs = [tuple(r) for r in to_runs(rows)]
+    for path in ledger_files(out):
+        try:
+            ranges = {int(k): tuple(v) for k, v in Ledger.from_json(open(path).read()).ranges.items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        with open_ledger(path, ranges) as ledger:
+            kept, lifted = [], []
+            for a, b, host in ledger.gone:
+                kept += [[x, y, host] for x, y in subtract([(a, b)], runs)]
+                lifted += [(max(a, x), min(b, y)) for x, y in runs if max(a, x) < min(b, y)]
+            if lifted:
+                ledger.gone = kept
+                ledger.free += [[a, b, None] for a, b in merge(lifted)]
+    for manifest, gone in found.gone.items():            # what this check still reads as moved
+        found.gone[manifest] = [[a, b, h] for a0, b0, h in gone for a, b in subtract([(a0, b0)], runs)]
+
+
+def _moved_strays(out: str, layout: Layout, unrecorded: set[int], found: _Findings,
+                  confirmed: set[int] = frozenset()) -> set[int]:
+    """Files no manifest records, of rows that moved to another host that holds them whole
+    (`confirmed`; a file written as the host was lost, before its manifest line): nobody here will
+    ever finish them. Removed; returned."""
+    stray = {i for i in unrecorded if i in confirmed and _gone(found, i)}
     for i in stray:
         remove_sample(layout.path(out, i))
     return stray
+
+
+def _gone(found: _Findings, i: int) -> bool:
+    """Whether row `i` is one this host's ledgers say moved to another host."""
+    return any(a <= i < b for runs in found.gone.values() for a, b, _ in runs)
 
 
 def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[int], folder: str,
                   retry: set[int] = frozenset(), gone: dict[str, list[list]] | None = None,
                   away: set[int] = frozenset()) -> protocol.Repair:
     """Rewrite each manifest without the broken entries, the retryable skips and the entries of
-    rows that moved to another host (`gone`: manifest name -> its pool's moved rows), with one
-    entry per index, atomically; remove the broken files and the moved rows' (unless another
-    manifest still records one). What is dropped is redone by the next launch of its shard; what
-    moved away is the other host's."""
+    rows that moved to another host that holds them (`away`, within the ledger's `gone`: manifest
+    name -> its pool's moved rows), with one entry per index, atomically; remove the broken files
+    and the moved rows' (unless another manifest still records one). What is dropped is redone by
+    the next launch of its shard; what moved away is the other host's."""
     from .writer import write_lines_atomic
     kept: set[int] = set()
     gone = gone or {}
@@ -393,7 +457,7 @@ def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[i
             i = rec.get("index")
             if isinstance(i, int):
                 if i in broken or i in kept or (i in retry and "skipped" in rec) or \
-                        gone_to(gone, name, i) is not None:
+                        (i in away and gone_to(gone, name, i) is not None):
                     continue
                 kept.add(i)
             lines.append(json.dumps(rec, separators=(",", ":")))
@@ -412,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repair", action="store_true",
                     help="drop manifest entries whose files are missing or broken (and those files), "
                          "and the skips of failures that may pass (out of memory, a GPU error)")
+    ap.add_argument("--confirmed", default="", help="with --repair: the rows (0-99,250-299) that moved to "
+                    "another host and that fleet verify found whole there: their copies here go")
+    ap.add_argument("--restore", default="", help="with --repair: the rows this host's ledger gave to a host "
+                    "that never took them: they are this host's again")
     args = ap.parse_args(argv)
     if not (args.out or args.destination):
         ap.error("--out or --destination is required")
@@ -419,10 +487,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repair at the destination mends a host's part of it: give its --out too")
     if args.repair and args.shallow:
         ap.error("--repair needs the files opened; drop --shallow")
+    confirmed = {i for a, b in parse_runs_text(args.confirmed) for i in range(a, b)}
+    restore = {i for a, b in parse_runs_text(args.restore) for i in range(a, b)}
     if args.destination:
-        print(check_destination(args.destination, deep=not args.shallow, out=args.out, repair=args.repair).to_json())
+        print(check_destination(args.destination, deep=not args.shallow, out=args.out, repair=args.repair,
+                                confirmed=confirmed, restore=restore).to_json())
         return 0
-    print(check_folder(args.out, deep=not args.shallow, repair=args.repair).to_json())
+    print(check_folder(args.out, deep=not args.shallow, repair=args.repair, confirmed=confirmed,
+                       restore=restore).to_json())
     return 0
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from worker.leases import Ledger
 from worker.ranges import to_runs
-from worker.verify import verify
+from worker.verify import check_folder, verify
 from tests.conftest import REPO, read_events, wait_for
 
 INJECT = os.path.join(REPO, "tests", "faults", "inject")
@@ -244,7 +244,8 @@ def test_rows_adopted_while_the_pool_runs_are_done_by_it_once(tmp_path, dense_mo
 def test_rows_revoked_from_a_host_back_from_lost_stop_its_running_shards_and_its_copies_go(tmp_path, dense_model):
     """The host was lost and its rows moved on; it comes back with its shards still running: they
     stop those rows at their next look (exit 0, holding none), and `--repair` removes what they
-    wrote, so the folder holds none of them."""
+    wrote once told the other host holds those rows whole (fleet verify checks it there), so the
+    folder holds none of them — and not one before it is told (issue 53)."""
     from worker.demo import make_token_dataset
     data = make_token_dataset(str(tmp_path / "d.jsonl"), 3000, vocab_size=500, mean_tokens=40, seed=13)
     procs = start_pool(tmp_path, dense_model, data, [0, 1], 2)
@@ -261,7 +262,9 @@ def test_rows_revoked_from_a_host_back_from_lost_stop_its_running_shards_and_its
         assert [(e["start"], e["stop"], e["to_host"]) for e in events if e["event"] == "relocated"] == [(0, 3000, "other")]
     report = verify(str(tmp_path / "out"))
     assert report["written"] == [] and any("moved to other while this host was lost" in p for p in report["problems"])
-    repaired = verify(str(tmp_path / "out"), repair=True)
+    unconfirmed = check_folder(str(tmp_path / "out"), repair=True).to_dict()
+    assert unconfirmed["repaired"] is None and len(manifest_counts(str(tmp_path / "out"))) == written
+    repaired = check_folder(str(tmp_path / "out"), repair=True, confirmed=set(range(3000))).to_dict()
     assert repaired["problems"] == [] and repaired["repaired"]["moved_away"] and repaired["unrecorded_files"] == 0
     assert manifest_counts(str(tmp_path / "out")) == {}
     assert not glob.glob(str(tmp_path / "out" / "*.safetensors"))
