@@ -38,7 +38,7 @@ from .identity import (IdentityError, differences, model_shape, output_identity,
                        upgraded, work_identity)
 from .layers import LayerError, LayerPlan, choices, resolve_layers, yaml_max_length
 from .launches import LaunchState
-from .leases import Lease, Move, Pool, tell_taken
+from .leases import Lease, LedgerError, Move, Pool, tell_taken
 from .model import (HYBRID_MODEL_TYPES, Capture, ModelError, compile_layers, compute_dtype, find_decoder,
                     is_hybrid, load_model, missing_fast_kernels, model_devices, move, text_config,
                     uncompile_layers, unpacked_rows, use_fla_conv)
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         # `lock` is held for the process's life: one writer per output folder, one process per shard
         lock = _claim_output(args)
         shipper = _start_shipping(args, log, layout)
-        pool = Pool(args.out, args.shard_index, pool_ranges(args, dataset.num_rows))
+        pool = Pool(args.out, args.shard_index, pool_ranges(args, dataset.num_rows), dataset.num_rows)
         _retry_on_a_persons_launch(args, log)
         finished = load_finished(args.out)
         pool.reopen(lambda a, b: any(i not in finished for i in range(a, b)))   # rows a repair dropped
@@ -780,7 +780,7 @@ def chat_tokenizer(model: str) -> Callable:
 def _failure_exit(log: EventLog, e: BaseException) -> int:
     """The failure event and exit code for what ended the shard: fatal where a restart would fail
     the same way (exit 1), a user's error (exit 2), a stop (143; quiet when one was asked for)."""
-    if isinstance(e, (NotRetryable, CheckFailed, OwnerError)):
+    if isinstance(e, (NotRetryable, CheckFailed, OwnerError, LedgerError)):   # (a restart reads the same)
         return fail(log, str(e), EXIT_FAILED, fatal=True)
     if isinstance(e, (DataError, ModelError, LayerError, FormatError, ShipError)):
         return fail(log, str(e), EXIT_USAGE, fatal=getattr(e, "fatal", False))

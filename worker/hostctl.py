@@ -43,6 +43,7 @@ import time
 from . import protocol, ranged
 from .files import write_atomic
 from .launches import LaunchState
+from .leases import LedgerError
 from .sentinels import LogWatcher, SentinelSpec, log_size
 from .text import exit_words
 
@@ -253,6 +254,9 @@ def _run_rows(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, la
     try:
         code = ranged.run_rows(rows, shard_dir, launch_n, argv, run_chunk, record_and_say, lambda: bool(stopping),
                                needs_done_line=spec.done is not None, started=started)
+    except LedgerError as e:                     # the pool's ledger says what cannot be: a restart reads the same
+        append(protocol.Failed(launch=launch_n, reason=str(e), fatal=True))
+        code = 1
     except (OSError, ValueError) as e:           # the pool's ledger unusable: said, and the launch fails
         append(protocol.Failed(launch=launch_n, reason=f"leases in {os.path.dirname(os.path.dirname(shard_dir))}: "
                                                        f"{type(e).__name__}: {e}"))

@@ -265,6 +265,45 @@ class Ledger:
                 out.append(f"{s}: frontier {l.at} outside {l.start}-{l.stop}")
         return out
 
+    def check(self, num_rows: int | None = None) -> str | None:
+        """The first thing this ledger says that cannot be (None: none): an entry backwards, or
+        outside the dataset's `num_rows`; a lease whose epoch is past the ledger's (epochs only
+        grow); a frontier outside its lease; two entries over one row; a row of the plan's ranges
+        that no entry accounts for. A ledger is input like any file on a disk (issue 53)."""
+        entries = [(f"held lease of shard {s}", l.start, l.stop) for s, l in self.held.items()] + \
+            [(f"{kind} [{', '.join(map(str, e))}]", e[0], e[1])
+             for kind, rows in (("done", self.done), ("free", self.free), ("gone", self.gone)) for e in rows]
+        for what, a, b in entries:
+            if not (isinstance(a, int) and isinstance(b, int)) or not 0 <= a <= b or \
+                    (num_rows is not None and b > num_rows):
+                within = f"the dataset's {num_rows:,} rows" if num_rows is not None else "rows 0 and up"
+                return f"{what}: rows {a}–{b} are not within {within}"
+        for s, lease in self.held.items():
+            if lease.epoch > self.epoch:
+                return f"held lease of shard {s}: epoch {lease.epoch} is past the ledger's {self.epoch} (epochs only grow)"
+            if not lease.start <= lease.at <= lease.stop:
+                return f"held lease of shard {s}: frontier {lease.at} outside rows {lease.start}–{lease.stop}"
+        spans = sorted((a, b, what) for what, a, b in entries if b > a)
+        for (a0, b0, w0), (a1, b1, w1) in zip(spans, spans[1:]):
+            if a1 < b0:
+                return f"{w1}: rows {a1}–{min(b0, b1)} are also in {w0}"
+        planned = merge([tuple(r) for r in self.ranges.values()])
+        if lost := subtract(planned, merge([(a, b) for a, b, _ in spans])):
+            return f"rows {lost[0][0]}–{lost[0][1]} of the pool's plan are in no entry (held, done, free or gone)"
+        return None
+
+    def reopen_unfinished(self, slot: int, unfinished: Callable[[int, int], bool]) -> Move | None:
+        """Every finished lease with rows no manifest holds (verify --repair dropped them, or the
+        ledger claimed them done and they never were): the first is held again by `slot` (`reopen`),
+        the rest become free rows the pool's members take, so that none stays claimed and undone."""
+        move = self.reopen(slot, unfinished)
+        for entry in list(self.done):
+            a, b, _ = entry
+            if unfinished(a, b):
+                self.done.remove(entry)
+                self.free.append([a, b, None])
+        return move
+
     # --- storage --------------------------------------------------------------------------
 
     def to_json(self) -> str:
@@ -401,22 +440,37 @@ def gone_to(gone: dict[str, list[list]], manifest: str, index: int) -> str | Non
     return next((host for a, b, host in gone.get(manifest, ()) if a <= index < b), None)
 
 
+class LedgerError(ValueError):
+    """A pool ledger that says what cannot be: one line naming the file and the entry."""
+
+
 @contextlib.contextmanager
-def open_ledger(path: str, ranges: dict[int, tuple[int, int]]) -> Iterator[Ledger]:
+def open_ledger(path: str, ranges: dict[int, tuple[int, int]], num_rows: int | None = None) -> Iterator[Ledger]:
     """The ledger at `path` under its flock (the planned one where there is none, or where it was
     another plan's: a replan's manifests say what is done, not it), saved after if changed. The
-    one door for the pool's shards and for `hostctl adopt`/`revoke`."""
+    one door for the pool's shards and for `worker.relocate`. A ledger that is there and is no
+    ledger, or says what cannot be (`Ledger.check`, against the dataset's `num_rows` where known),
+    raises LedgerError: never an assertion, a hang or a false "finished" further on."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".lock", "a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         fresh = Ledger.planned(ranges)
         try:
             with open(path) as f:
-                ledger = Ledger.from_json(f.read())
-        except (OSError, ValueError, KeyError, TypeError):
-            ledger = fresh
+                text = f.read()
+        except FileNotFoundError:
+            text = None
+        except OSError as e:
+            raise LedgerError(f"{path}: cannot be read: {e.strerror}") from None
+        try:
+            ledger = fresh if text is None else Ledger.from_json(text)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise LedgerError(f"{path}: not a ledger ({type(e).__name__}: {str(e)[:120]}): remove it to start "
+                              f"from the plan (the manifests say what is done)") from None
         if ledger.ranges != fresh.ranges:
             ledger = fresh
+        if (why := ledger.check(num_rows)) is not None:
+            raise LedgerError(f"{path}: {why}")
         before = ledger.to_json()
         yield ledger
         after = ledger.to_json()
@@ -450,10 +504,10 @@ class Pool:
     """One shard's side of its host's ledger. `alive` holds `.fleet/<slot>.alive` for the
     process's life: the others' test of whether this shard is gone."""
 
-    def __init__(self, out_dir: str, slot: int, ranges: dict[int, tuple[int, int]]):
+    def __init__(self, out_dir: str, slot: int, ranges: dict[int, tuple[int, int]], num_rows: int | None = None):
         work = os.path.join(out_dir, ".fleet")
         os.makedirs(work, exist_ok=True)
-        self.slot, self.ranges, self.work = slot, ranges, work
+        self.slot, self.ranges, self.work, self.num_rows = slot, ranges, work, num_rows
         self.path = ledger_path(out_dir, ranges)
         self._alive = open(os.path.join(work, f"{slot}.alive"), "a")
         fcntl.flock(self._alive, fcntl.LOCK_EX)          # a prober holds it for microseconds only
@@ -465,7 +519,7 @@ class Pool:
 
     def ledger(self):
         """The ledger under its lock (made from the planned ranges on first use), saved after."""
-        return open_ledger(self.path, self.ranges)
+        return open_ledger(self.path, self.ranges, self.num_rows)
 
     @property
     def alive_fd(self) -> int:
@@ -488,7 +542,7 @@ class Pool:
 
     def reopen(self, unfinished: Callable[[int, int], bool]) -> Move | None:
         with self.ledger() as ledger:
-            return ledger.reopen(self.slot, unfinished)
+            return ledger.reopen_unfinished(self.slot, unfinished)
 
     def empty(self) -> bool:
         """No member holds rows and none are free: this shard leaves (idle, so that rows adopted

@@ -55,7 +55,7 @@ def run_rows(share: protocol.RowShare, shard_dir: str, launch: int, argv: list[s
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(shard_dir)))
     ranges = {k: shard_range(share.num_rows, share.num_shards, k) for k in sorted({slot, *(share.pool or [])})}
     start, stop = ranges[slot]
-    pool = Pool(run_dir, slot, ranges)
+    pool = Pool(run_dir, slot, ranges, share.num_rows)
     append(protocol.Started(launch=launch, pid=os.getpid(), shard=slot, num_shards=share.num_shards,
                             start=start, stop=stop, total=stop - start, num_rows=share.num_rows,
                             **(started or {})))

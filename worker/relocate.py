@@ -43,11 +43,22 @@ def pool_ranges(out_dir: str, num_shards: int, pool: list[int], num_rows: int | 
     return {k: shard_range(num_rows, num_shards, k) for k in pool}
 
 
+def dataset_rows(out_dir: str, num_rows: int | None) -> int | None:
+    """The run's rows (given, or meta.json's), which every entry of a ledger lies within."""
+    if num_rows is not None:
+        return num_rows
+    try:
+        with open(os.path.join(out_dir, protocol.META_FILE)) as f:
+            return int(json.load(f)["num_samples"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def adopt(out_dir: str, run_dir: str, num_shards: int, pool: list[int], runs: list[tuple[int, int]],
           from_host: str, to_host: str, redone: int, num_rows: int | None = None,
           why: str = "lost") -> protocol.Status:
     ranges = pool_ranges(out_dir, num_shards, pool, num_rows)
-    with open_ledger(ledger_path(out_dir, ranges), ranges) as ledger:
+    with open_ledger(ledger_path(out_dir, ranges), ranges, dataset_rows(out_dir, num_rows)) as ledger:
         new = ledger.adopt(runs, from_host)
         added = sum(b - a for a, b in new)
         if added:                               # a shard of the pool that ran dry and left has work again
@@ -73,7 +84,7 @@ def revoke(out_dir: str, run_dir: str, num_shards: int, pool: list[int], runs: l
         ranges = None
     lost: list[int] = []
     if ranges is not None:
-        with open_ledger(ledger_path(out_dir, ranges), ranges) as ledger:
+        with open_ledger(ledger_path(out_dir, ranges), ranges, dataset_rows(out_dir, num_rows)) as ledger:
             lost = ledger.revoke(runs, to_host)
     for k in pool:
         d = protocol.shard_dir(run_dir, k)
@@ -91,7 +102,7 @@ def pending(out_dir: str, num_shards: int, pool: list[int], num_rows: int | None
     skipped: a dead holder's finished part of its lease). Read under the ledger's lock; changes
     nothing."""
     ranges = pool_ranges(out_dir, num_shards, pool, num_rows)
-    with open_ledger(ledger_path(out_dir, ranges), ranges) as ledger:
+    with open_ledger(ledger_path(out_dir, ranges), ranges, dataset_rows(out_dir, num_rows)) as ledger:
         rows = merge([(l.start, l.stop) for l in ledger.held.values()] + [(a, b) for a, b, _ in ledger.free])
     finished = to_runs(sorted({rec["index"] for rec in manifest_records(out_dir)}))
     return protocol.Unfinished(runs=[list(r) for r in subtract(rows, [tuple(r) for r in finished])])
@@ -128,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result = revoke(args.out, args.run_dir, args.num_shards, pool, runs, args.from_host, args.to_host,
                             args.num_rows, args.why)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError) as e:             # (LedgerError is a ValueError: said)
         what = f"{args.cmd} rows {args.rows}" if args.rows else args.cmd
         why = f"{what} in {args.out}: {type(e).__name__}: {e}"
         result = protocol.Unfinished(error=why) if args.cmd == "pending" else protocol.Status("error", why)

@@ -119,6 +119,7 @@ def test_every_row_is_held_once_and_no_done_row_is_held_again(sizes, script):
             gone |= rows
             accounted |= rows
         assert ledger.problems(to_runs(accounted)) == []
+        assert ledger.check(max(accounted, default=0) + 1) is None      # what every reader checks: no false alarm
         held = {s: set(range(l.start, l.stop)) for s, l in ledger.held.items()}
         assert {s: r for s, r in held.items() if r} == {s: r for s, r in model.items() if r}
         assert not any(r & done for r in held.values())
@@ -268,3 +269,81 @@ def test_rows_revoked_from_a_host_back_from_lost_stop_its_running_shards_and_its
     assert repaired["problems"] == [] and repaired["repaired"]["moved_away"] and repaired["unrecorded_files"] == 0
     assert manifest_counts(str(tmp_path / "out")) == {}
     assert not glob.glob(str(tmp_path / "out" / "*.safetensors"))
+
+
+def test_a_ledger_that_says_what_cannot_be_is_refused_naming_the_entry(tmp_path):
+    """Issue 53: a ledger is input like any other file on a disk. Each kind of lie is refused by
+    the one door (open_ledger) with one line naming the file and the entry: never an assertion
+    further on, a wait for ever, or rows claimed done that then nobody does."""
+    from worker.leases import Lease, LedgerError, open_ledger
+    ranges = {0: (0, 50), 1: (50, 100)}
+    path = str(tmp_path / ".fleet" / "leases-0.json")
+    cases = {
+        "past the end": (lambda l: l.held.__setitem__(0, Lease(0, 10**9, 1, 0)),
+                         "held lease of shard 0: rows 0–1000000000 are not within the dataset's 100 rows"),
+        "backwards": (lambda l: l.done.append([60, 55, 1]), "done [60, 55, 1]: rows 60–55 are not within"),
+        "epoch ahead": (lambda l: setattr(l.held[1], "epoch", 99),
+                        "held lease of shard 1: epoch 99 is past the ledger's 2 (epochs only grow)"),
+        "twice": (lambda l: l.free.append([40, 60, "x"]), "free [40, 60, x]: rows 40–50 are also in held lease of shard 0"),
+        "rows lost": (lambda l: l.held.pop(1), "rows 50–100 of the pool's plan are in no entry"),
+    }
+    for name, (lie, says) in cases.items():
+        ledger = Ledger.planned(ranges)
+        lie(ledger)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").write(ledger.to_json())
+        try:
+            with open_ledger(path, ranges, 100):
+                pass
+        except LedgerError as e:
+            assert str(e).startswith(f"{path}: ") and says in str(e) and "\n" not in str(e), (name, str(e))
+        else:
+            raise AssertionError(f"{name}: taken")
+    open(path, "w").write("{not json")
+    try:
+        with open_ledger(path, ranges, 100):
+            pass
+    except LedgerError as e:
+        assert "not a ledger" in str(e)
+    else:
+        raise AssertionError("garbage taken")
+    ledger = Ledger.planned(ranges)                       # and a true one is taken
+    open(path, "w").write(ledger.to_json())
+    with open_ledger(path, ranges, 100) as read:
+        assert read.held == ledger.held
+
+
+def test_a_lease_past_the_dataset_ends_the_shard_fatal_in_one_line_and_the_run_ends(tmp_path, dense_model):
+    """The issue's first case through the real worker: rows 0–10**9 in the ledger. The shard fails
+    FATAL at once naming the file and the entry (no AssertionError, no LOADING for ever), and every
+    shard of the pool does the same, so the run ends instead of hanging."""
+    from worker.demo import make_token_dataset
+    data = make_token_dataset(str(tmp_path / "d.jsonl"), 40, vocab_size=500, mean_tokens=20, seed=3)
+    ledger = Ledger.planned({0: (0, 20), 1: (20, 40)})
+    ledger.held[0].stop = 10**9
+    os.makedirs(tmp_path / "out" / ".fleet")
+    (tmp_path / "out" / ".fleet" / "leases-0.json").write_text(ledger.to_json())
+    procs = start_pool(tmp_path, dense_model, data, [0, 1], 2)
+    assert {k: p.wait(timeout=300) for k, p in procs.items()} == {0: 1, 1: 1}
+    for k in (0, 1):
+        [failed] = [e for e in shard_events(tmp_path, k) if e["event"] == "failed"]
+        assert failed["fatal"] is True and "leases-0.json: held lease of shard 0: rows 0–1000000000 are not " \
+            "within the dataset's 40 rows" in failed["reason"] and "\n" not in failed["reason"], failed
+        assert "Traceback" not in failed["reason"] and not [e for e in shard_events(tmp_path, k) if e["event"] == "loaded"]
+
+
+def test_a_ledger_claiming_rows_done_that_no_manifest_holds_has_them_done(tmp_path, dense_model):
+    """The issue's second case: a well-formed ledger saying every row is done, in several entries,
+    over an empty output. The pool does them all (not only the first entry), so the run is
+    finished with every row written."""
+    from worker.demo import make_token_dataset
+    data = make_token_dataset(str(tmp_path / "d.jsonl"), 60, vocab_size=500, mean_tokens=20, seed=4)
+    ledger = Ledger.planned({0: (0, 30), 1: (30, 60)})
+    ledger.held = {}
+    ledger.done = [[a, a + 10, a // 30] for a in range(0, 60, 10)]
+    os.makedirs(tmp_path / "out" / ".fleet")
+    (tmp_path / "out" / ".fleet" / "leases-0.json").write_text(ledger.to_json())
+    procs = start_pool(tmp_path, dense_model, data, [0, 1], 2)
+    assert {k: p.wait(timeout=300) for k, p in procs.items()} == {0: 0, 1: 0}
+    assert sorted(manifest_counts(str(tmp_path / "out"))) == list(range(60))
+    assert set(manifest_counts(str(tmp_path / "out")).values()) == {1}
