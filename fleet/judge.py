@@ -223,7 +223,7 @@ def _restarting(stop: protocol.StopRequested, ended_t: float, acting: bool | Non
 def _failed(why: str, failed_t: float, attempts: int, host_now: float, policy: Policy,
             not_retryable: bool = False, min_delay: float = 0.0) -> Verdict:
     if not_retryable:
-        return Verdict(State.FATAL, f"{why} (not retried: a restart would fail the same way)",
+        return Verdict(State.FATAL, f"{why} (not retried by itself: its next launch would fail the same way)",
                        attempts=attempts)
     if attempts >= policy.max_restarts:
         return Verdict(State.FATAL, f"gave up after {policy.max_restarts} restart(s); last: {why}",

@@ -177,7 +177,7 @@ class ShardRecord:
     bytes: int = 0
     writer_wait_s: float = 0.0
     gpu_mem_bytes: int | None = None
-    warning: str | None = None
+    warning: str | None = None            # the newest attempt's newest warning, until it is done
     path: str | None = None               # the forward path the worker chose, and why
     last_event: str | None = None
     last_event_t: float | None = None
@@ -289,6 +289,7 @@ class ShardRecord:
         a.worked = a.worked or self.done + self.skipped > a.base_done
         if isinstance(ev, protocol.Done):
             a.done_event = True
+            self.warning = None              # (of the work in progress: "retrying 106 row(s)" is over)
         else:
             a.phase = Phase.RUNNING
         a.last_progress_t = ev.t
@@ -366,6 +367,7 @@ class ShardRecord:
 
     def _launch(self, ev: protocol.Launch) -> None:
         self.launches += 1
+        self.warning = None                  # a warning is its attempt's
         self.auto_attempts = self.auto_attempts + 1 if ev.by == "auto" else 0
         if self.first_launch_t is None:
             self.first_launch_t = ev.t

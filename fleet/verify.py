@@ -229,7 +229,9 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
 
     if config.run.destination is None:
         reports, failures = await each(config.hosts, lambda h: ["--out", config.output_dir(h)])
-        return merge_reports(reports), failures
+        result = merge_reports(reports)
+        owned_by(result, reports, config.run.name)
+        return result, failures
     # With a destination the output is in one place: each host mends its own part there first
     # (--repair: its manifests are the ones its shards write), then the whole is checked once,
     # from the first host (its credentials, as the shards' own), named by the destination.
@@ -239,11 +241,28 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
                                                                "--destination", config.destination(h)])
     reports, more = await each(config.hosts[:1], lambda h: ["--destination", config.destination(h)], repair=False)
     failures.update(more)
-    result = merge_reports({config.destination(h): r for h in config.hosts[:1] if (r := reports.get(h.name))})
+    whole = {config.destination(h): r for h in config.hosts[:1] if (r := reports.get(h.name))}
+    result = merge_reports(whole)
+    owned_by(result, whole, config.run.name)
+    if result.num_samples is None and whole:             # the hosts keep theirs: it can be shipped again
+        result.problems = [p for p in result.problems if not p.startswith("no meta.json on any host")] + [
+            f"no meta.json at the destination {config.run.destination} (its folder lost?): `fleet verify --repair` "
+            f"ships it again from the hosts, with their manifests, and marks what is missing there to redo"]
     result.repaired.update({host: r.repaired for host, r in mended.items() if r.repaired})
     result.problems += [f"{host}: {p}" for host, r in mended.items() for p in r.problems
                         if not p.startswith("sample ")]           # (the samples: in the check of the whole)
     return result, failures
+
+
+def owned_by(result: VerifyResult, reports: dict[str, protocol.VerifyReport], run: str) -> None:
+    """A folder or destination whose owner record names another run holds that run's files, not
+    this one's: never OK (two runs given one destination, the second overwriting the first)."""
+    for where, rep in reports.items():
+        if rep.owner is not None and rep.owner != run:
+            result.problems.append(f"{where}: belongs to run {rep.owner!r} (its .fleet/owner.json), not to run "
+                                   f"{run!r}: another run wrote there, so what is there is not this run's")
+        elif rep.owner is None and (rep.written or rep.skipped) and rep.folder_id and "://" in rep.folder_id:
+            result.notes.append(f"{where}: no owner record (.fleet/owner.json) yet: the next launch ships it")
 
 
 def skip_problem(result: VerifyResult, limit: float) -> None:

@@ -19,6 +19,7 @@ import sys
 from typing import Callable
 
 from . import protocol
+from .files import WORK_DIR, write_atomic
 from .ship import ShipError, destination, rclone_error, rclone_streaming
 
 PROGRESS = ("--transfers", "16", "--checkers", "16", "--stats", "10s", "--stats-one-line",
@@ -29,7 +30,7 @@ def download(url: str, folder: str, say: Callable[[str], None] = print) -> str:
     """Copy the destination `url` into `folder` and make it what its trainer reads; the training
     command for `folder`. ShipError (one line) when the destination cannot be read or holds no run."""
     dest = destination(url)
-    os.makedirs(folder, exist_ok=True)
+    claim_folder(folder, url)
     say(f"downloading {url} to {folder} (rclone; what is here already is skipped)")
     copy = rclone_streaming(dest, "copy", dest.remote, folder, *PROGRESS)
     said: list[str] = []
@@ -48,6 +49,30 @@ def download(url: str, folder: str, say: Callable[[str], None] = print) -> str:
         say(f"prepared/: {write_prepared(folder):,} rows indexed for speculators")
     from .trainers import training_command
     return training_command(meta, os.path.abspath(folder))
+
+
+MARK = os.path.join(WORK_DIR, "download.json")     # which destination a folder is the download of
+
+
+def claim_folder(folder: str, url: str) -> None:
+    """`folder` made the download of `url`: an empty (or new) folder, or one this destination was
+    downloaded to before (the copy resumes). A folder holding anything else — another run's
+    download, files of its own — is refused, one line naming what is there: nothing is merged."""
+    if os.path.isdir(folder) and (there := sorted(os.listdir(folder))):
+        try:
+            with open(os.path.join(folder, MARK)) as f:
+                mark = json.load(f)
+        except (OSError, ValueError):
+            mark = None
+        if not isinstance(mark, dict):
+            shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
+            raise ShipError(f"{folder} is not empty ({shown}) and is no download of fleet's: download into an "
+                            f"empty folder (nothing here is merged or overwritten)")
+        if mark.get("url") != url:
+            raise ShipError(f"{folder} holds the download of {mark.get('url')!r}: download {url} into another "
+                            f"folder (two runs' files in one folder would train as one)")
+    os.makedirs(os.path.join(folder, WORK_DIR), exist_ok=True)
+    write_atomic(os.path.join(folder, MARK), json.dumps({"url": url}))
 
 
 def main(argv: list[str] | None = None) -> int:

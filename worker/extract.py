@@ -720,10 +720,14 @@ def _start_shipping(args: argparse.Namespace, log: EventLog, layout: Layout):
     if not args.destination:
         return None
     from .files import manifest_entries
-    from .ship import Shipper, destination
+    from .ship import ShipError, Shipper, destination, owner_problem
+    dest = destination(args.destination)
+    run = (read_plan_file(args.plan) if args.plan else {}).get("run")
+    if run and (problem := owner_problem(dest, run)):   # (preflight refused it; another run since?)
+        raise ShipError(problem)
     mine = os.path.basename(manifest_path(args.out, args.shard_index))
     records = [rec for name, rec in manifest_entries(args.out) if name == mine]
-    return Shipper(args.out, destination(args.destination), args.shard_index,
+    return Shipper(args.out, dest, args.shard_index,
                    lambda i: layout.path(args.out, i), args.keep_local, log.emit, tuple(args.spill)).resume(records)
 
 

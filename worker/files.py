@@ -68,6 +68,7 @@ def file_md5(path: str, chunk: int = 1 << 22) -> str:
 
 
 WORK_DIR = ".fleet"          # the writers' own files (owner, locks, ledgers); no reader lists it
+OWNER_PATH = os.path.join(WORK_DIR, "owner.json")   # the run that owns a folder, or a destination
 
 
 SHIPPING_LEFTOVERS = "shipping the files it left"   # a lock holder that is a mate shipping for it
@@ -140,6 +141,18 @@ def relation(path: str, other: str) -> str | None:
     return None
 
 
+def folder_owner(folder: str) -> str | None:
+    """The run a folder's owner record names (worker.writer.claim_output writes it: the first run
+    to write there), if any."""
+    try:
+        with open(os.path.join(folder, OWNER_PATH)) as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        return None
+    run = owner.get("run") if isinstance(owner, dict) else None
+    return run if isinstance(run, str) else None
+
+
 def run_outputs_near(path: str, depth: int = 2) -> list[tuple[str, str]]:
     """(folder, run) of every run's output folder at `path`, above it, or up to `depth` levels
     below it: each folder holding an owner file (`.fleet/owner.json`, the run that first wrote
@@ -147,12 +160,7 @@ def run_outputs_near(path: str, depth: int = 2) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
 
     def owner(folder: str) -> None:
-        try:
-            with open(os.path.join(folder, WORK_DIR, "owner.json")) as f:
-                run = json.load(f).get("run")
-        except (OSError, ValueError, AttributeError):
-            return
-        if isinstance(run, str):
+        if (run := folder_owner(folder)) is not None:
             found.append((folder, run))
     here = os.path.realpath(path)
     up = here

@@ -127,6 +127,11 @@ def output_mismatch(out_dir: str, identity: WorkIdentity) -> list[str]:
             meta = json.load(f)
     except (OSError, ValueError):
         return []
+    return meta_mismatch(meta, identity)
+
+
+def meta_mismatch(meta: dict | None, identity: WorkIdentity) -> list[str]:
+    """How `identity` differs from the work a meta.json describes (a folder's or a destination's)."""
     held = meta.get("identity") if isinstance(meta, dict) else None
     if not isinstance(held, dict):
         held = {k: meta[k] for k in ("layer_ids", "last_layer_norm", "format", "loss_mask")

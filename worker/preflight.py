@@ -23,7 +23,7 @@ import sys
 import time
 
 from . import protocol
-from .files import manifest_records, relation, run_outputs_near
+from .files import OWNER_PATH, folder_owner, manifest_records, relation, run_outputs_near
 from .formats import FormatError, Layout, check_dtype, check_plan
 from .gpu import GpuReader
 from .identity import (IdentityError, model_shape, output_identity, output_mismatch,
@@ -306,7 +306,8 @@ def _destination_checks(url: str, report: protocol.PreflightReport, args: argpar
     """rclone is here and a file can be written, read and removed at the destination, with this
     host's own credentials: a bad bucket, key or host is refused before any GPU work. Then the
     host's upload rate to it is measured (fleet compares it with what its GPUs will write)."""
-    from .ship import ShipError, check_reachable, destination, measure_uplink, rclone_binary
+    from .identity import meta_mismatch
+    from .ship import ShipError, check_reachable, destination, measure_uplink, owner_problem, rclone_binary, read_json_at
     try:
         dest = destination(url)
         rclone_binary()
@@ -317,6 +318,11 @@ def _destination_checks(url: str, report: protocol.PreflightReport, args: argpar
     problem = check_reachable(dest, timeout=30)
     if problem:
         return [_error(problem)]
+    if args.run_dir and (problem := owner_problem(dest, os.path.basename(args.run_dir), timeout=30)):
+        return [_error(problem)]
+    if report.identity.to_dict() and (diffs := meta_mismatch(read_json_at(dest, protocol.META_FILE, 30), report.identity)):
+        return [_error(f"destination {url} holds another run's work (its meta.json): " + "; ".join(diffs)
+                       + " — give this run another destination")]
     report.uplink_bps = measure_uplink(dest)
     return []
 
@@ -459,7 +465,7 @@ def _output_checks(args: argparse.Namespace, identity: protocol.WorkIdentity) ->
                      f"file systems allow 255")
               for part in os.path.abspath(args.output).split(os.sep) if len(part.encode()) > 255]
     for folder in (args.output, *args.spill):
-        if args.run_dir and (owner := output_owner(folder)) not in (None, os.path.basename(args.run_dir)):
+        if args.run_dir and (owner := folder_owner(folder)) not in (None, os.path.basename(args.run_dir)):
             checks.append(_error(f"output {folder} belongs to run {owner!r} ({OWNER_PATH}): give this run "
                                  f"another output, or remove that file if run {owner!r} is finished with"))
         checks += [_error(p) for p in folder_clashes(f"output {folder}", folder, args)]
@@ -571,19 +577,6 @@ def host_id(root: str) -> str:
         os.unlink(tmp)
     with open(path) as f:
         return f.read().strip()
-
-
-OWNER_PATH = ".fleet/owner.json"          # worker.writer.claim_output writes it (no torch here)
-
-
-def output_owner(output: str) -> str | None:
-    """The run that owns the output folder (the first to write there), if any."""
-    try:
-        with open(os.path.join(output, OWNER_PATH)) as f:
-            owner = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return owner.get("run") if isinstance(owner, dict) else None
 
 
 def _folder_id(output: str) -> str | None:

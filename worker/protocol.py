@@ -1142,6 +1142,7 @@ class VerifyReport(Reply):
     away: dict[str, list[list[int]]] = field(default_factory=dict)   # host -> runs here its ledger says moved there
     broken: list[list[int]] = field(default_factory=list)            # runs of rows whose file here is wrong
     strays: list[list[int]] = field(default_factory=list)            # files no manifest records, of moved rows
+    owner: Optional[str] = None                  # the run its owner record (.fleet/owner.json) names
     checked_rows: int = 0                        # rows re-computed by the reference forward (worker/reference.py)
     layer_ids: list[int] = field(default_factory=list)
     worst_cosine: list[float] = field(default_factory=list)   # per saved layer, over those rows

@@ -108,7 +108,7 @@ class ReferenceChecks:
             mask = None
             try:
                 hidden, ids, written = self.layout.unpack(tensors)     # (fp8 dequantised once)
-                cos, rel = self.compare(hidden, ids)
+                cos, rel, silent = self.compare(hidden, ids)
                 if chat is not None and self.tokenizer is not None:
                     mask = check_mask(chat, ids.numpy(), written.numpy(), self.tokenizer(), self.loss_mask)
             except Exception as e:                     # the check could not run (out of memory alone with
@@ -119,7 +119,7 @@ class ReferenceChecks:
                     capture.slots = [None] * len(capture.slots)
                 self.seconds += time.perf_counter() - t0
             if cos is not None:
-                self._record(index, cos, rel, mask)
+                self._record(index, cos, rel, mask, silent)
 
     def not_run(self, index: int, e: Exception) -> None:
         """A check that could not run: a warning naming the row, and the GPU's cache emptied."""
@@ -129,17 +129,20 @@ class ReferenceChecks:
         self.emit(protocol.WarningEvent(message=f"reference check of row {index:,} not run: "
                                                 f"{type(e).__name__}: {why}"))
 
-    def compare(self, hidden: torch.Tensor, ids) -> tuple[list[float], list[float]]:
+    def compare(self, hidden: torch.Tensor, ids) -> tuple[list[float], list[float], list[int]]:
         """Each saved layer's (cosine, relative error) of the written states (`hidden` [T, n, H], as
-        Layout.unpack gives them) against the reference forward of `ids`."""
+        Layout.unpack gives them) against the reference forward of `ids`, and the saved layers where
+        the reference itself is all zero (the model gives nothing there, whatever the path)."""
         ids = torch.as_tensor(ids).reshape(-1).long()
         with torch.inference_mode(), eager(self.model):
             out = self.model(input_ids=ids[None].to(self.device), use_cache=False, output_hidden_states=True)
         ref = out.hidden_states
-        plan, cos, rel = self.layout.plan, [], []
+        plan, cos, rel, silent = self.layout.plan, [], [], []
         for slot, k in enumerate(plan.ids):
             mine = hidden[:, slot].float()
             want = ref[k][0].float().cpu()
+            if not want.abs().max() > 0:
+                silent.append(k)
             if k == plan.num_layers and plan.last_layer_norm == "pre":   # hs[L] is final-normed there
                 with torch.inference_mode():
                     norm = self.decoder.norm
@@ -149,14 +152,14 @@ class ReferenceChecks:
             c, r = agreement(mine, want)
             cos.append(c)
             rel.append(r)
-        return cos, rel
+        return cos, rel, silent
 
     def _count(self, cos: list[float], rel: list[float]) -> None:
         self.count += 1
         self.worst_cos = [min(a, b) for a, b in zip(self.worst_cos, cos)] if self.worst_cos else list(cos)
         self.worst_rel = [max(a, b) for a, b in zip(self.worst_rel, rel)] if self.worst_rel else list(rel)
 
-    def _record(self, index: int, cos: list[float], rel: list[float], mask=None) -> None:
+    def _record(self, index: int, cos: list[float], rel: list[float], mask=None, silent: list[int] = ()) -> None:
         tol = TOLERANCE[self.layout.dtype]
         self._count(cos, rel)
         line = {"index": index, "cosine": [round(c, 6) for c in cos], "rel_err": [round(r, 6) for r in rel]}
@@ -167,13 +170,20 @@ class ReferenceChecks:
             protocol.append_jsonl(self.file, line)
         ids = list(self.layout.plan.ids)
         bad = [(k, c, r) for k, c, r in zip(ids, cos, rel) if c < tol["cosine"] or r > tol["rel_err"]]
-        why = failure(bad[0], index, self.path_note) if bad else \
+        why = model_silent(silent[0], index) if silent else failure(bad[0], index, self.path_note) if bad else \
             f"row {index:,}: its loss mask: {mask.problem}" if mask is not None and mask.problem else None
         self.emit(protocol.Checked(rows=self.count, layer_ids=ids, worst_cosine=[round(c, 6) for c in self.worst_cos],
                                    worst_rel_err=[round(r, 6) for r in self.worst_rel], seconds=round(self.seconds, 3),
                                    masks=self.masks, failed=why))
         if why:
             raise CheckFailed(why)
+
+
+def model_silent(k: int, index: int) -> str:
+    """Why a row's states teach nothing where the model itself gives none: not the extraction's doing."""
+    return (f"layer {k} of row {index:,}: the model itself gives all-zero hidden states there (its own "
+            f"forward, batch of one, eager, as well as what was written): the model is wrong, not the "
+            f"extraction — check its weights (a checkpoint of zeros, a bad conversion?)")
 
 
 def failure(bad: tuple[int, float, float], index: int, path: str) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import math
 import os
 import re
@@ -35,7 +36,7 @@ from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
 from . import protocol
-from .files import manifest_path
+from .files import OWNER_PATH, manifest_path
 from .leases import gone_to, ledger_files, moved_away
 from .text import bytes_text, last_line
 
@@ -73,6 +74,9 @@ def destination(url: str, environ: dict | None = None) -> Destination:
     variables), sftp://[user@]host[:port]/path (the host's ssh and its config) or a path."""
     environ = os.environ if environ is None else environ
     parts = urlsplit(url)
+    if parts.scheme and any(seg in (".", "..") for seg in parts.path.split("/")):
+        raise ShipError(f"destination {url}: a '.' or '..' in the path is taken literally by the store "
+                        f"(a key named '..'), never as a folder above: write the path out")
     if parts.scheme == "s3":
         if not parts.netloc:
             raise ShipError(f"destination {url}: no bucket (s3://bucket/prefix)")
@@ -178,6 +182,58 @@ def check_reachable(dest: Destination, timeout: float = 60) -> str | None:
                 return f"destination {dest.url}: no answer within {timeout:.0f}s"
             if done.returncode != 0:
                 return f"destination {dest.url}: {rclone_error(done.stderr or done.stdout)}"
+    return None
+
+
+def read_json_at(dest: Destination, rel: str, timeout: float = 60) -> dict | None:
+    """A small JSON object at the destination (`rel` under it); None where there is none, or it is
+    no JSON object. Reachability is preflight's to say (check_reachable)."""
+    if not dest.is_store:
+        try:
+            with open(os.path.join(dest.remote, rel)) as f:
+                d = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return d if isinstance(d, dict) else None
+    try:
+        done = rclone(dest, "cat", dest.under(rel), timeout=timeout)
+    except (subprocess.TimeoutExpired, ShipError, OSError):
+        return None
+    try:
+        d = json.loads(done.stdout) if done.returncode == 0 and done.stdout.strip() else None
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def owner_problem(dest: Destination, run: str, timeout: float = 60) -> str | None:
+    """Why run `run` may not ship to `dest`: the destination belongs to another run (its owner
+    record, written by the first run to ship there), or — an object store — a prefix above it or
+    up to two levels below it does (no prefix holds two runs). None: it may."""
+    owner = read_json_at(dest, OWNER_PATH, timeout)
+    if owner and owner.get("run") not in (None, run):
+        return (f"destination {dest.url} belongs to run {owner['run']!r} (its {OWNER_PATH}, first shipped from "
+                f"{owner.get('host', '?')}): run {run!r} would overwrite its files, manifests and meta.json. Give "
+                f"this run another destination; or, if run {owner['run']!r} is finished with, remove that file")
+    if not dest.is_store:
+        return None                                       # (a path: preflight's folder checks look around it)
+    head, rest = dest.remote.rsplit(":", 1)                # ":s3", "bucket/a/b" (":sftp", "/a/b")
+    lead = "/" if rest.startswith("/") else ""
+    parts = [p for p in rest.split("/") if p]
+    for cut in range(len(parts) - 1, 0, -1):               # the prefixes above it, up to the bucket
+        above = Destination(dest.url, f"{head}:{lead}" + "/".join(parts[:cut]), dest.env)
+        if (o := read_json_at(above, OWNER_PATH, timeout)) and o.get("run") not in (None, run):
+            return (f"destination {dest.url} is inside run {o['run']!r}'s destination {'/'.join(parts[:cut])}: no "
+                    f"prefix holds two runs; give this run another")
+    try:
+        below = rclone(dest, "lsf", "-R", "--max-depth", "3", "--files-only", "--include", "*/.fleet/owner.json",
+                       "--include", "*/*/.fleet/owner.json", dest.remote, timeout=timeout)
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    for rel in (below.stdout.splitlines() if below.returncode == 0 else []):
+        if (o := read_json_at(dest, rel.strip(), timeout)) and o.get("run") not in (None, run):
+            return (f"destination {dest.url} holds run {o['run']!r}'s destination {rel.strip().removesuffix('/' + OWNER_PATH)}"
+                    f" below it: no prefix holds two runs; give this run another")
     return None
 
 
@@ -387,17 +443,15 @@ class Shipper:
 
     def _copy_records(self) -> bool:
         """The shard's manifest (after the files it lists), its pool's ledger (which rows moved to
-        another host: verify at the destination sets their old copies aside) and meta.json (once;
-        again at the end)."""
-        records = [manifest_path(self.out, self.shard)] + ledger_files(self.out)
-        copies = [(src, self.dest.under(os.path.relpath(src, self.out))) for src in records]
-        meta = os.path.join(self.out, protocol.META_FILE)
-        if os.path.exists(meta) and (not self.meta_shipped or self._closing):
-            copies.append((meta, self.dest.under(protocol.META_FILE)))
-        for src, dst in copies:
-            if os.path.exists(src) and self._run("copyto", src, dst) is None:
+        another host: verify at the destination sets their old copies aside), meta.json and the
+        owner record — each time, so a destination that lost them (its folder deleted) has them
+        again (rclone's copyto sends nothing where the same file is there)."""
+        records = [manifest_path(self.out, self.shard)] + ledger_files(self.out) + \
+            [os.path.join(self.out, protocol.META_FILE), os.path.join(self.out, OWNER_PATH)]
+        for src in records:
+            if os.path.exists(src) and self._run("copyto", src, self.dest.under(os.path.relpath(src, self.out))) is None:
                 return False
-        self.meta_shipped = self.meta_shipped or copies[-1][0] == meta
+        self.meta_shipped = self.meta_shipped or os.path.exists(os.path.join(self.out, protocol.META_FILE))
         return True
 
     def _run(self, *args: str) -> subprocess.CompletedProcess | None:

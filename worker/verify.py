@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import protocol
-from .files import fatal_notes, file_md5, manifest_entries, remove_sample, retryable
+from .files import OWNER_PATH, fatal_notes, file_md5, folder_owner, manifest_entries, remove_sample, retryable
 from .formats import FORMATS, FormatError, Layout
 from .layers import LayerPlan
 from .leases import gone_to, ledger_files, moved_away
@@ -107,6 +107,7 @@ def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = F
     report.skipped = {str(i): why for i, why in sorted(found.skipped.items())}
     report.unrecorded_files, report.problems = len(unrecorded), found.problems + away_problems(found.away)
     report.away = away_runs(found.away)
+    report.owner = folder_owner(out)
     from .trainers import trainer_problems, training_command      # issue 22: what trains on it
     more, report.notes = trainer_problems(out, meta)
     report.problems += more
@@ -166,7 +167,7 @@ def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | 
             if out is None:
                 got = rclone(dest, "copy", dest.remote, tmp, "--include", f"/{protocol.META_FILE}",
                              "--include", f"/{protocol.MANIFEST_DIR}/*.jsonl", "--include", "/.fleet/leases-*.json",
-                             timeout=600)
+                             "--include", f"/{OWNER_PATH}", timeout=600)
                 if got.returncode != 0:
                     return _unreachable(url, got)
             listing = _listing(dest, deep)
@@ -188,6 +189,7 @@ def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | 
         found.problems += found.broken.values()
         found.problems += away_problems(found.away)
         report.away = away_runs(found.away)
+        report.owner = folder_owner(here) if out is None else None
         recorded = {os.path.relpath(layout.path(here, r["index"]), here) for r in found.written}
         samples = {p for p in listing if os.path.basename(p).startswith(protocol.SAMPLE_PREFIX)}
         from .trainers import training_command
@@ -269,8 +271,10 @@ def _repair_at(dest, out: str, layout: Layout, found: "_Findings", confirmed: se
     found.broken = kept                       # still missing there until the next launch ships them
     folder = os.path.join(out, protocol.MANIFEST_DIR)
     records = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".jsonl")]
-    for path in records + ledger_files(out):             # (the ledgers: which rows moved away)
-        rclone(dest, "copyto", path, dest.under(os.path.relpath(path, out)), timeout=600)
+    records += ledger_files(out) + [os.path.join(out, protocol.META_FILE), os.path.join(out, OWNER_PATH)]
+    for path in records:             # (the ledgers: which rows moved away; meta and owner: a lost folder's)
+        if os.path.exists(path):
+            rclone(dest, "copyto", path, dest.under(os.path.relpath(path, out)), timeout=600)
     return repaired if repaired != protocol.Repair() else None
 
 

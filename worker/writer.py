@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from . import fp8, inject, protocol
-from .files import SHIPPING_LEFTOVERS, WORK_DIR, disk_of, file_md5, link_atomically, lock_shard, manifest_records, replace_atomically
+from .files import OWNER_PATH, SHIPPING_LEFTOVERS, WORK_DIR, disk_of, file_md5, link_atomically, lock_shard, manifest_records, replace_atomically
 from .files import manifest_path  # noqa: F401  (extract's)
 from .formats import Layout
 from .layers import LayerPlan
@@ -93,7 +93,6 @@ class OwnerError(Exception):
     """The output folder is another run's, or another process writes this shard there now."""
 
 
-OWNER_FILE = "owner.json"
 
 
 def claim_output(out_dir: str, run: str | None, plan_created: float | None, shard: int | str) -> Any:
@@ -110,7 +109,7 @@ def claim_output(out_dir: str, run: str | None, plan_created: float | None, shar
         with open(os.path.join(work, "owner.lock"), "a") as guard:
             with contextlib.suppress(OSError):           # (a file system without locks: no guard)
                 fcntl.flock(guard, fcntl.LOCK_EX)        # two first shards of two runs: one wins
-            path = os.path.join(work, OWNER_FILE)
+            path = os.path.join(out_dir, OWNER_PATH)
             try:
                 with open(path) as f:
                     owner = json.load(f)

@@ -80,6 +80,8 @@ def test_good_config_loads_with_defaults(tmp_path):
     ('output = "/workspace/hs"', 'output = []', 5, "run.output: a folder, or a list of folders (one per disk)"),
     ('output = "/workspace/hs"', 'output = ["/a", "/a"]', 5, "run.output: a folder listed twice"),
     ('output = "/workspace/hs"', 'output = ["/a", 3]', 5, "output"),
+    ('output = "/workspace/hs"', 'output = "/workspace/hs"\ndestination = "s3://bucket/../x"', 6,
+     "run.destination: a '.' or '..' in the path is taken literally by the store"),
 ])
 def test_bad_values_name_file_line_and_key(tmp_path, old, new, line, expected):
     assert old in GOOD

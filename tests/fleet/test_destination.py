@@ -201,3 +201,78 @@ env = {{ OMP_NUM_THREADS = "1" }}
     from speculators.train.data import ArrowDataset
     ds = ArrowDataset(max_len=4096, datapath=os.path.join(dest, "prepared"), on_missing="raise")
     assert len(ds) == ROWS and all(ds[k]["loss_mask"].sum() > 0 for k in range(len(ds)))
+
+
+def test_a_destination_has_an_owner_and_a_lost_one_is_shipped_again_and_redone(tmp_path, dense_model, rows):
+    """Issue 53. A run finishes into s3://bucket/shared: its owner record is there. A second run
+    (another name, other rows) given that destination — or a prefix inside it, or the bucket above
+    it — is refused at preflight naming the first run, and nothing of the first changes. The first
+    run's destination folder then deleted: verify says so (not "redo the run"), --repair ships
+    meta.json back and marks every lost row to redo, up redoes them, verify is OK. A download
+    into a folder holding something else is refused, never merged."""
+    from worker.demo import make_token_dataset
+    store = S3Store(str(tmp_path / "store")).start()
+    env = {**os.environ, **store.env()}
+
+    def toml(name: str, data: str, url: str, where: str) -> str:
+        folder = tmp_path / where
+        folder.mkdir(exist_ok=True)
+        return local_toml(folder, f"""[run]
+name = "{name}"
+model = {json.dumps(dense_model)}
+data = {json.dumps(data)}
+output = "out"
+device = "cpu"
+max_tokens_per_batch = 512
+reference_checks = "off"
+destination = "{url}"
+""")
+    try:
+        first = toml("r1", rows, "s3://bucket/shared", "first")
+        up = fleet("up", "--headless", "-c", first, timeout=900, env=env)
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        owner = json.load(open(os.path.join(store.bucket_dir("shared"), ".fleet", "owner.json")))
+        assert owner["run"] == "r1"
+        meta = open(os.path.join(store.bucket_dir("shared"), "meta.json")).read()
+        other = make_token_dataset(str(tmp_path / "other.jsonl"), 40, vocab_size=500, mean_tokens=20, seed=8)
+        for url, says in (("s3://bucket/shared", "destination s3://bucket/shared belongs to run 'r1' (its "
+                                                 ".fleet/owner.json, first shipped from "),
+                          ("s3://bucket/shared/inner", "destination s3://bucket/shared/inner is inside run 'r1''s "
+                                                       "destination bucket/shared: no prefix holds two runs"),
+                          ("s3://bucket", "destination s3://bucket holds run 'r1''s destination shared below it")):
+            r = fleet("up", "--headless", "-c", toml("r2", other, url, "second"), timeout=300, env=env)
+            assert r.returncode == 1 and says in r.stderr.strip().splitlines()[-1], (url, r.stderr[-2000:])
+            assert not (tmp_path / "second" / "fleet" / "r2" / "shards").exists()     # nothing launched
+        assert open(os.path.join(store.bucket_dir("shared"), "meta.json")).read() == meta
+        v = fleet("verify", "-c", first, timeout=300, env=env)
+        assert v.returncode == 0 and "verify: OK" in v.stdout, v.stdout + v.stderr
+        # The destination's folder lost: verify names it, --repair ships meta.json back and marks
+        # every lost row to redo; up redoes them.
+        from worker.ship import Destination, destination, rclone
+        bucket = destination("s3://bucket", environ=env)               # through the store's own API
+        bucket = Destination(bucket.url, bucket.remote, {**bucket.env, **store.env()})
+        gone = rclone(bucket, "delete", bucket.remote, "--include", "/shared/**", timeout=120)
+        assert gone.returncode == 0, gone.stderr
+        assert not store.files("shared")
+        v = fleet("verify", "-c", first, timeout=300, env=env)
+        assert v.returncode == 1 and "no meta.json at the destination s3://bucket/shared" in v.stdout, v.stdout
+        assert "redo the run into a new output" not in v.stdout
+        r = fleet("verify", "--repair", "-c", first, timeout=300, env=env)
+        assert f"shard 0: {ROWS} sample(s) to redo" in r.stdout, r.stdout + r.stderr
+        up = fleet("up", "--headless", "-c", first, timeout=900, env=env)
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        v = fleet("verify", "-c", first, timeout=300, env=env)
+        assert v.returncode == 0 and f"{ROWS} written" in v.stdout and "verify: OK" in v.stdout, v.stdout + v.stderr
+        # fleet download: a folder holding other things, or another destination's download, refused
+        mine = tmp_path / "mine"
+        mine.mkdir()
+        (mine / "notes.txt").write_text("mine\n")
+        d = fleet("download", str(mine), "-c", first, timeout=300, env=env)
+        assert d.returncode == 1 and f"{mine} is not empty (notes.txt) and is no download of fleet's" in d.stderr, d.stderr
+        assert os.listdir(mine) == ["notes.txt"]
+        dl = tmp_path / "dl"
+        assert fleet("download", str(dl), "-c", first, timeout=300, env=env).returncode == 0
+        d = fleet("download", str(dl), "-c", toml("r3", other, "s3://bucket/elsewhere", "third"), timeout=300, env=env)
+        assert d.returncode == 1 and "holds the download of 's3://bucket/shared'" in d.stderr, d.stderr
+    finally:
+        store.kill()

@@ -99,7 +99,7 @@ def test_custom_job_sentinels_order_and_need():
 
 def test_a_failure_the_worker_calls_not_retryable_is_fatal_at_once_alive_or_not():
     evs = [launch(0), p.Loaded(t=1, launch=1), p.Failed(t=2, launch=1, reason="skipped 9 of 10 rows", fatal=True)]
-    why = "skipped 9 of 10 rows (not retried: a restart would fail the same way)"
+    why = "skipped 9 of 10 rows (not retried by itself: its next launch would fail the same way)"
     v = verdict(evs, 1000, True)                 # no live process in FATAL: what is left is stopped first
     assert (v.state, v.action) == (State.STOPPING, Action.STOP) and v.reason.startswith(why)
     v = verdict(evs + [p.Exited(t=3, launch=1, code=1)], 1000, False)

@@ -359,3 +359,14 @@ async def test_a_run_is_not_finished_while_rows_are_on_their_way_to_a_host(tmp_p
         assert sup.snapshot().totals.finished
     finally:
         await sup.close()
+
+
+def test_a_warning_is_its_attempts_and_ends_with_it():
+    """Issue 53: "retrying 106 row(s) ..." said while a launch works is gone once it is DONE, and a
+    new launch starts with no warning of the last one's."""
+    from fleet.record import fold
+    evs = [protocol.Launch(t=1, launch=1, by="manual"), protocol.Loaded(t=2, launch=1),
+           protocol.WarningEvent(t=3, launch=1, message="retrying 106 row(s) skipped for failures that may pass")]
+    assert fold(evs).warning.startswith("retrying 106")
+    assert fold(evs + [protocol.Done(t=4, launch=1, done=10, skipped=0)]).warning is None
+    assert fold(evs + [protocol.Launch(t=5, launch=2, by="manual")]).warning is None

@@ -192,3 +192,24 @@ def test_a_checked_row_is_compared_with_what_was_written_not_with_a_reused_buffe
     assert r.returncode == 0, r.stderr[-2000:]
     checked = [e for e in read_events(state) if e["event"] == "checked"][-1]
     assert checked["rows"] == ROWS and checked.get("failed") is None
+
+
+def test_a_model_that_gives_all_zero_states_is_named_as_the_cause_not_the_path(models, chats, tmp_path):
+    """Issue 53: every weight zero, so the model's own forward gives all-zero states, which the
+    worker writes faithfully. The check stops the shard saying the model produced them, never that
+    the written states or the extraction path are wrong."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    model = str(tmp_path / "zeros")
+    shutil.copytree(models["qwen3"], model)
+    weights = load_file(os.path.join(model, "model.safetensors"))
+    save_file({k: torch.zeros_like(v) for k, v in weights.items()}, os.path.join(model, "model.safetensors"),
+              metadata={"format": "pt"})
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    r = run_worker("--model", model, "--data", chats[1], "--out", out, "--state", state, "--device", "cpu",
+                   "--max-tokens-per-batch", "384", "--reference-checks", "1",
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1, r.stderr[-2000:]
+    [failed] = [e for e in read_events(state) if e["event"] == "failed"]
+    assert failed["fatal"] and "the model itself gives all-zero hidden states there" in failed["reason"], failed
+    assert "the written states are wrong" not in failed["reason"] and "its path" not in failed["reason"]
