@@ -382,3 +382,38 @@ progress = "processed (?P<done>\\\\d+)/(?P<total>\\\\d+)"
             head.send_signal(signal.SIGTERM)
             head.wait(30)
         fleet("down", "--yes", "-c", config)
+
+
+def test_a_host_taken_out_of_fleet_toml_mid_run_is_said_and_its_rows_go_to_the_others(tmp_path):
+    """b is taken out of fleet.toml while its rows are not done (its box gone): `fleet up` says what
+    becomes of it instead of refusing the run, b's shard is UNKNOWN, and b's unfinished rows are done
+    by a; every row is done."""
+    from tests.fleet.conftest import lose_host
+    with two_hosts(tmp_path) as (servers, procs):
+        config = hosts_toml(tmp_path, servers, model=None, data=None, gpus={"a": [0], "b": [0]},
+                            output=str(tmp_path / "remote" / "out-{host}"), job=rows_job(300, 0.05),
+                            supervise='host_lost_after = "3s"')
+        up, lines = up_headless(config)
+        try:
+            wait_for(lambda: len(rows_done(tmp_path / "remote" / "out-b")) > 10, 120, what="b writing")
+            up.kill()
+            up.wait(10)
+            stop_supervisor(config)
+            lose_host(tmp_path, procs, "b", (1,))
+        finally:
+            if up.poll() is None:
+                up.kill()
+        text = open(config).read()
+        head, _, rest = text.partition('[[hosts]]\nname = "b"')
+        open(config, "w").write(head.rstrip() + "\n" + rest.partition("\n\n")[2] if "\n\n" in rest else head)
+        assert 'name = "b"' not in open(config).read() and 'name = "a"' in open(config).read()
+        r = fleet("up", "--headless", "-c", config, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "b: no longer in fleet.toml, but the run's plan has shards 1 there: its rows go to the other " \
+               "hosts now" in r.stderr, r.stderr
+        assert re.search(r"rows [\d,]+–300 of b \(no longer in fleet.toml\) → a", r.stderr), r.stderr
+        done = rows_done(tmp_path / "remote" / "out-a") + rows_done(tmp_path / "remote" / "out-b")
+        assert sorted(set(done)) == list(range(300))
+        snap = json.loads(fleet("status", "--json", "-c", config).stdout)
+        assert snap["totals"]["finished"] and snap["shards"][1]["state"] == "UNKNOWN"
+        assert "no longer in fleet.toml" in snap["shards"][1]["reason"]
