@@ -256,7 +256,7 @@ class Supervisor:
         self._moves_due = bool(due)
         self._moving = {o: t for o, t in self._moving.items() if o in due or t > now}
         for order in due:
-            if order in self._moving:
+            if self._moving.get(order, 0.0) > now:         # in flight, or held off after it failed
                 continue
             self._moving[order] = float("inf")
             if order.kind == "adopt":
