@@ -206,6 +206,19 @@ def read_json_at(dest: Destination, rel: str, timeout: float = 60) -> dict | Non
     return d if isinstance(d, dict) else None
 
 
+def manifests_at(dest: Destination, timeout: float = 60) -> list[str]:
+    """The manifest files at the destination (a run's output there), by name."""
+    if not dest.is_store:
+        folder = os.path.join(dest.remote, protocol.MANIFEST_DIR)
+        return sorted(n for n in os.listdir(folder) if n.endswith(".jsonl")) if os.path.isdir(folder) else []
+    try:
+        listed = rclone(dest, "lsf", "--files-only", "--max-depth", "1", dest.under(protocol.MANIFEST_DIR),
+                        timeout=timeout)
+    except (subprocess.TimeoutExpired, OSError):
+        return []
+    return sorted(n for n in listed.stdout.split() if n.endswith(".jsonl")) if listed.returncode == 0 else []
+
+
 def owner_problem(dest: Destination, run: str, timeout: float = 60) -> str | None:
     """Why run `run` may not ship to `dest`: the destination belongs to another run (its owner
     record, written by the first run to ship there), or — an object store — a prefix above it or
@@ -215,6 +228,9 @@ def owner_problem(dest: Destination, run: str, timeout: float = 60) -> str | Non
         return (f"destination {dest.url} belongs to run {owner['run']!r} (its {OWNER_PATH}, first shipped from "
                 f"{owner.get('host', '?')}): run {run!r} would overwrite its files, manifests and meta.json. Give "
                 f"this run another destination; or, if run {owner['run']!r} is finished with, remove that file")
+    if owner is None and (kept := manifests_at(dest, timeout)) and read_json_at(dest, protocol.META_FILE, timeout) is None:
+        return (f"destination {dest.url} holds manifests ({', '.join(kept[:3])}) but neither an owner record nor "
+                f"a meta.json: output nobody can tell is this run's: give this run another destination")
     if not dest.is_store:
         return None                                       # (a path: preflight's folder checks look around it)
     head, rest = dest.remote.rsplit(":", 1)                # ":s3", "bucket/a/b" (":sftp", "/a/b")
