@@ -108,6 +108,7 @@ def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = F
     report.unrecorded_files, report.problems = len(unrecorded), found.problems + away_problems(found.away)
     report.away = away_runs(found.away)
     report.owner = folder_owner(out)
+    report.problems += ledger_problems(out, meta.get("num_samples"))
     from .trainers import trainer_problems, training_command      # issue 22: what trains on it
     more, report.notes = trainer_problems(out, meta)
     report.problems += more
@@ -404,6 +405,22 @@ def _repair(out: str, layout: Layout, found: _Findings, confirmed: set[int] = fr
     return repaired
 
 
+def ledger_problems(out: str, num_samples: int | None) -> list[str]:
+    """What a pool ledger here says that cannot be (Ledger.check), one line each: a launch would
+    refuse it (FATAL), so verify says it first."""
+    from .leases import Ledger
+    out_problems = []
+    for path in ledger_files(out):
+        try:
+            ledger = Ledger.from_json(open(path).read())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            out_problems.append(f"{path}: not a ledger ({type(e).__name__}); a launch refuses it: remove it")
+            continue
+        if (why := ledger.check(num_samples)) is not None:
+            out_problems.append(f"{path}: {why}; a launch refuses it")
+    return out_problems
+
+
 def restore_rows(out: str, found: _Findings, rows: set[int]) -> None:
     """Lift the ledger lines that gave `rows` away to a host that never took them: the rows are the
     pool's again, free (a launch takes free rows and skips those its manifests record: a whole copy
@@ -415,14 +432,15 @@ def restore_rows(out: str, found: _Findings, rows: set[int]) -> None:
             ranges = {int(k): tuple(v) for k, v in Ledger.from_json(open(path).read()).ranges.items()}
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        with open_ledger(path, ranges) as ledger:
+        with open_ledger(path, ranges, check=False) as ledger:
             kept, lifted = [], []
             for a, b, host in ledger.gone:
                 kept += [[x, y, host] for x, y in subtract([(a, b)], runs)]
                 lifted += [(max(a, x), min(b, y)) for x, y in runs if max(a, x) < min(b, y)]
-            if lifted:
+            if lifted:                       # free again, but for rows another entry has (a line that lied)
                 ledger.gone = kept
-                ledger.free += [[a, b, None] for a, b in merge(lifted)]
+                have = [(l.start, l.stop) for l in ledger.held.values()] + [(a, b) for a, b, _ in ledger.done + ledger.free]
+                ledger.free += [[a, b, None] for a, b in subtract(merge(lifted), merge(have))]
     for manifest, gone in found.gone.items():            # what this check still reads as moved
         found.gone[manifest] = [[a, b, h] for a0, b0, h in gone for a, b in subtract([(a0, b0)], runs)]
 

@@ -244,13 +244,19 @@ destination = "{url}"
             assert r.returncode == 1 and says in r.stderr.strip().splitlines()[-1], (url, r.stderr[-2000:])
             assert not (tmp_path / "second" / "fleet" / "r2" / "shards").exists()     # nothing launched
         assert open(os.path.join(store.bucket_dir("shared"), "meta.json")).read() == meta
+        from worker.ship import Destination, destination, rclone
+        bucket = destination("s3://bucket", environ=env)               # through the store's own API
+        bucket = Destination(bucket.url, bucket.remote, {**bucket.env, **store.env()})
+        (tmp_path / "0.jsonl").write_text('{"index": 0, "tokens": 3}\n')  # output of nobody known
+        assert rclone(bucket, "copyto", str(tmp_path / "0.jsonl"), bucket.under("stray/manifest/0.jsonl"),
+                      timeout=60).returncode == 0
+        r = fleet("up", "--headless", "-c", toml("r2", other, "s3://bucket/stray", "second"), timeout=300, env=env)
+        assert r.returncode == 1 and "destination s3://bucket/stray holds manifests (0.jsonl) but neither an owner " \
+            "record nor a meta.json" in r.stderr, r.stderr[-2000:]
         v = fleet("verify", "-c", first, timeout=300, env=env)
         assert v.returncode == 0 and "verify: OK" in v.stdout, v.stdout + v.stderr
         # The destination's folder lost: verify names it, --repair ships meta.json back and marks
         # every lost row to redo; up redoes them.
-        from worker.ship import Destination, destination, rclone
-        bucket = destination("s3://bucket", environ=env)               # through the store's own API
-        bucket = Destination(bucket.url, bucket.remote, {**bucket.env, **store.env()})
         gone = rclone(bucket, "delete", bucket.remote, "--include", "/shared/**", timeout=120)
         assert gone.returncode == 0, gone.stderr
         assert not store.files("shared")

@@ -173,17 +173,10 @@ async def test_a_killed_runner_whose_chunk_runs_on_keeps_its_rows_until_every_pr
         await sup.stop_all()
         await sup.close()
     rows = written(tmp_path)
-    orphan = [(i, t) for i, s, t in rows if s == 0 and t <= ended]
-    assert orphan and sorted({i for i, _, _ in rows}) == list(range(24))
-    lease = range(*shard_range_of(tmp_path, 0))
-    by_one = [(i, t) for i, s, t in rows if s == 1 and i in lease]
-    assert all(t >= min(t0 for _, t0 in orphan) and t > max(t0 for _, t0 in orphan) for _, t in by_one), \
-        (orphan, by_one)                                     # slot 1 only after the orphan's last row
-
-
-def shard_range_of(tmp_path, k: int) -> tuple[int, int]:
-    started_ev = next(e for e in events(tmp_path, k) if isinstance(e, protocol.Started))
-    return started_ev.start, started_ev.stop
+    assert [1 for _, s, t in rows if s == 0 and t <= ended] and sorted({i for i, _, _ in rows}) == list(range(24))
+    for i in {i for i, _, _ in rows}:                        # a row written twice: the second after the orphan
+        times = sorted(t for j, _, t in rows if j == i)
+        assert len(times) == 1 or times[1] > ended - 0.05, (i, times, ended, rows)
 
 
 def test_a_lost_hosts_rows_are_finished_by_the_other_host_and_it_stops_them_once_back(tmp_path):

@@ -48,6 +48,7 @@ def test_another_model_or_dataset_into_the_same_output_is_refused(tmp_path, sshd
     d1 = data(40)
     config = hosts_toml(tmp_path, {"box": sshd}, model=dense_model, data=d1, gpus={"box": [0]})
     assert fleet("up", "--headless", "-c", config).returncode == 0
+    first = open(config).read()
     meta = open(tmp_path / "out" / "meta.json").read()
     # Same shape, other weights; same row count, other rows; another run name, the same output.
     other_model = make_model(str(tmp_path / "other-model"), seed=1)
@@ -65,6 +66,9 @@ def test_another_model_or_dataset_into_the_same_output_is_refused(tmp_path, sshd
     failed = [json.loads(l) for l in open(os.path.join(state, "events.jsonl")) if '"failed"' in l]
     assert failed[-1]["fatal"] is True
     assert open(tmp_path / "out" / "meta.json").read() == meta
+    v = fleet("verify", "-c", other)                 # (the second run's fleet.toml: the output is not its)
+    assert v.returncode == 1 and "box: belongs to run 't' (its .fleet/owner.json), not to run 't2'" in v.stdout
+    open(config, "w").write(first)                   # (hosts_toml wrote both at one path)
     v = fleet("verify", "-c", config)
     assert v.returncode == 0, v.stdout + v.stderr
 

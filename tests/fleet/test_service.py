@@ -93,7 +93,7 @@ def test_a_run_stays_supervised_after_its_client_is_killed_and_a_client_joins_it
     hosts' own records read afresh."""
     with two_hosts(tmp_path) as (servers, procs):
         config = hosts_toml(tmp_path, servers, model=None, data=None, gpus={"a": [0], "b": [0]},
-                            output=str(tmp_path / "remote" / "out-{host}"), job=rows_job(600, 0.1))
+                            output=str(tmp_path / "remote" / "out-{host}"), job=rows_job(300, 0.1))
         up, lines = up_headless(config)
         try:
             wait_for(lambda: all(re.search(rf"shard {k} \w:0 \S+ -> RUNNING", "\n".join(lines)) for k in (0, 1)),
@@ -115,7 +115,7 @@ def test_a_run_stays_supervised_after_its_client_is_killed_and_a_client_joins_it
         assert "deploying" not in joined.stderr and "preflight" not in joined.stderr, joined.stderr
         assert "run t: finished" in joined.stdout and "launch (manual)" not in joined.stderr
         rows = rows_done(tmp_path / "remote" / "out-a") + rows_done(tmp_path / "remote" / "out-b")
-        assert sorted(set(rows)) == list(range(600))
+        assert sorted(set(rows)) == list(range(300))
         assert supervisor_info(config) is None                     # ended, its last client gone
         from_hosts = fleet("status", "--json", "-c", config)      # (read afresh: none runs)
         assert "no supervisor runs" in from_hosts.stderr

@@ -155,7 +155,7 @@ def apply(ops, folders: dict[str, str], layout) -> None:
             shutil.rmtree(folders[args[0]], ignore_errors=True)
 
 
-@settings(max_examples=int(os.environ.get("REPAIR_EXAMPLES", "40")), deadline=None,
+@settings(max_examples=int(os.environ.get("REPAIR_EXAMPLES", "30")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=damage)
 def test_after_any_repair_every_row_is_present_once_or_to_redo_and_no_correct_copy_is_lost(two_folders, tmp_path, ops):
