@@ -46,7 +46,7 @@ def fleet(env: dict, *args: str, timeout: float = 900) -> subprocess.CompletedPr
 def timed(env: dict, *args: str) -> float:
     t0 = time.perf_counter()
     r = fleet(env, *args)
-    assert r.returncode in (0, 1), r.stderr[-2000:]
+    assert r.returncode in (0, 1, 3), r.stderr[-2000:]          # (3: a host slow to answer under the storm)
     return time.perf_counter() - t0
 
 
@@ -70,7 +70,7 @@ def join_in_tmux(env: dict, cfg: str) -> float:
     tmux = ["tmux", "-L", sock]
     envs = " ".join(f"{k}={v}" for k, v in env.items() if k == "FLEET_STATE_DIR")
     subprocess.run([*tmux, "start-server", ";", "set-option", "-g", "default-size", "120x40", ";",
-                    "new-session", "-d", "-s", "j", "-x", "120", "-y", "40", "sleep 600"], check=True)
+                    "new-session", "-d", "-s", "j", "-x", "120", "-y", "40", "bash --norc"], check=True)
     try:
         t0 = time.perf_counter()
         subprocess.run([*tmux, "send-keys", "-t", "j", f"cd {REPO} && {envs} {sys.executable} -m fleet up -c {cfg}",

@@ -18,7 +18,10 @@ if ! [ -x /usr/sbin/sshd ] || ! command -v tmux >/dev/null || ! command -v ssh-k
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server tmux iproute2 slurm-wlm munge >/dev/null
 fi
 
-PY="${PYTHON:-python3}"
+# The interpreter itself, not a version manager's shim: pyenv's shim runs `pyenv rehash` after every
+# `pip install`, and a rehash lock left behind by a killed rehash makes that install wait 60 s and fail.
+PY="$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)')"
+export PATH="$(dirname "$PY"):$PATH"
 # torch is pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build.
 "$PY" -m pip install -q --disable-pip-version-check -e '.[worker,test]' torch==2.13.0
 # The trainers whose readers the format tests run, without their pins (torch 2.11, sglang, ...):
