@@ -38,7 +38,13 @@ from .transport import HostError
 
 from .setup import EXIT_CONFIG, EXIT_FAULT, EXIT_UNREACHABLE
 
-config_option = click.option("-c", "--config", "config_path", default="fleet.toml", show_default=True,
+def config_default() -> str:
+    """A command's -c: its own, else the one given before the command (`fleet -c x.toml up`)."""
+    ctx = click.get_current_context(silent=True)
+    return (ctx.find_root().params.get("config_path") if ctx else None) or "fleet.toml"
+
+
+config_option = click.option("-c", "--config", "config_path", default=config_default, show_default="fleet.toml",
                              type=click.Path(dir_okay=False), help="the run's fleet.toml")
 
 
@@ -67,7 +73,9 @@ def run_async(fn: Callable[[], Awaitable[int]]) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fleet")
-def main() -> None:
+@click.option("-c", "--config", "config_path", default=None, type=click.Path(dir_okay=False),
+              help="the run's fleet.toml for the command that follows (each command also takes -c)")
+def main(config_path: str | None) -> None:
     """Run one hidden-state extraction worker per GPU across a fleet of hosts, and watch it.
 
     \b
@@ -79,6 +87,7 @@ def main() -> None:
     fleet down          stop every shard
     fleet verify        check the output: every sample once, every file sound
     fleet export        convert the output to another trainer's layout on every host
+    fleet download DIR  copy the run's destination (S3, SFTP, a path) to DIR, checked
     """
 
 
@@ -175,7 +184,8 @@ async def follow_setup(client: Client) -> control.Snap:
 
 @main.command()
 @config_option
-@click.option("--headless", is_flag=True, help="no view: print one line per state change; exit when the "
+@click.option("--headless", is_flag=True, help="no view: print one line per state change (and where each "
+              "shard is, every --every seconds); exit when the "
                                                  "run is finished (0) or nothing more happens (1)")
 @click.option("--replan", is_flag=True, help="the run's plan (shard layout, model, data, layers) no "
                                              "longer matches fleet.toml: make a new one. Only when no "
@@ -187,9 +197,12 @@ async def follow_setup(client: Client) -> control.Snap:
                    "for as long as it supervises (e.g. 127.0.0.1:9400)")
 @click.option("--take-over", is_flag=True, help="another supervisor holds the run (another machine, or a "
                                                 "copy of this fleet.toml): end its hold and supervise here")
+@click.option("--every", "every_s", type=click.FloatRange(min=1), default=render.HEADLESS_PROGRESS_S,
+              show_default=True, metavar="SECONDS", help="with --headless: how often to print each live "
+                                                         "shard's done, rate and ETA")
 @at_option
 def up(config_path: str, headless: bool, replan: bool, allow_partial: bool, metrics: str | None,
-       take_over: bool, at: str | None) -> None:
+       take_over: bool, every_s: float, at: str | None) -> None:
     """Supervise the run: start its supervisor (or join the one that runs), then watch it.
 
     The run's supervisor lives in the background, apart from this terminal: it deploys and
@@ -229,7 +242,7 @@ def up(config_path: str, headless: bool, replan: bool, allow_partial: bool, metr
         except SupervisorGone as e:
             fail(f"the run's supervisor stopped: {e}", EXIT_FAULT)
         if headless:
-            return await supervise_headless(client, since, home_of(config) if at is None else None)
+            return await supervise_headless(client, since, home_of(config) if at is None else None, every_s)
         from .tui.app import run_tui
         message = await run_tui(client, reconnect(config, at), snap.snapshot)
         if message:
@@ -238,18 +251,23 @@ def up(config_path: str, headless: bool, replan: bool, allow_partial: bool, metr
     run_async(go)
 
 
-async def supervise_headless(client: Client, since: float, home: RunHome | None) -> int:
+async def supervise_headless(client: Client, since: float, home: RunHome | None,
+                             every_s: float = render.HEADLESS_PROGRESS_S) -> int:
     """`up --headless`: one line per transition as the supervisor publishes it, until the run has
     ended (every shard settled, or every row done, nothing in flight); 0 when its rows are all
     done. Interrupted, the supervisor goes on; at the end, it goes once its last client has (this
     waits for that, so the next command reads the hosts themselves)."""
     latest = None
+    shown = time.monotonic()
     try:
         while latest is None or not (latest.ended and latest.snapshot.time >= since):
             msg = await client.next_push()
             tell(msg)
             if isinstance(msg, control.Snap):
                 latest = msg
+                if time.monotonic() - shown >= every_s and not msg.ended:
+                    shown = time.monotonic()
+                    click.echo("\n".join(render.progress_lines(msg.snapshot)))
     except SupervisorGone as e:
         fail(f"the run's supervisor stopped ({e}); the workers keep running (fleet status)", EXIT_FAULT)
     await client.close()

@@ -421,7 +421,7 @@ class SlurmSpec(Strict):
                         accept_new=self.accept_new, python=self.python, gpus=[0], root=self.root)
 
 
-NOTIFY_EVENTS = ("PENDING", "STARTING", "LOADING", "RUNNING", "DONE", "STALLED", "FAILED", "BACKOFF",
+NOTIFY_EVENTS = ("PENDING", "STARTING", "LOADING", "RUNNING", "LATE", "DONE", "STALLED", "FAILED", "BACKOFF",
                  "FATAL", "STOPPED", "UNKNOWN", "alert", "finished")
 
 

@@ -20,12 +20,15 @@ import itertools
 import statistics
 from dataclasses import dataclass
 
+from worker import protocol
+
 from .record import ShardRecord
 
 PACE_WINDOW_S = 120.0        # the pace looks back this far at most (it drifts as rows get shorter)
 SETTLED_S = 180.0            # a fit over this much progress is shown as it is, else as "~"
-LATE_FACTOR = 3.0            # progress later than this many usual intervals is shown amber
-LATE_MIN_S = 3.0             # ...and never for less than this (a fast shard's jitter)
+LATE_FACTOR = 3.0            # progress later than this many usual intervals: LATE (the judge's state)
+LATE_MIN_S = 10.0            # ...and never for less than this (a fast shard's jitter, a busy box)
+USUAL_OF = 8                 # the usual interval: the median of this many latest gaps
 RESTART_SETTLE_S = 60.0      # after a restart (caches cold, the host busy) batches are left out this long
 REFIT_S = 30.0               # the fit is redone at most this often once the attempt has 40 points
 GROUP_S = 10.0               # progress intervals are fitted in groups of at least this many seconds
@@ -269,8 +272,11 @@ def progress_age(record: ShardRecord, host_now: float, idle_s: float | None = No
     if a is None or a.ended:
         return None
     age = idle_s if idle_s is not None else max(host_now - a.last_progress_t, 0.0)
+    # Gaps within what a replay keeps in full (worker.agent.thin_progress), so a re-attached
+    # supervisor judges LATE as the live one did.
     times = [p[0] for p in a.history]
-    gaps = [b - x for x, b in zip(times, times[1:]) if b > x]
+    recent = [t for t in times if times and t >= times[-1] - protocol.REPLAY_RECENT_S][-(USUAL_OF + 1):]
+    gaps = [b - x for x, b in zip(recent, recent[1:]) if b > x]
     usual = statistics.median(gaps) if len(gaps) >= 2 else None
     late = usual is not None and age > max(LATE_FACTOR * usual, LATE_MIN_S)
     return Progress(age, usual, late)

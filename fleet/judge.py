@@ -28,6 +28,7 @@ from enum import Enum
 from worker import protocol
 from worker.slurm import WAITING
 
+from .figures import progress_age
 from .record import Outcome, Phase, ShardRecord, awaiting_slurm, outcome
 from .state import MEASURED, State
 
@@ -128,7 +129,7 @@ def _judged(record: ShardRecord, alive: bool | None, host_now: float, policy: Po
         return Verdict(State.QUEUED, why, attempts=attempts)
     if alive is False:                     # dead, its end not yet in the record (the agent adds it)
         return Verdict(State.FAILED, "process vanished without an exit status", attempts=attempts)
-    return _live(a, acting, host_now, policy, attempts, idle_s)
+    return _live(record, acting, host_now, policy, attempts, idle_s)
 
 
 def _unlaunched(record: ShardRecord, alive: bool | None) -> Verdict:
@@ -154,9 +155,11 @@ def _ended(record: ShardRecord, a, acting: bool | None, host_now: float, policy:
     return _failed(why, a.end.t, attempts, host_now, policy, a.failure_fatal)
 
 
-def _live(a, acting: bool | None, host_now: float, policy: Policy, attempts: int,
+def _live(record: ShardRecord, acting: bool | None, host_now: float, policy: Policy, attempts: int,
           idle_s: float | None) -> Verdict:
-    """The newest attempt's process lives: its phase, a stop under way, a failure seen, a stall."""
+    """The newest attempt's process lives: its phase, a stop under way, a failure seen, a stall,
+    or silence past a few of its usual intervals (LATE: nothing is done about it yet)."""
+    a = record.attempt
     phase = a.phase
     if policy.custom_job and phase == Phase.STARTING and a.pid is not None:
         phase = Phase.RUNNING
@@ -180,6 +183,11 @@ def _live(a, acting: bool | None, host_now: float, policy: Policy, attempts: int
             Verdict(State.STALLED, v.reason, v.action, v.due_t, attempts)
     if phase == Phase.RUNNING and not a.worked and not policy.custom_job:
         return Verdict(State.LOADING, WARMING_UP, attempts=attempts)    # loaded, first batch not done
+    late = progress_age(record, host_now, idle_s) if phase == Phase.RUNNING else None
+    if late is not None and late.late:
+        stall = f"; STALLED at {policy.stall_timeout:.0f}s" if policy.stall_timeout is not None else ""
+        return Verdict(State.LATE, f"silent {late.age_s:.0f}s (usually {late.usual_s:.0f}s){stall}",
+                       attempts=attempts)
     return Verdict(State(phase.value), a.shipping_note if phase == Phase.RUNNING else None,
                    attempts=attempts)
 

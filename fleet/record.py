@@ -191,6 +191,7 @@ class ShardRecord:
     rows_out: int = 0                     # unfinished rows other shards took from it
     holds_rows: bool = True               # False once a dead launch's lease went to another shard
     num_rows: int | None = None           # the dataset's rows, as its worker counted them
+    cpu_tokens_per_s: float | None = None # on a CPU, what its worker timed at load
     planned: tuple[int, int] | None = None   # the plan's rows of this shard
     leased_t: float | None = None         # when it last took a lease (newer than a relocation: holds rows)
     shipping: protocol.Shipping | None = None   # its files against the destination, as last told
@@ -250,6 +251,7 @@ class ShardRecord:
             self.path = ev.path or self.path
             if ev.gpu_mem_bytes is not None:
                 self.gpu_mem_bytes = ev.gpu_mem_bytes
+            self.cpu_tokens_per_s = ev.cpu_tokens_per_s or self.cpu_tokens_per_s
         elif isinstance(ev, protocol.Progress):               # Done is a Progress too
             self._progress(a, ev)
         elif isinstance(ev, protocol.WarningEvent):

@@ -131,6 +131,25 @@ def transition_lines(changes: list[Transition], snap: FleetSnapshot) -> list[str
     return out
 
 
+HEADLESS_PROGRESS_S = 60.0     # `up --headless` prints where each live shard is this often
+
+
+def progress_lines(snap: FleetSnapshot) -> list[str]:
+    """`up --headless` while it runs: the run in a line, then each live shard's done, rate and ETA,
+    so hours of RUNNING are not hours of silence."""
+    t = snap.totals
+    stamp = time.strftime("%H:%M:%S")
+    rate = f"{number(t.tokens_per_s, 0)} tokens/s" if t.tokens_per_s is not None else f"{number(t.samples_per_s)} samples/s"
+    out = [f"{stamp} run {snap.run}: {t.done:,}/{t.total:,} samples, {rate}, {run_eta_text(t)}"]
+    for s in snap.shards:
+        if s.state in MEASURED or s.state == State.LOADING:
+            rate = f"{number(s.tokens_per_s, 0)} tok/s" if s.tokens_per_s is not None else \
+                f"{number(s.samples_per_s)} samples/s"
+            out.append(f"{stamp} shard {s.id} {s.host}:{s.gpu} {s.state.value} {s.done + s.skipped:,}/{s.total:,}, "
+                       f"{rate}, ETA {eta(s.eta_s, s.eta_rough)}" + (f" ({s.reason})" if s.reason else ""))
+    return out
+
+
 def lease_line(ev, shard: int, where, state_of=lambda k: None) -> str | None:
     """A move of rows onto `shard` as the log view says it (`where`: shard -> "host:gpu";
     `state_of`: shard -> its state now): 'rows 41,200–45,000 of gpubox3:5 (FATAL) → gpubox1:2';

@@ -163,8 +163,9 @@ class ShardStatus(BaseModel):
                                                               "progress (or its launch), host clock")
     progress_interval_s: Optional[float] = Field(None, description="the attempt's usual interval between "
                                                                    "progress events (median)")
-    progress_late: bool = Field(False, description="progress_age_s over 3 usual intervals: a stall in "
-                                                   "the making, long before stall_timeout")
+    progress_late: bool = Field(False, description="progress_age_s over 3 usual intervals and 10 s: a "
+                                                   "stall in the making, long before stall_timeout (a "
+                                                   "running shard's state is LATE)")
     restarts: int = Field(0, description="launches after the first")
     auto_attempts: int = Field(0, description="automatic restarts since the last manual launch "
                                               "(FATAL once it reaches max_restarts)")
@@ -233,7 +234,8 @@ class RunRates(BaseModel):
     expected_tokens_per_s: Optional[float] = Field(
         None, description="the expected rate in tokens/s: tokens_per_s_per_gpu x gpus_expected, or "
                           "samples_per_s_per_gpu x gpus_expected x the run's tokens per sample (from "
-                          "the shards whose total_tokens is known)")
+                          "the shards whose total_tokens is known); with neither in fleet.toml, on a "
+                          "CPU, the mean of what each worker timed at load x gpus_expected")
     ratio: Optional[float] = Field(None, description="measured / expected, in ratio_unit; null until "
                                                      "a shard is measured")
     ratio_unit: Optional[Literal["samples", "tokens"]] = Field(

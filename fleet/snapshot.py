@@ -23,7 +23,7 @@ from .state import FAULTY, MEASURED, SETTLED, State
 from .units import bytes_text
 
 
-LIVE_PROGRESS = frozenset({State.STARTING, State.LOADING, State.RUNNING, State.STALLED})
+LIVE_PROGRESS = frozenset({State.STARTING, State.LOADING, State.RUNNING, State.LATE, State.STALLED})
 
 def gpu_totals(gpus: list[Gpu]) -> GpuTotals | None:
     """None when the host reports no GPU that is not lost."""
@@ -181,8 +181,8 @@ def last_shard_eta(rows: list[ShardStatus], views: list[ShardView],
     rate_of = {id(v): x for v, x in measured}
     ends, pools = [], {}
     for row, v in zip(rows, views):
-        if row.state in (State.DONE, State.FATAL, State.STOPPED):
-            continue
+        if row.state in (State.DONE, State.FATAL, State.STOPPED) or not row.holds_rows:
+            continue                       # (a lost host's shard whose rows went to others: theirs now)
         if v.record.lease is not None:
             pools.setdefault(v.host, []).append((v.record, rate_of.get(id(v), mean)))
             continue
@@ -329,6 +329,9 @@ def against_expected(expected, views: list[ShardView], gpus_expected: int, sps: 
                      measured: bool) -> Against:
     per_gpu, unit = (expected.samples_per_s_per_gpu, "samples") if expected.samples_per_s_per_gpu \
         else (expected.tokens_per_s_per_gpu, "tokens")
+    timed = [v.record.cpu_tokens_per_s for v in views if v.record.cpu_tokens_per_s]
+    if not per_gpu and timed:             # no figure given: on a CPU, what its workers timed at load
+        per_gpu, unit = sum(timed) / len(timed), "tokens"
     rate = per_gpu * gpus_expected if per_gpu and gpus_expected else None
     sized = [v.record for v in views if v.record.total_tokens is not None and v.record.total]
     per_sample = (sum(r.total_tokens for r in sized) / sum(r.total for r in sized)) if sized else None
@@ -345,7 +348,7 @@ def against_expected(expected, views: list[ShardView], gpus_expected: int, sps: 
 def run_eta(views: list[ShardView], rows: list[ShardStatus], measured: list, finished: bool) -> tuple[str, float | None]:
     """What is left, in tokens when every unfinished shard knows its total, and when the run ends."""
     open_ = [v.record for v, row in zip(views, rows) if row.state != State.DONE]
-    total = sum(v.record.total for v in views)
+    total = run_rows([v.record for v in views])
     if open_ and all(r.total_tokens is not None for r in open_):
         unit, remaining = "tokens", sum(max(r.total_tokens - r.tokens, 0) for r in open_)
     else:
@@ -418,11 +421,23 @@ def counts(views: list[ShardView], rows: list[ShardStatus]) -> RunCounts:
     sized = bool(records) and all(r.total_tokens is not None for r in records)
     tokens = [r.tokens for r in records if counts_tokens(r)]
     measured = [r.bytes for r in records if counts_tokens(r) or r.bytes]
-    return RunCounts(shards=len(rows), by_state=by_state, done=sum(r.done + r.skipped for r in records),
-                total=sum(r.total for r in records), tokens=sum(tokens) if tokens else None,
+    total = run_rows(records)
+    return RunCounts(shards=len(rows), by_state=by_state,
+                total=total, done=min(sum(r.done + r.skipped for r in records), total or math.inf),
+                tokens=sum(tokens) if tokens else None,
                 total_tokens=sum(r.total_tokens for r in records) if sized else None,
                 bytes_written=sum(measured) if measured else None, gpus_planned=sum(gpus_of(v) for v in views),
                 gpus_expected=sum(gpus_of(v) for v, row in zip(views, rows) if row.state not in NOT_EXPECTED))
+
+
+def run_rows(records: list[ShardRecord]) -> int:
+    """The run's rows, each once wherever it moved: the plan's ranges when every shard has its own
+    (a shard that took rows from another counts them in its total, and so did the other until it
+    was told), else the shards' totals."""
+    planned = [r.planned for r in records]
+    if records and all(p is not None for p in planned):
+        return sum(stop - start for start, stop in planned)
+    return sum(r.total for r in records)
 
 
 def throughput(expected, views: list[ShardView], measured: list, gpus_expected: int) -> RunRates:

@@ -2,7 +2,8 @@
 
 `PENDING → STARTING → LOADING → RUNNING → DONE`, with QUEUED between PENDING and STARTING when
 Slurm launches (submitted, waiting in Slurm's queue; the reason is Slurm's: Priority, Resources,
-...); off the happy path STALLED (alive, no progress for stall_timeout), FAILED (ended badly, or a
+...); off the happy path LATE (alive, running, silent past a few of its usual intervals between
+progress events: a hang looks like one before stall_timeout acts), STALLED (alive, no progress for stall_timeout), FAILED (ended badly, or a
 failure seen while it still runs), BACKOFF (waiting to be restarted), FATAL (gave up after
 max_restarts), STOPPED (stopped on purpose: never restarted automatically), STOPPING (a stop or
 restart is being carried out: SIGTERM sent, SIGKILL after the grace; for a restart, until the new
@@ -23,6 +24,7 @@ class State(str, Enum):
     STARTING = "STARTING"
     LOADING = "LOADING"
     RUNNING = "RUNNING"
+    LATE = "LATE"
     STOPPING = "STOPPING"
     DONE = "DONE"
     STALLED = "STALLED"
@@ -33,12 +35,12 @@ class State(str, Enum):
     UNKNOWN = "UNKNOWN"
 
 
-LIVE = frozenset({State.STARTING, State.LOADING, State.RUNNING, State.STALLED, State.STOPPING})
-MEASURED = frozenset({State.RUNNING, State.STALLED})          # states whose rates count
+LIVE = frozenset({State.STARTING, State.LOADING, State.RUNNING, State.LATE, State.STALLED, State.STOPPING})
+MEASURED = frozenset({State.RUNNING, State.LATE, State.STALLED})          # states whose rates count
 SETTLED = frozenset({State.DONE, State.FATAL, State.STOPPED})  # nothing more happens by itself
 FAULTY = frozenset({State.STALLED, State.FAILED, State.BACKOFF, State.FATAL, State.UNKNOWN})
 RESTARTABLE = frozenset({State.FAILED, State.BACKOFF, State.FATAL})   # what `R` restarts
 
 # Most to least urgent: the order states are counted in and sorted by on screen.
-SEVERITY = ("FATAL", "FAILED", "STALLED", "UNKNOWN", "BACKOFF", "STOPPING", "STARTING", "LOADING",
+SEVERITY = ("FATAL", "FAILED", "STALLED", "UNKNOWN", "LATE", "BACKOFF", "STOPPING", "STARTING", "LOADING",
             "DEPLOYING", "RUNNING", "PENDING", "STOPPED", "DONE")

@@ -37,7 +37,7 @@ from .hostctl import is_acting, is_running, read_pid
 from .plan import read_plan
 from .probe import disk_space
 
-REPLAY_RECENT_S = 120.0           # progress events kept in full on replay (rates need 30 s)
+REPLAY_RECENT_S = protocol.REPLAY_RECENT_S   # progress kept in full on replay (rates need 30 s; LATE its gaps)
 REPLAY_BUCKET_S = 60.0            # older progress: one per minute (the throughput chart)
 SLURM_URGENT_S = 1.0              # squeue interval while a task is completing or its end is unread
 SLURM_END_WINDOW_S = 600.0        # a launch that ended this recently still gets Slurm's final word

@@ -138,9 +138,9 @@ def main() -> None:
                                 description="Make the local demo's tiny model and chat dataset if absent.")
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
-    p.add_argument("--samples", type=int, default=2400)
+    p.add_argument("--samples", type=int, default=1200)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--layers", type=int, default=12)
     args = p.parse_args()
     if not os.path.exists(os.path.join(args.model, "config.json")):
         make_model(args.model, hidden=args.hidden, layers=args.layers)

@@ -1,5 +1,6 @@
 """The worker's event log: typed records appended to events.jsonl for fleet, one human-readable
-line on stdout for people."""
+line on stdout for people. A progress event whose counters did not move since the last one printed
+is a heartbeat: fleet reads it (liveness, LATE, stalls), the log does not repeat it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class EventLog:
         self.total_tokens: int | None = None      # set once known (worker/sizing.py)
         self.work: dict = {}                      # total_rows, total_sq_tokens, attention_weight (sizing)
         self._lock = threading.Lock()
+        self._printed: tuple | None = None        # the counters of the last progress line printed
 
     def emit(self, event: protocol.Record) -> protocol.Record:
         """Stamp the event with this process's launch (and a progress event with the shard's
@@ -40,11 +42,22 @@ class EventLog:
         with self._lock:
             if self.path:
                 protocol.append_jsonl(self.path, event, sync=isinstance(event, _SYNCED))
+            if not self._moved(event):
+                return event
             fields = {k: v for k, v in event.to_dict().items()
                       if k not in ("event", "t", "launch", "traceback")}
             print(f"[shard {self.shard}] {event.KIND} " + " ".join(f"{k}={v}" for k, v in fields.items()),
                   file=sys.stdout, flush=True)
         return event
+
+    def _moved(self, event: protocol.Record) -> bool:
+        """Whether the event is worth a log line: anything but a progress heartbeat whose counters
+        are those of the last progress line printed."""
+        if type(event) is not protocol.Progress:
+            return True
+        counters = (event.done, event.skipped, event.total, event.tokens, event.total_tokens)
+        moved, self._printed = counters != self._printed, counters
+        return moved
 
     def stop_requested(self) -> protocol.StopRequested | None:
         """The stop `hostctl stop` recorded for this launch before it signalled, if any: a SIGTERM

@@ -515,10 +515,10 @@ def main(argv: list[str] | None = None) -> int:
         config = text_config(model)
         pad = args.pad_multiple or (1 if device.type != "cuda" else HYBRID_PAD if is_hybrid(model) else 8)
         path = "; ".join(filter(None, (choose_path(model, device, args, log, max(8, pad), tuner), dtype_note)))
-        weight = host_weight(model, device, args, log, config, shape.max_positions)
+        weight, cpu_rate = host_weight(model, device, args, log, config, shape.max_positions)
         log.emit(protocol.Loaded(seconds=round(time.perf_counter() - t0, 2), **gpu_memory(shard_gpus),
                                  layer_ids=list(plan.ids), last_layer_norm=plan.last_layer_norm,
-                                 path=path))
+                                 path=path, cpu_tokens_per_s=cpu_rate))
         if warning := missing_fast_kernels(model):
             log.emit(protocol.WarningEvent(message=warning))
         _write_run_meta(args, config, dtype, layout, dataset.num_rows, identity)
@@ -975,22 +975,32 @@ def row_buckets(budget: int, pad: int) -> list[int]:
 
 
 def host_weight(model: torch.nn.Module, device: torch.device, args: argparse.Namespace, log: EventLog,
-                config, max_positions: int | None) -> float | None:
+                config, max_positions: int | None) -> tuple[float | None, float | None]:
     """Attention's weight for the ETA as this CPU runs the model (sizing.measured_weight, 1-3 s at
-    load on the demo, shown as its own LOADING step); None on a GPU or when the timing fails: the
-    FLOP model's weight then."""
+    load on the demo, shown as its own LOADING step), and the tokens/s of the forwards it timed:
+    on a CPU the run's expected figure when fleet.toml gives none (what this machine does, not
+    what another did). (None, None) on a GPU; a weight of None when the timing says nothing (the
+    FLOP model's weight then)."""
     if device.type != "cpu":
-        return None
+        return None, None
     log.emit(protocol.Loading(model=args.model, detail="timing a long row against short ones "
                                                        "(what the ETA weighs rows by)"))
     long = min(sizing.LONG_ROW, max_positions or sizing.LONG_ROW)
+    timed: list[tuple[int, float]] = []
+
+    def forward(rows: int, width: int) -> float:
+        seconds = warm_rows(model, device, [(rows, width)])
+        timed.append((rows * width, seconds))
+        return seconds
     try:
-        return sizing.measured_weight(lambda rows, width: warm_rows(model, device, [(rows, width)]),
-                                      sizing.attention_weight(config), long=long)
+        weight = sizing.measured_weight(forward, sizing.attention_weight(config), long=long)
     except Terminated:
         raise
     except Exception:           # a timing that fails costs the ETA its measured weight, never the shard
-        return None
+        return None, None
+    spent = timed[1:]           # (the first forward is measured_weight's untimed warm-up)
+    seconds = sum(s for _, s in spent)
+    return weight, (round(sum(n for n, _ in spent) / seconds, 1) if spent and seconds > 0 else None)
 
 
 def warm_rows(model: torch.nn.Module, device: torch.device, shapes: list[tuple[int, int]],

@@ -45,6 +45,7 @@ PROTOCOL_VERSION = 2
 
 # --- remote layout -----------------------------------------------------------------------------
 EVENTS_FILE = "events.jsonl"
+REPLAY_RECENT_S = 120.0      # an agent's replay keeps every progress event this recent (older: thinned)
 LOG_FILE = "log"
 PID_FILE = "pid"
 LOCK_FILE = "lock"
@@ -290,6 +291,7 @@ class Loaded(Record):
     layer_ids: Optional[list] = None
     last_layer_norm: Optional[str] = None
     path: Optional[str] = None         # which forward path runs and why ("compiled …", "eager: …")
+    cpu_tokens_per_s: Optional[float] = None   # on a CPU: the forwards timed at load (the expected figure)
 
 
 @event

@@ -48,8 +48,8 @@ class MainScreen(Screen):
         Binding("r", "restart", "restart", tooltip="restart the selected (or marked) shards; asks first"),
         Binding("R", "restart_failed", "restart failed",
                 tooltip="restart every FAILED / BACKOFF / FATAL shard; asks first"),
-        Binding("space", "mark", "mark", tooltip="mark or unmark the selected shard for r and k"),
-        Binding("k", "stop", "stop", tooltip="stop the selected (or marked) shards: STOPPED; asks first"),
+        Binding("space", "mark", "mark", tooltip="mark or unmark the selected shard for r and x"),
+        Binding("x", "stop", "stop", tooltip="stop the selected (or marked) shards: STOPPED; asks first"),
         Binding("l,enter", "log", "log", tooltip="the selected shard's log, full screen"),
         Binding("slash", "filter", "filter", tooltip="filter as you type: a regex (!regex hides the matches)"),
         Binding("colon", "command", "command", tooltip=":restart 17  :stop 3-5  :host box05  :state failed  …"),
@@ -57,7 +57,7 @@ class MainScreen(Screen):
         Binding("s", "sort_next", "sort", tooltip="sort by the next column (the header marks it ▲ / ▼)"),
         Binding("S", "sort_reverse", "reverse", show=False, tooltip="reverse the sort"),
         *[Binding(str(n + 1), f"sort_column({n})", f"sort {n + 1}", show=False) for n in range(9)],
-        Binding("D", "stop_all", "stop run", tooltip="stop the whole run, every shard on every host; asks"),
+        Binding("D", "stop_all", "stop run", tooltip="stop every shard on every host; asks: D again confirms"),
         Binding("escape", "clear", "clear", show=False, tooltip="clear filters and marks, close the input"),
     ]
 
@@ -255,7 +255,7 @@ class MainScreen(Screen):
     def _key_state(self) -> tuple:
         """What check_action's answers depend on."""
         return (bool(self.snap and self.snap.totals.finished),
-                self.query_one(ShardTable).selected_shard is not None, bool(self._restartable()))
+                self.query_one(ShardTable).selected_shard is not None)
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """Keys that cannot apply now are hidden (a finished run has nothing to restart or stop)."""
@@ -264,8 +264,6 @@ class MainScreen(Screen):
             return False
         if action in ("restart", "stop", "log", "mark"):
             return self.query_one(ShardTable).selected_shard is not None or None
-        if action == "restart_failed":
-            return bool(self._restartable()) or None
         return True
 
     def _targets(self) -> list[int]:
@@ -277,11 +275,11 @@ class MainScreen(Screen):
     def _restartable(self) -> list[int]:
         return [s.id for s in self.snap.shards if s.state in RESTARTABLE] if self.snap else []
 
-    def _confirm_then(self, question: str, job) -> None:
+    def _confirm_then(self, question: str, job, verb: str, key: str = "y") -> None:
         def answered(yes: bool | None) -> None:
             if yes:
                 self.app.run_action_job(job)
-        self.app.push_screen(ConfirmScreen(question), answered)
+        self.app.push_screen(ConfirmScreen(question, verb, key), answered)
 
     def _allowed(self, ids: list[int], kind: str) -> list[int]:
         """The shards `kind` may apply to, by the one rule every caller uses; the rest are told."""
@@ -296,14 +294,14 @@ class MainScreen(Screen):
         ids = self._allowed(ids, "restart")
         if ids:
             self._confirm_then(f"Restart shard(s) {', '.join(map(str, ids))}? They resume where they stopped.",
-                               lambda: self.app.source.restart(ids))
+                               lambda: self.app.source.restart(ids), "Restart")
 
     def stop(self, ids: list[int]) -> None:
         ids = self._allowed(ids, "stop")
         if ids:
             self._confirm_then(f"Stop shard(s) {', '.join(map(str, ids))}? They show STOPPED and are not "
                                f"restarted until you say so. Output already written stays.",
-                               lambda: self.app.source.stop(ids))
+                               lambda: self.app.source.stop(ids), "Stop")
 
     def action_restart(self) -> None:
         self.restart(self._targets())
@@ -312,13 +310,16 @@ class MainScreen(Screen):
         ids = self._restartable()
         if ids:
             self._confirm_then(f"Restart {len(ids)} FAILED/BACKOFF/FATAL shard(s): {', '.join(map(str, ids))}?",
-                               lambda: self.app.source.restart(ids))
+                               lambda: self.app.source.restart(ids), "Restart")
+        else:
+            self.notify("nothing to restart: no shard is FAILED, BACKOFF or FATAL")
 
     def action_stop(self) -> None:
         self.stop(self._targets())
 
     def action_stop_all(self) -> None:
-        self._confirm_then("Stop the WHOLE run (every shard on every host)?", self.app.source.stop_all)
+        self._confirm_then("Stop the WHOLE run (every shard on every host)? Starting them again costs a model load each.",
+                           self.app.source.stop_all, "Stop the run", key="D")
 
     def action_mark(self) -> None:
         """Mark or unmark the selected shard: the one the detail line shows, whichever pane has
@@ -339,14 +340,14 @@ class MainScreen(Screen):
         self.query_one("#command", Input).display = False
         box.display = True
         box.value = self.view.query
-        box.focus()
+        self.set_focus(box)          # now, not after the keys already queued: they are the filter's
 
     def action_command(self) -> None:
         box = self.query_one("#command", Input)
         self.query_one("#filter", Input).display = False
         box.display = True
         box.value = ""
-        box.focus()
+        self.set_focus(box)          # now: a command typed in one burst goes to the input
 
     @on(Input.Changed, "#filter")
     def _filter_changed(self, event: Input.Changed) -> None:
@@ -409,6 +410,9 @@ class MainScreen(Screen):
         self._close_inputs()
 
     def action_faulty(self) -> None:
+        if not self.view.faulty_only and self.snap is not None and not any(s.faulty for s in self.snap.shards):
+            self.notify("no faulty shard (STALLED, FAILED, BACKOFF, FATAL, UNKNOWN): nothing to filter to")
+            return
         self.view.faulty_only = not self.view.faulty_only
         self.redraw()
 

@@ -12,17 +12,24 @@ from .panes.log import LogView
 
 
 class ConfirmScreen(ModalScreen[bool]):
-    BINDINGS = [Binding("y", "answer(True)", "yes"), Binding("n,escape", "answer(False)", "no")]
+    """A destructive question. The focus starts on the harmless answer, so Enter (or a key typed by
+    habit) cancels; only the named key (`key`, `y` unless said) or a click on the action does it."""
 
-    def __init__(self, question: str):
+    def __init__(self, question: str, verb: str = "Yes", key: str = "y"):
         super().__init__()
-        self.question = question
+        self.question, self.verb, self.key = question, verb, key
+        self._bindings.bind(key, "answer(True)", verb.lower())
+        self._bindings.bind("n,escape,q", "answer(False)", "cancel")
 
     def compose(self) -> ComposeResult:
         with Grid():
-            yield Label(self.question, id="question")
-            yield Button("Yes (y)", variant="error", id="yes")
-            yield Button("No (n)", variant="primary", id="no")
+            yield Label(f"{self.question}\n\n{self.key} {self.verb.lower()} · enter, n or esc cancel",
+                        id="question")
+            yield Button(f"{self.verb} ({self.key})", variant="error", id="yes")
+            yield Button("Cancel (enter, n, esc)", variant="primary", id="no")
+
+    def on_mount(self) -> None:
+        self.set_focus(self.query_one("#no", Button))      # at once: a key already typed lands here
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")
@@ -34,7 +41,8 @@ class ConfirmScreen(ModalScreen[bool]):
 # --- help ---------------------------------------------------------------------------------------
 
 NOT_BINDINGS = [
-    ("Anywhere", [("tab / shift+tab", "next / previous pane (shards, GPUs, log)"),
+    ("Anywhere", [("↑ ↓ / k j", "move the cursor (pgup pgdn home end too)"),
+                  ("tab / shift+tab", "next / previous pane (shards, GPUs, log)"),
                   ("ctrl+p", "Textual's command palette (theme, screenshot, keys)")]),
     ("Mouse", [("click a row", "select it (a GPU host: select; double click expands)"),
                ("double click", "a shard: open its log"),
@@ -133,7 +141,7 @@ class LogScreen(Screen[None]):
         box = self.query_one("#log-search", Input)
         box.display = True
         box.value = self.query_one(LogView).search or ""
-        box.focus()
+        self.set_focus(box)          # now: a word typed in one burst after / is the search's
 
     def on_input_changed(self, event: Input.Changed) -> None:
         view = self.query_one(LogView)

@@ -13,7 +13,7 @@ from rich.style import Style
 from ..state import State
 
 GLYPH = {
-    "PENDING": "○", "DEPLOYING": "…", "STARTING": "◔", "LOADING": "◑", "RUNNING": "▶",
+    "PENDING": "○", "DEPLOYING": "…", "STARTING": "◔", "LOADING": "◑", "RUNNING": "▶", "LATE": "◷",
     "DONE": "✓", "STALLED": "⚠", "FAILED": "✗", "BACKOFF": "↻", "FATAL": "✖", "STOPPED": "■",
     "STOPPING": "◼", "UNKNOWN": "?",
 }
@@ -24,13 +24,13 @@ GLYPH = {
 # measures every state on both.
 _COLOUR = {
     "PENDING": "#9e9e9e", "DEPLOYING": "cyan", "STARTING": "cyan", "LOADING": "cyan",
-    "RUNNING": "green", "DONE": "bold green", "STALLED": "bold yellow", "FAILED": "bold #ff5f87",
+    "RUNNING": "green", "LATE": "bold #ffaf00", "DONE": "bold green", "STALLED": "bold yellow", "FAILED": "bold #ff5f87",
     "BACKOFF": "yellow", "FATAL": "bold #ffffff on #a00000", "STOPPED": "italic",
     "STOPPING": "bold #e070e0", "UNKNOWN": "#e070e0",
 }
 _MONO = {                                  # what survives NO_COLOR: weight, italics, reverse video
     "PENDING": "", "DEPLOYING": "", "STARTING": "", "LOADING": "", "RUNNING": "", "DONE": "",
-    "STALLED": "bold", "FAILED": "bold", "BACKOFF": "bold", "FATAL": "bold reverse",
+    "LATE": "bold", "STALLED": "bold", "FAILED": "bold", "BACKOFF": "bold", "FATAL": "bold reverse",
     "STOPPED": "italic", "STOPPING": "bold italic", "UNKNOWN": "italic",
 }
 _STATE_STYLES = {False: {k: Style.parse(v) for k, v in _COLOUR.items()},

@@ -158,6 +158,28 @@ def test_stall_is_detected_on_host_time_shown_then_restarted_and_clears():
     assert verdict(evs, 133, True).state == State.RUNNING
 
 
+def test_a_silent_running_shard_is_late_before_it_is_stalled():
+    """Progress every 2 s, then silence: RUNNING up to three usual intervals (and at least
+    LATE_MIN_S), LATE after (its reason says how long and when it will be STALLED), STALLED at
+    stall_timeout; progress again is RUNNING. A replay thinned by the agent judges the same."""
+    evs = [launch(1), p.Loaded(t=1, launch=1)] + [p.Progress(t=t, launch=1, done=t, total=500)
+                                                   for t in range(2, 300, 2)]
+    last = 298
+    assert verdict(evs, last + 9, True).state == State.RUNNING
+    v = verdict(evs, last + 11, True)
+    assert (v.state, v.action) == (State.LATE, Action.NONE)
+    assert v.reason == "silent 11s (usually 2s); STALLED at 120s"
+    thinned = thin_progress([p.parse_event(e.to_dict()) for e in evs])
+    assert len(thinned) < len(evs) and judge(fold(thinned), True, last + 11, POLICY) == v
+    assert verdict(evs, last + 121, True).state == State.STALLED
+    assert verdict(evs + [p.Progress(t=last + 30, launch=1, done=300, total=500)], last + 31, True).state \
+        == State.RUNNING
+    slow = [launch(1), p.Loaded(t=1, launch=1)] + [p.Progress(t=t, launch=1, done=t, total=500)
+                                                   for t in range(10, 200, 10)]
+    assert verdict(slow, 190 + 25, True).state == State.RUNNING          # 2.5 of its usual 10 s
+    assert verdict(slow, 190 + 31, True).state == State.LATE
+
+
 def test_rates_are_measured_over_batches_and_fall_when_the_next_is_late():
     evs = [launch(0), p.Loaded(t=1, launch=1)]
     assert rates(fold(evs), State.RUNNING, 1) is None                  # not measured, never zero
@@ -212,6 +234,35 @@ def test_snapshot_totals_expected_alert_unknown_hosts_and_exit_codes():
     snap = build_snapshot("r", [stopped, done], hosts, now=13, expected=exp)
     assert [s.state for s in snap.shards] == [State.STOPPED, State.DONE]
     assert status_exit_code(snap) == 0 and snap.totals.settled and snap.totals.expected_per_s is None
+
+
+def test_on_a_cpu_with_no_figure_given_the_workers_timing_at_load_is_expected():
+    """Issue 55: the demo's fixed 1,800 tokens/s was another CPU's; with no figure in fleet.toml
+    the expected rate is the mean of what the workers timed at load, x the GPUs (slots) expected."""
+    hosts = {"a": Host("a", "1.1.1.1", reachable=True, replayed=True)}
+    running = [launch(0), p.Loaded(t=1, launch=1, cpu_tokens_per_s=150.0)] + [
+        p.Progress(t=t, launch=1, done=t, tokens=t * 100, total=100, total_tokens=10_000) for t in range(2, 12, 2)]
+    slower = [launch(0), p.Loaded(t=1, launch=1, cpu_tokens_per_s=50.0)] + running[2:]
+    views = [view(0, "a", running, 10), view(1, "a", slower, 10)]
+    t = build_snapshot("r", views, hosts, now=10, expected=ExpectedSpec()).totals
+    assert t.expected_tokens_per_s == 200.0 and t.tokens_per_s == 200.0 and t.ratio == 1.0
+    assert t.alert_level == "ok"
+    t = build_snapshot("r", views, hosts, now=10, expected=ExpectedSpec(tokens_per_s_per_gpu=400)).totals
+    assert t.expected_tokens_per_s == 800.0 and t.ratio == 0.25      # a figure given wins
+
+
+def test_run_totals_count_the_plans_rows_once_wherever_they_moved():
+    """Issue 55: while rows moved the run read 191/450 on a 300-row dataset. The run's total is
+    its plan's rows; done never passes it."""
+    hosts = {"a": Host("a", "1.1.1.1", reachable=True, replayed=True)}
+    def shard(k, total, done):
+        return [launch(0), p.Started(t=1, launch=1, start=100 * k, stop=100 * (k + 1), total=100, num_rows=300),
+                p.Loaded(t=1, launch=1), p.Progress(t=2, launch=1, done=0, total=total),
+                p.Progress(t=4, launch=1, done=done, total=total)]
+    views = [view(0, "a", shard(0, 100, 100), 5), view(1, "a", shard(1, 250, 120), 5),   # took 150
+             view(2, "a", shard(2, 100, 80), 5)]                                         # not yet told
+    t = build_snapshot("r", views, hosts, now=5, expected=ExpectedSpec()).totals
+    assert (t.done, t.total) == (300, 300)
 
 
 # --- invariants over random histories ---------------------------------------------------------

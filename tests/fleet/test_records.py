@@ -304,20 +304,24 @@ def test_a_broken_host_python_is_said_as_such_not_unreachable(tmp_path):
     assert host["reachable"] is False and host["error"].startswith("upload to ")
 
 
-async def test_a_shard_that_stops_is_amber_at_three_of_its_intervals_long_before_its_stall(tmp_path):
-    """A [job] printing progress every second, then hanging, under a stall_timeout of 30 s: the
-    real runner and agent, the supervisor's snapshot polled as the live view draws it — its
-    progress is late (amber) within 5 s of its last progress line, and it is not yet STALLED."""
+async def test_a_shard_that_stops_is_late_at_three_of_its_intervals_long_before_its_stall(tmp_path):
+    """A [job] printing progress every second, then hanging, under a stall_timeout of 40 s: the
+    real runner and agent, the supervisor's snapshot polled as the live view draws it — the shard
+    is LATE (its state, and amber) once 3 intervals and 10 s have passed since its last progress
+    line, and it is not yet STALLED."""
     script = {"0": [[["ticks", 8, 1.0], ["hang"]]]}
-    sup = await started(job_toml(tmp_path, script, gpus=(0,), stall="30s"))
+    sup = await started(job_toml(tmp_path, script, gpus=(0,), stall="40s"))
     try:
         await until(lambda: shard(sup, 0).done == 8, timeout=60, what="8 ticks")
-        seen = []                                  # (age the snapshot says, late) as the view polls
-        late = await until(lambda: (seen.append((shard(sup, 0).progress_age_s, shard(sup, 0).progress_late))
-                                    or shard(sup, 0).progress_late) and shard(sup, 0), timeout=20, what="amber")
-        assert late.state == State.RUNNING and late.progress_interval_s == pytest.approx(1.0, abs=0.3)
-        assert 3.0 <= late.progress_age_s <= 5.0, late          # 3 intervals (and 3 s), not the 30 s stall
-        assert not any(is_late for age, is_late in seen if age is not None and age <= 2.9), seen
+        seen = []                                  # (age, late, state) as the view polls
+        late = await until(lambda: (seen.append((shard(sup, 0).progress_age_s, shard(sup, 0).progress_late,
+                                                 shard(sup, 0).state))
+                                    or shard(sup, 0).state == State.LATE) and shard(sup, 0), timeout=30, what="LATE")
+        assert late.progress_late and late.progress_interval_s == pytest.approx(1.0, abs=0.3)
+        assert 10.0 <= late.progress_age_s <= 13.0, late        # 10 s (3 intervals are less), not the 40 s stall
+        assert late.reason.startswith("silent ") and "STALLED at 40s" in late.reason, late.reason
+        assert not any(is_late or state != State.RUNNING for age, is_late, state in seen
+                       if age is not None and age <= 9.9), seen
     finally:
         await sup.close()
 

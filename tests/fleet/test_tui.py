@@ -162,9 +162,9 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
             await pilot.press("escape")
             await until(pilot, lambda: shards.row_count == 2, what="filter cleared")
 
-            # k on shard 1: STOPPED, never FAILED or BACKOFF on the way, and not restarted.
+            # x on shard 1: STOPPED, never FAILED or BACKOFF on the way, and not restarted.
             shards.move_to_key("1")
-            await confirm(pilot, app, ["k"], "Stop shard(s) 1?")
+            await confirm(pilot, app, ["x"], "Stop shard(s) 1?")
             await until(pilot, lambda: cell(shards, "1", "state") == "■ STOPPED", what="shard 1 STOPPED")
             drawn_by_now = len(app.frames)                              # five more frames: not restarted
             await until(pilot, lambda: len(app.frames) >= drawn_by_now + 5, what="five frames after the stop")
@@ -208,7 +208,7 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
             top = str(again.main.query_one(TopBar).render())
             assert "✓ 2/2 shards DONE in" in top and "→ fleet verify" in top
             keys = {b.binding.key for b in again.screen.active_bindings.values() if b.enabled}
-            assert not {"r", "R", "k", "D"} & keys                  # nothing left to restart or stop
+            assert not {"r", "R", "x", "D"} & keys                  # nothing left to restart or stop
             assert any("2/2 shards DONE" in m and "fleet verify" in m for m in again.toasts), again.toasts
             final = again.snap
             await pilot.press("q")
@@ -276,6 +276,26 @@ def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
         wait_screen(lambda t: "Restart shard(s) 0?" in t, "confirmation")
         tmux("send-keys", "-t", tmux.session, "y", check=True)
         wait_screen(lambda t: "✖ FATAL" not in t and t.count("▶ RUNNING") >= 2, "shard 0 running again")
+        # Issue 55: keys typed in one burst after `/` are the filter's (not `l`, the log view)...
+        tmux("send-keys", "-t", tmux.session, "/local:1", check=True)
+        text = wait_screen(lambda t: "shards (1/2)" in t, "the filter typed in one burst")
+        assert "— log" not in text, text
+        tmux("send-keys", "-t", tmux.session, "Escape", check=True)
+        # ...a stop then Enter stops nothing (the dialog opens on Cancel)...
+        tmux("send-keys", "-t", tmux.session, "x", check=True)
+        wait_screen(lambda t: "Stop shard(s)" in t and "Cancel" in t, "the stop dialog")
+        tmux("send-keys", "-t", tmux.session, "Enter", check=True)
+        wait_screen(lambda t: "Stop shard(s)" not in t, "the dialog cancelled")
+        # ...and a hung worker (SIGSTOP) reads LATE in its row and the top bar at 80 columns, long
+        # before stall_timeout; RUNNING again once it goes on.
+        hung = pid_of(tmp_path, 1)
+        os.kill(hung, signal.SIGSTOP)
+        try:
+            text = wait_screen(lambda t: t.count("◷ LATE") >= 2, "LATE in the row and the top bar", timeout=60)
+            assert "■ STOPPED" not in text and "STALLED" not in text
+        finally:
+            os.kill(hung, signal.SIGCONT)
+        wait_screen(lambda t: "LATE" not in t and t.count("▶ RUNNING") >= 2, "RUNNING again")
         tmux("send-keys", "-t", tmux.session, "C-c", check=True)     # quits like q
         # The view was a client: its supervisor goes on, and a `fleet up` joins it at once, with
         # no deploy and no preflight, and finds shard 0 as the restart left it.

@@ -4,6 +4,7 @@ records, the real judge and snapshot; events recorded from real runs): what each
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 
@@ -17,7 +18,8 @@ from fleet.tui.panes.lines import cell_text, fit_columns
 from fleet.tui.panes.log import LogView, shape
 from fleet.tui.panes.shards import COLUMN_KEYS, COLUMNS, ShardDetail, ShardTable
 from fleet.tui.app import help_text
-from fleet.tui.screens import HelpScreen, LogScreen
+from fleet.tui.screens import ConfirmScreen, HelpScreen, LogScreen
+from textual.widgets import Input
 from textual.command import CommandPalette
 from tests.fleet.tui_wait import drawn, redrawn, until
 
@@ -55,12 +57,12 @@ async def ui():
         yield f, app, pilot, app.main.query_one(ShardTable)
 
 
-async def test_space_marks_k_stops_marked_as_stopped_and_R_skips_them(ui):
+async def test_space_marks_x_stops_marked_as_stopped_and_R_skips_them(ui):
     f, app, pilot, table = ui
     await pilot.press("space", "down", "space")                  # mark 0 and 1: the cursor stays
     assert app.main.view.marked == {0, 1} and table.selected_shard == 1
     assert cell(table, "0", "id").startswith("●")
-    await pilot.press("k")
+    await pilot.press("x")
     assert "Stop shard(s) 0, 1?" in question(app)
     await pilot.press("y")
     await until(pilot, lambda: {s.state for s in app.snap.shards[:2]} == {State.STOPPED}, what="0 and 1 stopped")
@@ -117,9 +119,45 @@ async def test_D_stops_the_whole_run_after_asking(ui):
     assert "Stop the WHOLE run" in question(app)
     await pilot.press("escape")                                  # no
     assert app.snap.shards[0].state == State.RUNNING
-    await pilot.press("D", "y")
+    await pilot.press("D", "y")                                  # y is not the run's key: still asking
+    assert isinstance(app.screen, ConfirmScreen) and app.snap.shards[0].state == State.RUNNING
+    assert "D stop the run" in question(app)
+    await pilot.press("D")
     await until(pilot, lambda: app.snap.shards[0].state == State.STOPPED, what="the run stopped")
     assert {s.state for s in app.snap.shards} == {State.STOPPED, State.FATAL, State.BACKOFF}
+
+
+async def test_enter_cancels_every_destructive_question_and_jk_move(ui):
+    """Issue 55: the dialogs open on Cancel, so Enter (a k9s or vim user's "open") stops nothing;
+    j and k move the cursor, as in k9s and vim; stop is x."""
+    f, app, pilot, table = ui
+    await pilot.press("j")
+    assert table.selected_shard == 1
+    await pilot.press("k")
+    assert table.selected_shard == 0 and app.screen is app.main         # k moved: nothing asked
+    for keys in (("x",), ("r",), ("D",)):
+        await pilot.press(*keys)
+        assert isinstance(app.screen, ConfirmScreen)
+        assert app.screen.focused is not None and app.screen.focused.id == "no"
+        await pilot.press("enter")
+        await until(pilot, lambda: app.screen is app.main, what=f"{keys} cancelled")
+    await redrawn(pilot, app)
+    assert app.snap.shards[0].state == State.RUNNING and f.shards[0][2].launches == 1
+
+
+async def test_keys_typed_in_one_burst_after_slash_and_colon_go_to_the_input(ui):
+    """Issue 55: `/local:0` typed in one burst opened the log (`l`) or put the `/` in the filter;
+    `/ry` opened the restart dialog and confirmed it. Every key after `/` or `:` is the input's."""
+    f, app, pilot, table = ui
+    await pilot.press("slash", "r", "y", "l", "k", "x")
+    box = app.main.query_one("#filter", Input)
+    assert box.value == "rylkx" and app.screen is app.main
+    await pilot.press("escape")
+    await pilot.press("colon", *"log 1")
+    assert app.main.query_one("#command", Input).value == "log 1" and app.screen is app.main
+    await pilot.press("escape")
+    await redrawn(pilot, app)
+    assert {s.state for s in app.snap.shards[:3]} == {State.RUNNING}
 
 
 async def test_slash_filters_live_as_typed_regex_and_negation_escape_clears(ui):
@@ -363,7 +401,8 @@ async def test_a_stall_is_toasted_with_the_bell_as_it_appears_labelled_stalled()
         for _ in range(f.policy.stall_timeout - 5):
             f.tick(1.0)
         await redrawn(pilot, app)
-        assert app.snap.shards[7].state == State.RUNNING and bells == []
+        assert app.snap.shards[7].state == State.LATE and bells == []    # LATE: no toast, no bell yet
+        assert cell(app.main.query_one(ShardTable), "7", "state") == "◷ LATE"
         for _ in range(10):
             f.tick(1.0)
         await redrawn(pilot, app)
@@ -371,7 +410,7 @@ async def test_a_stall_is_toasted_with_the_bell_as_it_appears_labelled_stalled()
         assert app.snap.shards[7].state == State.STALLED and cell(table, "7", "state").startswith("⚠ STALLED")
         assert bells == [1]                                       # in the same frame
         messages = [n.message for n in app._notifications]
-        assert any("shard 7" in m and "RUNNING -> STALLED" in m for m in messages), messages
+        assert any("shard 7" in m and "LATE -> STALLED" in m for m in messages), messages
         assert not any("STARTING" in m for m in messages), messages
 
 
@@ -420,8 +459,8 @@ async def test_r_and_k_on_a_done_shard_are_refused_by_the_same_rule_as_fleet_res
         told = lambda: [n.message for n in app._notifications]
         await until(pilot, lambda: any("shard 1 is DONE: nothing to redo" in m for m in told()), what="r refused")
         assert app.screen is app.main                                   # no question asked
-        await pilot.press("k")
-        await until(pilot, lambda: any("shard 1 is DONE: nothing to stop" in m for m in told()), what="k refused")
+        await pilot.press("x")
+        await until(pilot, lambda: any("shard 1 is DONE: nothing to stop" in m for m in told()), what="x refused")
         assert app.screen is app.main
         table.move_to_key("0")
         await pilot.press("space")                                      # marks 0
@@ -553,3 +592,23 @@ async def test_focus_returns_to_the_pane_that_had_it_after_the_palette_or_a_moda
     await until(pilot, lambda: app.screen is app.main, what="the palette closed")
     await pilot.pause()
     assert log.has_focus                                         # the other pane, as it was
+
+
+def screen_text(app) -> list[str]:
+    """The screen as a terminal shows it: one string per row, from the compositor's own strips."""
+    return ["".join(seg.text for seg in strip) for strip in app.screen._compositor.render_strips()]
+
+
+@pytest.mark.parametrize("width", [60, 80, 120, 200])
+async def test_every_width_keeps_the_state_its_reason_the_countdown_and_the_alert(width):
+    """Issue 55: at 80 columns the BACKOFF reason was cut, at 60 the top bar dropped "% of
+    expected". From 60 columns on, a BACKOFF shard's row keeps its state, its countdown and its
+    reason's first words, and the top bar the run's share of the expected rate."""
+    app = FleetApp(fleet(), interval=3600)
+    async with app.run_test(size=(width, 24)) as pilot:
+        await drawn(pilot, app)
+        rows = screen_text(app)
+        assert all(len(r) <= width for r in rows)
+        assert "% of expected" in rows[1], rows[:3]
+        backoff = next(r for r in rows[3:] if re.search(r"\b5 .*↻ BACKOFF", r))     # shard 5's row
+        assert re.search(r"↻ BACKOFF \d+s", backoff) and "killed by" in backoff, backoff

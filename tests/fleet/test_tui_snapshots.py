@@ -27,7 +27,8 @@ async def settle(pilot):
     await pilot.pause()
 
 
-@pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 40), (200, 60), (220, 60)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("size", [(60, 24), (80, 24), (100, 30), (120, 40), (200, 60), (220, 60)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
 def test_snapshot_main_screen_with_failures(snap_compare, size):
     app = troubled() if size[0] < 200 else troubled(hosts=8, gpus=8)
     assert snap_compare(app, terminal_size=size, run_before=settle)

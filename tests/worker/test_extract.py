@@ -45,10 +45,16 @@ def test_shards_cover_every_index_exactly_once(n):
 def test_files_manifest_meta_and_no_padding(tmp_path, dense_model, token_data):
     out, state = str(tmp_path / "out"), str(tmp_path / "state")
     r = run_worker("--model", dense_model, "--data", token_data, "--out", out, "--state", state,
-                   "--max-tokens-per-batch", "512", "--model-dtype", "fp32")
+                   "--max-tokens-per-batch", "512", "--model-dtype", "fp32", "--progress-interval", "0.05")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(l) for l in open(token_data)]
     assert sorted(manifest_indices(out)) == list(range(len(rows)))
+    # Issue 55: the log says what changed; heartbeats (progress with the same counters) go to
+    # events.jsonl only. Each progress line's counters differ from the previous line's.
+    printed = [l.split(" progress ", 1)[1] for l in r.stdout.splitlines() if " progress " in l]
+    counters = [tuple(f for f in line.split() if f.split("=")[0] in ("done", "skipped", "total", "tokens"))
+                for line in printed]
+    assert printed and all(a != b for a, b in zip(counters, counters[1:])), printed
     meta = json.load(open(os.path.join(out, "meta.json")))
     assert meta["layer_ids"] == [2, 4, 5, 8] and meta["last_layer_norm"] == "pre"
     assert meta["num_samples"] == len(rows) and meta["hidden_size"] == 64

@@ -33,7 +33,7 @@ COLUMNS = [
     Column("util", "util", 10, 2),
     Column("hist", "history", 10, 6),
     Column("temp", "temp", 4, 3, "right"),
-    Column("power", "power", 5, 4, "right"),
+    Column("power", "power", 6, 4, "right"),
     Column("cost", "$/h  spent", 13, 5, "right"),
     Column("age", "reading", 8, 7),
 ]
@@ -132,7 +132,7 @@ class GpuTable(LineTable):
                       no_color),
                 spark(hist, 10, 100),
                 _styled(_num(t.temp_max, "°"), temp_level(t.temp_max), no_color) if t.temp_max is not None else "—",
-                f"{t.power_w / 1000:.1f}k" if t.power_w >= 1000 else _num(t.power_w, "W"),
+                f"{t.power_w / 1000:.1f}kW" if t.power_w >= 1000 else _num(t.power_w, "W"),
                 cost_cell(h), self.age(h) if not t.lost else (("GPU lost", "bold red"),))
 
     def gpu_cells(self, h: HostStatus, g, hist, no_color: bool) -> tuple:

@@ -128,8 +128,8 @@ def show_text(widget: Static, content) -> None:
 class LineTable(ScrollView, can_focus=True):
     COMPONENT_CLASSES = {"linetable--header", "linetable--cursor", "linetable--highlight"}
     BINDINGS = [
-        Binding("up", "cursor(-1)", "up", show=False),
-        Binding("down", "cursor(1)", "down", show=False),
+        Binding("up,k", "cursor(-1)", "up", show=False),
+        Binding("down,j", "cursor(1)", "down", show=False),
         Binding("pageup", "page(-1)", "page up", show=False),
         Binding("pagedown", "page(1)", "page down", show=False),
         Binding("home", "edge(0)", "first", show=False),

@@ -30,11 +30,17 @@ def shape(line: str) -> str:
     return _NUMBER.sub("#", line)
 
 
+def folded(text: str, n: int) -> str:
+    """A line and how many times it updated in place, the count first: at the end it was cut off
+    on any line wider than the pane."""
+    return f"(×{n + 1}) {text}" if n else text
+
+
 class LogView(ScrollView, can_focus=True):
     COMPONENT_CLASSES = {"logview--cursor", "logview--match", "logview--note", "logview--bad"}
     BINDINGS = [
-        Binding("up", "cursor(-1)", "up", show=False),
-        Binding("down", "cursor(1)", "down", show=False),
+        Binding("up,k", "cursor(-1)", "up", show=False),
+        Binding("down,j", "cursor(1)", "down", show=False),
         Binding("pageup", "page(-1)", "page up", show=False),
         Binding("pagedown", "page(1)", "page down", show=False),
         Binding("g,home", "top", "top", tooltip="first line"),
@@ -58,6 +64,7 @@ class LogView(ScrollView, can_focus=True):
         self._width = 0
 
     # --- content --------------------------------------------------------------------------------
+
     def clear(self) -> None:
         self.lines.clear()
         self.cursor = 0
@@ -100,7 +107,7 @@ class LogView(ScrollView, can_focus=True):
             self._width = width
             rows = []
             for i, (text, _, n) in enumerate(self.lines):
-                full = text + (f" (×{n + 1})" if n else "")
+                full = folded(text, n)
                 if not self.wrap or len(full) <= width:
                     rows.append((i, 0, len(full)))
                     continue
@@ -115,8 +122,12 @@ class LogView(ScrollView, can_focus=True):
         self.virtual_size = Size(max(longest, self.size.width), len(rows))
 
     def on_resize(self) -> None:
+        """Laid out anew (the first layout comes after a re-attached view has written the whole
+        log): a log that follows its end shows its end, not wherever the first size left it."""
         self._rows = None
         self._update_size()
+        if self.auto_scroll:
+            self.call_after_refresh(self._scroll_to_cursor, True)
 
     def _row_of(self, line: int) -> int:
         for r, (i, _, _) in enumerate(self._visual_rows()):
@@ -150,7 +161,7 @@ class LogView(ScrollView, can_focus=True):
             style = base + self.get_component_rich_style(f"logview--{kind}")
         if i == self.cursor and self.has_focus:
             style = style + self.get_component_rich_style("logview--cursor")
-        full = text + (f" (×{n + 1})" if n else "")
+        full = folded(text, n)
         piece = full[start:end]
         segments = self._highlight(piece, style)
         strip = Strip(segments)

@@ -152,9 +152,9 @@ def expected_parts(t, style: str) -> list[tuple[int, Text]]:
         return []
     parts = [(2, Text(f"expected {si(expected)} {'tok' if unit == 'tokens' else 'samples'}/s"
                       f" ({t.gpus_expected} GPU{'' if t.gpus_expected == 1 else 's'})"))]
-    if t.ratio is not None:
-        parts.append((1, Text.assemble((bar(min(t.ratio, 1.0), 12), style),
-                                       (f" {t.ratio:.0%} of expected", style))))
+    if t.ratio is not None:             # the share before the bar: at 60 columns the bar goes, the share stays
+        parts.append((1, Text(f"{t.ratio:.0%} of expected", style)))
+        parts.append((3, Text(bar(min(t.ratio, 1.0), 12), style)))
     else:
         parts.append((1, Text("not measured yet", "italic")))
     return parts
