@@ -370,6 +370,9 @@ class SSHTransport(Transport):
         if isinstance(e, asyncssh.HostKeyNotVerifiable):      # a jump host (the target's is _open's)
             return (f"host key not trusted by {r.said('known_hosts', r.known_hosts)}; to trust it run "
                     f"ssh-keyscan -p {r.port} {r.host} >> {r.known_hosts}")
+        if isinstance(e, asyncssh.ConnectionLost):            # TCP connected, then closed before SSH spoke
+            return (f"{r.host}:{r.port} closed the connection before SSH began (not sshd on that port, a "
+                    f"firewall or proxy in the way, or sshd refusing under load: MaxStartups)")
         if isinstance(e, asyncssh.Error):
             return f"SSH error: {e.reason}"
         return str(e.strerror or e)                           # another OSError

@@ -36,7 +36,7 @@ _MONO = {                                  # what survives NO_COLOR: weight, ita
 _STATE_STYLES = {False: {k: Style.parse(v) for k, v in _COLOUR.items()},
                  True: {k: Style.parse(v) for k, v in _MONO.items()}}
 
-ALERT = {False: {None: "", "ok": "green", "low": "bold yellow", "critical": "bold red"},
+ALERT = {False: {None: "", "ok": "green", "low": "bold yellow", "critical": "bold #ff5f5f"},   # (red: 4.4:1 in 256 colours)
          True: {None: "", "ok": "", "low": "bold", "critical": "bold reverse"}}
 GOOD, WARN, BAD = "green", "yellow", "bold red"
 

@@ -16,7 +16,7 @@ from fleet.state import State
 from fleet.tui.app import FleetApp
 from fleet.tui.panes.lines import cell_text
 from fleet.tui.panes.shards import COLUMN_KEYS, ShardTable, state_cell
-from tests.fleet.tui_wait import drawn
+from tests.fleet.tui_wait import drawn, until
 
 AA = 4.5
 
@@ -39,7 +39,7 @@ def test_contrast_formula_matches_wcag():
     assert round(contrast((118, 118, 118), (255, 255, 255)), 2) == 4.54       # WCAG's AA grey
 
 
-def badge_contrasts(app: FleetApp, table: ShardTable, mark: str) -> dict[str, float]:
+def badge_contrasts(app: FleetApp, table: ShardTable, mark: str, measure=None) -> dict[str, float]:
     """Each state's badge as the table draws it in a row (`mark`: "" plain, "c" the focused
     selection bar, "C" the blurred one): the lowest contrast of its text's segments."""
     to_rgb = ANSIToTruecolor(app.ansi_theme)
@@ -59,7 +59,7 @@ def badge_contrasts(app: FleetApp, table: ShardTable, mark: str) -> dict[str, fl
             fg = style.color.get_truecolor() if style.color else None
             bg = style.bgcolor.get_truecolor() if style.bgcolor else None
             assert fg is not None and bg is not None, (state, mark, seg)
-            c = contrast(fg, bg)
+            c = (measure or contrast)(fg, bg)
             worst = c if worst is None else min(worst, c)
         assert worst is not None, (label, mark)
         out[label] = round(worst, 2)
@@ -82,3 +82,77 @@ async def test_every_state_badge_reads_at_4_5_to_1(mark):
         ratios = badge_contrasts(app, table, mark)
         low = {k: v for k, v in ratios.items() if v < AA}
         assert not low, f"under {AA}:1: {low} (all: {ratios})"
+
+
+# --- 256 colours (tmux's default): every state, the alerts, the finished banner, the dialogs ----
+
+def palette(rgb) -> tuple[int, int, int]:
+    """A colour as a 256-colour terminal shows it: Textual's truecolor, downgraded to the xterm
+    palette (what a terminal without truecolor, tmux by default, is sent)."""
+    from rich.color import Color, ColorSystem
+    return Color.from_rgb(*rgb).downgrade(ColorSystem.EIGHT_BIT).get_truecolor()
+
+
+def worst_on_screen(app: FleetApp, needle: str) -> float | None:
+    """The lowest contrast, in 256 colours, of the screen's segments that are part of `needle`
+    (on the rows that hold it), as the compositor draws them."""
+    to_rgb = ANSIToTruecolor(app.ansi_theme)
+    worst = None
+    for strip in app.screen._compositor.render_strips():
+        if needle not in "".join(seg.text for seg in strip):
+            continue
+        for seg in strip:
+            if not seg.text.strip() or seg.text.strip() not in needle:
+                continue
+            style = to_rgb.truecolor_style(seg.style or Style(), None)
+            fg, bg = style.color, style.bgcolor
+            if style.reverse:
+                fg, bg = bg, fg
+            assert fg is not None and bg is not None, (needle, seg)
+            c = contrast_256(fg.get_truecolor(), bg.get_truecolor())
+            worst = c if worst is None else min(worst, c)
+    return worst
+
+
+@pytest.mark.parametrize("mark", ["", "c", "C"], ids=["row", "selection-bar", "selection-bar-blurred"])
+async def test_every_state_badge_reads_at_4_5_to_1_in_256_colours(mark):
+    app = FleetApp(SyntheticFleet(hosts=1, gpus=2, seed=1), interval=3600)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await drawn(pilot, app)
+        table = app.main.query_one(ShardTable)
+        if mark == "C":
+            await pilot.press("tab")
+        ratios = badge_contrasts(app, table, mark, contrast_256)
+        low = {k: v for k, v in ratios.items() if v < AA}
+        assert not low, f"under {AA}:1 in 256 colours: {low} (all: {ratios})"
+
+
+def contrast_256(a, b) -> float:
+    return contrast(palette(a), palette(b))
+
+
+@pytest.mark.parametrize("level", ["low", "critical"])
+async def test_the_alert_the_finished_banner_and_the_dialogs_read_at_4_5_to_1_in_256_colours(level):
+    """Issue 55 measured under tmux's 256 colours: the critical alert 4.40:1, the finished line
+    4.19:1, the dialog buttons ~3.5:1."""
+    from fleet.config import ExpectedSpec
+    f = SyntheticFleet(hosts=1, gpus=2, seed=1)
+    f.expected = ExpectedSpec(samples_per_s_per_gpu=8 if level == "low" else 40, alert_ratio=0.8)
+    app = FleetApp(f, interval=3600)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await drawn(pilot, app)
+        assert app.snap.totals.alert_level == level
+        share = f"{app.snap.totals.ratio:.0%} of expected"
+        assert worst_on_screen(app, share) >= AA, share
+        await pilot.press("r")
+        await until(pilot, lambda: app.screen.query("#question"), what="the dialog")
+        for label in ("Restart (y)", "Cancel (enter, n, esc)"):
+            assert worst_on_screen(app, label) >= AA, (label, worst_on_screen(app, label))
+        await pilot.press("n")
+    f = SyntheticFleet(hosts=1, gpus=2, seed=1)
+    f.finish(list(range(2)))
+    app = FleetApp(f, interval=3600)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await drawn(pilot, app)
+        assert app.snap.totals.finished
+        assert worst_on_screen(app, "→ fleet verify") >= AA

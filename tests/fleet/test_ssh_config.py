@@ -270,3 +270,31 @@ def test_resolve_follows_include_patterns_and_fleet_toml_wins(tmp_path, monkeypa
     r = resolve("box", "other", str(home / ".sky" / "generated" / "ssh" / "mycluster"))   # ssh_config
     assert (r.host, r.port, r.user, r.config_name()) == ("other", 22, getpass.getuser(),
                                                           "~/.sky/generated/ssh/mycluster")
+
+
+def test_a_port_that_closes_before_ssh_speaks_is_said_as_such(tmp_path, home, sshd):
+    """Issue 55: a host whose port accepts and closes (a proxy, a firewall, not sshd) read only
+    "SSH error: Connection lost"."""
+    import socket
+    import threading
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+
+    def hang_up() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.close()
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        write_ssh_config(home, host_entry("gpubox", port))
+        code, host = host_status(alias_toml(tmp_path, sshd, "gpubox", gpus=(0,)))
+        assert code == 3 and host["reachable"] is False
+        assert f"127.0.0.1:{port} closed the connection before SSH began (not sshd on that port" in host["error"], \
+            host["error"]
+    finally:
+        server.close()

@@ -116,7 +116,7 @@ def run_banner(snap: FleetSnapshot, no_color: bool) -> list[tuple[int, Text]] | 
     shards run."""
     t = snap.totals
     if t.finished:
-        style = "bold reverse" if no_color else "bold white on dark_green"
+        style = "bold reverse" if no_color else "bold #ffffff on #005f00"   # (ANSI white: 4.2:1 in 256 colours)
         first, *rest = finished_parts(snap)
         return [(0, Text(f"✓ {first}", style)), *((i, Text(p, style)) for i, p in enumerate(rest, 1)),
                 (0, Text("→ fleet verify", style))]
