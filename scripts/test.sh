@@ -18,8 +18,13 @@ if ! [ -x /usr/sbin/sshd ] || ! command -v tmux >/dev/null || ! command -v ssh-k
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server tmux iproute2 slurm-wlm munge >/dev/null
 fi
 
-# The interpreter itself, not a version manager's shim: pyenv's shim runs `pyenv rehash` after every
-# `pip install`, and a rehash lock left behind by a killed rehash makes that install wait 60 s and fail.
+# A pyenv rehash lock left behind by a rehash that was killed (found on fresh machines here): every
+# `pip install` through pyenv's shim and every login shell's `pyenv init` (so every command the SSH
+# tests run through sshd) waits 60 s on it, then goes on or fails. A rehash holds it for well under a
+# second (the ones waiting do not hold it): older than a minute, it is stale.
+lock="${PYENV_ROOT:-$HOME/.pyenv}/shims/.pyenv-shim"
+[ -f "$lock" ] && find "$lock" -mmin +1 -delete
+# The interpreter itself, not a version manager's shim (pyenv's runs a rehash after every pip install).
 PY="$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)')"
 export PATH="$(dirname "$PY"):$PATH"
 # torch is pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build.
