@@ -374,3 +374,17 @@ def test_a_warning_is_its_attempts_and_ends_with_it():
     assert fold(evs).warning.startswith("retrying 106")
     assert fold(evs + [protocol.Done(t=4, launch=1, done=10, skipped=0)]).warning is None
     assert fold(evs + [protocol.Launch(t=5, launch=2, by="manual")]).warning is None
+
+
+def test_headless_says_where_each_running_shard_is_every_few_seconds(tmp_path):
+    """Issue 55: `--headless` printed nothing for the whole RUNNING phase. With --every 1, a [job]
+    ticking for 6 s gets lines with the run's and each running shard's done, rate and ETA."""
+    config = job_toml(tmp_path, {"0": [[["ticks", 12, 0.5], ["print", "extract-only mode"]]]}, gpus=(0,))
+    r = subprocess.run([sys.executable, "-m", "fleet", "up", "--headless", "--every", "1", "-c", config],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = [l for l in r.stdout.splitlines() if " run job: " in l and "samples" in l and "ETA" in l]
+    shards = [l for l in r.stdout.splitlines() if " shard 0 local:0 RUNNING " in l and "samples/s, ETA " in l]
+    assert len(runs) >= 2 and len(shards) >= 2, r.stdout
+    done = [int(l.split(" RUNNING ")[1].split("/")[0]) for l in shards]
+    assert done == sorted(done) and done[-1] > done[0], shards          # it moves on between lines

@@ -2,7 +2,7 @@
 started by the fixture, one node on 127.0.0.1 with two CPU-only slots): the tiny model as a 2-task
 array to DONE through SSH to the login node, scancel / node failure / preemption seen as failures
 with Slurm's reason and restarted, a task queued behind a full node shown QUEUED with Slurm's
-reason, `k` / `r` / `fleet down`, and `fleet logs` reading the task's log."""
+reason, `x` / `r` / `fleet down`, and `fleet logs` reading the task's log."""
 
 from __future__ import annotations
 
@@ -320,7 +320,7 @@ def test_node_failure_and_preemption_are_failures_with_slurms_reason_restarted_u
 async def test_the_tuis_keys_k_cancels_a_task_for_good_r_resubmits_its_index_and_d_cancels_the_array(
         tmp_path, slurm):
     """The live TUI on a Slurm run, keys pressed as a user presses them: its panes show the node,
-    the log of the task on the shared filesystem; `k`, `r`, `D` mean what they mean on SSH hosts."""
+    the log of the task on the shared filesystem; `x`, `r`, `D` mean what they mean on SSH hosts."""
     from fleet.tui.panes.log import LogView
     from fleet.tui.panes.shards import ShardTable
     from tests.fleet.test_tui import cell, supervised_app, until
@@ -339,7 +339,7 @@ async def test_the_tuis_keys_k_cancels_a_task_for_good_r_resubmits_its_index_and
         await until(pilot, lambda: any("processed 1/3" in text for text, _, _ in app.main.query_one("#log", LogView).lines),
                     what="the task's log")
         shards.move_to_key("1")
-        await pilot.press("k", "y")                                          # k: cancel that task
+        await pilot.press("x", "y")                                          # x: cancel that task
         await until(pilot, lambda: cell(shards, "1", "state").endswith("STOPPED"), what="shard 1 STOPPED")
         verdict, action = due_later(sup, 1)                                  # long past the backoff
         assert (verdict.state, action) == (State.STOPPED, None)
@@ -351,7 +351,7 @@ async def test_the_tuis_keys_k_cancels_a_task_for_good_r_resubmits_its_index_and
         subs = of(protocol.Submitted, events(tmp_path, 0))
         assert len(subs) == 2 and subs[1].job.split("_")[0] != subs[0].job.split("_")[0]
         assert slurm.run("scontrol", "show", "job", subs[1].job).stdout.count("ArrayTaskId=") == 1  # index 0 alone
-        await pilot.press("D", "y")                                          # D: cancel the run
+        await pilot.press("D", "D")                                          # D (D again): cancel the run
         await until(pilot, lambda: cell(shards, "0", "state").endswith("STOPPED"), what="shard 0 STOPPED")
         await pilot.press("q")
     assert app.return_value.startswith("fleet: nothing of run t is running (2 STOPPED)."), app.return_value

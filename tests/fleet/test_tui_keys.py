@@ -612,3 +612,15 @@ async def test_every_width_keeps_the_state_its_reason_the_countdown_and_the_aler
         assert "% of expected" in rows[1], rows[:3]
         backoff = next(r for r in rows[3:] if re.search(r"\b5 .*↻ BACKOFF", r))     # shard 5's row
         assert re.search(r"↻ BACKOFF \d+s", backoff) and "killed by" in backoff, backoff
+
+
+@pytest.mark.parametrize("width", [80, 200])
+async def test_an_unreachable_hosts_row_gives_its_reason_the_rest_of_the_row(width):
+    """Issue 55: the unreachable host's reason sat in one 10-cell column, cut even at 200 columns."""
+    f = fleet(unreachable=(1,))
+    app = FleetApp(f, interval=3600)
+    async with app.run_test(size=(width, 40)) as pilot:
+        await drawn(pilot, app)
+        error = next(h.error for h in app.snap.hosts if h.reachable is False)
+        row = next(r for r in screen_text(app) if "UNKNOWN: unreachable" in r)
+        assert error in row and "· last seen 5s ago" in row, (error, row)

@@ -22,7 +22,7 @@ from ...schema import FleetSnapshot, HostStatus
 from ...units import gib, usd
 from ..style import (bar, level_style, memory_level, power_level, spark, temp_level,
                      util_level)
-from .lines import Column, LineTable, show_text
+from .lines import Column, LineTable, Rest, show_text
 
 HISTORY = 60                   # utilisation readings kept per GPU (about 90 s at the 1.5 s redraw)
 EXPAND_ALL_UP_TO = 24          # hosts + GPUs: below this every host starts expanded
@@ -114,10 +114,11 @@ class GpuTable(LineTable):
 
     def host_cells(self, h: HostStatus, open_: bool, no_color: bool) -> tuple:
         arrow = "▾" if open_ else "▸"
-        if h.reachable is False:
-            return (f"{arrow} {h.name}", ((f"? UNKNOWN: {'unusable' if h.unusable else 'unreachable'}",
-                                            "bold" if no_color else "magenta"),),
-                    h.error or "", "", "", "", cost_cell(h), _num(h.last_seen_age_s, "s ago"))
+        if h.reachable is False:                    # its reason takes the row: one column cut it at any width
+            seen = f" · last seen {_num(h.last_seen_age_s, 's ago')}" if h.last_seen_age_s is not None else ""
+            return (f"{arrow} {h.name}", Rest(((f"? UNKNOWN: {'unusable' if h.unusable else 'unreachable'}",
+                                                "bold" if no_color else "#e070e0"),
+                                               (f"{seen} · {h.error or 'no answer'}", None))))
         if h.reachable is None:
             return (f"{arrow} {h.name}", (("connecting…", "italic"),), "", "", "", "", cost_cell(h), "")
         t = h.gpu_totals

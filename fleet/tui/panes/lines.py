@@ -70,6 +70,11 @@ def fit_columns(columns: list[Column], width: int, flex_min: int = 8) -> list[tu
     return out
 
 
+class Rest(tuple):
+    """A cell (its spans) that takes the rest of its row: the columns after it are not drawn (an
+    unreachable host's reason, which one column cut at any width)."""
+
+
 def _spans(cell: Cell) -> tuple[Span, ...]:
     return ((cell, None),) if isinstance(cell, str) else cell
 
@@ -265,7 +270,12 @@ class LineTable(ScrollView, can_focus=True):
             if n:
                 segments.append(Segment(" ", base))
             i = index[col.key]
-            segments += render_cell(cells[i] if i < len(cells) else "", w, col.align, base, mark in ("c", "C"))
+            cell = cells[i] if i < len(cells) else ""
+            if isinstance(cell, Rest):
+                w += sum(rest + 1 for _, rest in layout[n + 1:])
+            segments += render_cell(cell, w, col.align, base, mark in ("c", "C"))
+            if isinstance(cell, Rest):
+                break
         return Strip(segments).adjust_cell_length(width, base)
 
     def _header(self, layout, width: int) -> Strip:
