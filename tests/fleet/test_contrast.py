@@ -156,3 +156,22 @@ async def test_the_alert_the_finished_banner_and_the_dialogs_read_at_4_5_to_1_in
         await drawn(pilot, app)
         assert app.snap.totals.finished
         assert worst_on_screen(app, "→ fleet verify") >= AA
+
+
+async def test_the_selected_row_keeps_its_state_colour():
+    """Issue 55: on the selection bar a row's state lost its colour (the bar's text colour was
+    taken for contrast). The state column keeps its colour, on a chip of the table's background."""
+    app = FleetApp(SyntheticFleet(hosts=1, gpus=2, seed=1), interval=3600)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await drawn(pilot, app)
+        table = app.main.query_one(ShardTable)
+        layout = table.layout_for(table.size.width)
+        cells = list(table.cells_of(table.keys[0]))
+        for state in (State.RUNNING, State.LATE, State.FAILED, State.BACKOFF):
+            cells[COLUMN_KEYS.index("state")] = state_cell_for(state)
+            colours = {}
+            for mark in ("", "c"):
+                strip = table._row(tuple(cells), layout, table.size.width, mark)
+                seg = next(s for s in strip if state.value in s.text)
+                colours[mark] = (seg.style.color, seg.style.bgcolor)
+            assert colours["c"] == colours[""], (state, colours)

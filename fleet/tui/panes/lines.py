@@ -84,18 +84,23 @@ def cell_text(cell: Cell) -> str:
     return "".join(t for t, _ in _spans(cell))
 
 
-def on_bar(style: Style) -> Style:
+def on_bar(style: Style, chip: Style | None = None) -> Style:
     """A cell's style on the selection bar: its weight and its own background (FATAL's badge)
     kept, its text colour dropped for the bar's, which was chosen to read on it (green on the
-    bar's blue was 2.2:1)."""
+    bar's blue was 2.2:1) — or, in a column that keeps its colour (`chip`: the table's own
+    background), its colour on a chip of the table's background, as it reads off the bar."""
     if style.bgcolor is not None:
         return style
-    return Style(bold=style.bold, italic=style.italic, underline=style.underline, reverse=style.reverse)
+    plain = Style(bold=style.bold, italic=style.italic, underline=style.underline, reverse=style.reverse)
+    if chip is not None and style.color is not None and chip.bgcolor is not None:
+        return plain + Style(color=style.color, bgcolor=chip.bgcolor)
+    return plain
 
 
-def render_cell(cell: Cell, width: int, align: str, base: Style, bar: bool = False) -> list[Segment]:
+def render_cell(cell: Cell, width: int, align: str, base: Style, bar: bool = False,
+                chip: Style | None = None) -> list[Segment]:
     """A cell cut (with an ellipsis) or padded to exactly `width` cells (`bar`: on the selection
-    bar, its text in the bar's colour)."""
+    bar, its text in the bar's colour, or in its own on a `chip`: see on_bar)."""
     spans = _spans(cell)
     total = sum(cell_len(t) for t, _ in spans)
     segments: list[Segment] = []
@@ -114,7 +119,7 @@ def render_cell(cell: Cell, width: int, align: str, base: Style, bar: bool = Fal
         segments.append(Segment(pad, base))
     for text, style in spans:
         own = (Style.parse(style) if isinstance(style, str) else style) if style else None
-        st = base + (on_bar(own) if bar else own) if own else base
+        st = base + (on_bar(own, chip) if bar else own) if own else base
         segments.append(Segment(text, st))
     if align != "right" and pad:
         segments.append(Segment(pad, base))
@@ -142,6 +147,7 @@ class LineTable(ScrollView, can_focus=True):
     ]
 
     cursor_row: reactive[int] = reactive(0, always_update=False)
+    coloured_on_bar: frozenset[str] = frozenset()     # columns whose colour the selection bar keeps (on a chip)
 
     class CursorMoved(Message):
         def __init__(self, table: "LineTable", key: str | None):
@@ -273,7 +279,8 @@ class LineTable(ScrollView, can_focus=True):
             cell = cells[i] if i < len(cells) else ""
             if isinstance(cell, Rest):
                 w += sum(rest + 1 for _, rest in layout[n + 1:])
-            segments += render_cell(cell, w, col.align, base, mark in ("c", "C"))
+            segments += render_cell(cell, w, col.align, base, mark in ("c", "C"),
+                                    self.rich_style if col.key in self.coloured_on_bar else None)
             if isinstance(cell, Rest):
                 break
         return Strip(segments).adjust_cell_length(width, base)

@@ -178,6 +178,8 @@ def since_cell(s: ShardStatus, no_color: bool) -> tuple | str:
 
 
 class ShardTable(LineTable):
+    coloured_on_bar = frozenset({"state"})         # the selected shard keeps its state's colour
+
     def __init__(self, **kw):
         super().__init__(COLUMNS, **kw)
         self.empty_text = "  no shard matches (esc clears the filter)"
