@@ -187,6 +187,9 @@ def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | 
         report.broken = to_runs(found.broken)
         if out is not None and repair:
             report.repaired = _repair_at(dest, out, layout, found, confirmed, restore)
+        if out is not None:              # files here no manifest records, of rows that moved away
+            unrecorded = set(layout.scan(out)) - {r["index"] for r in found.written}
+            report.strays = to_runs(i for i in unrecorded if _gone(found, i))
         found.problems += found.broken.values()
         found.problems += away_problems(found.away)
         report.away = away_runs(found.away)

@@ -11,6 +11,7 @@ arrive on the app's timer.
 from __future__ import annotations
 
 from textual import on, work
+from textual.actions import SkipAction
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -51,8 +52,12 @@ class MainScreen(Screen):
         Binding("space", "mark", "mark", tooltip="mark or unmark the selected shard for r and x"),
         Binding("x", "stop", "stop", tooltip="stop the selected (or marked) shards: STOPPED; asks first"),
         Binding("l,enter", "log", "log", tooltip="the selected shard's log, full screen"),
-        Binding("slash", "filter", "filter", tooltip="filter as you type: a regex (!regex hides the matches)"),
-        Binding("colon", "command", "command", tooltip=":restart 17  :stop 3-5  :host box05  :state failed  …"),
+        # priority: the app runs these as it reads them, so the keys typed after them in one burst
+        # are forwarded to the input they open, not to the table (see typed_into_input)
+        Binding("slash", "filter", "filter", priority=True,
+                tooltip="filter as you type: a regex (!regex hides the matches)"),
+        Binding("colon", "command", "command", priority=True,
+                tooltip=":restart 17  :stop 3-5  :host box05  :state failed  …"),
         Binding("f", "faulty", "faulty", tooltip="only faulty shards (STALLED FAILED BACKOFF FATAL UNKNOWN)"),
         Binding("s", "sort_next", "sort", tooltip="sort by the next column (the header marks it ▲ / ▼)"),
         Binding("S", "sort_reverse", "reverse", show=False, tooltip="reverse the sort"),
@@ -335,14 +340,23 @@ class MainScreen(Screen):
         if k is not None:
             self.app.push_screen(LogScreen(self.app.source, k))
 
+    def typed_into_input(self) -> None:
+        """A priority key pressed while an input has the focus is that input's character: the
+        binding passes (SkipAction), and the app forwards the key to the input, in order with the
+        keys before it (inserted here, it overtook them)."""
+        if isinstance(self.focused, Input):
+            raise SkipAction()
+
     def action_filter(self) -> None:
+        self.typed_into_input()
         box = self.query_one("#filter", Input)
         self.query_one("#command", Input).display = False
         box.display = True
         box.value = self.view.query
-        self.set_focus(box)          # now, not after the keys already queued: they are the filter's
+        self.set_focus(box)          # now: the app forwards the next keys it reads to the focused input
 
     def action_command(self) -> None:
+        self.typed_into_input()
         box = self.query_one("#command", Input)
         self.query_one("#filter", Input).display = False
         box.display = True

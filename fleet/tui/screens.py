@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from textual.actions import SkipAction
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, VerticalScroll
@@ -94,7 +95,8 @@ class LogScreen(Screen[None]):
     main screen), so `/` searches the log and `l` does not open a second log."""
     BINDINGS = [
         Binding("escape,q", "back", "back", tooltip="back to the shards (esc also closes the search)"),
-        Binding("slash", "search", "search", tooltip="search as you type; enter keeps it, n / N go on"),
+        Binding("slash", "search", "search", priority=True,     # (a burst after / is the search's: see MainScreen)
+                tooltip="search as you type; enter keeps it, n / N go on"),
         Binding("a", "toggle_autoscroll", "autoscroll", tooltip="follow the end of the log, or stay put"),
         Binding("w", "toggle_wrap", "wrap", tooltip="wrap long lines, or cut them (left / right scroll)"),
     ]
@@ -138,6 +140,8 @@ class LogScreen(Screen[None]):
         self.app.pop_screen()
 
     def action_search(self) -> None:
+        if isinstance(self.focused, Input):              # a / in the search itself: the input's
+            raise SkipAction()
         box = self.query_one("#log-search", Input)
         box.display = True
         box.value = self.query_one(LogView).search or ""

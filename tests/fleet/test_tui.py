@@ -276,26 +276,6 @@ def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
         wait_screen(lambda t: "Restart shard(s) 0?" in t, "confirmation")
         tmux("send-keys", "-t", tmux.session, "y", check=True)
         wait_screen(lambda t: "✖ FATAL" not in t and t.count("▶ RUNNING") >= 2, "shard 0 running again")
-        # Issue 55: keys typed in one burst after `/` are the filter's (not `l`, the log view)...
-        tmux("send-keys", "-t", tmux.session, "/local:1", check=True)
-        text = wait_screen(lambda t: "shards (1/2)" in t, "the filter typed in one burst")
-        assert "— log" not in text, text
-        tmux("send-keys", "-t", tmux.session, "Escape", check=True)
-        # ...a stop then Enter stops nothing (the dialog opens on Cancel)...
-        tmux("send-keys", "-t", tmux.session, "x", check=True)
-        wait_screen(lambda t: "Stop shard(s)" in t and "Cancel" in t, "the stop dialog")
-        tmux("send-keys", "-t", tmux.session, "Enter", check=True)
-        wait_screen(lambda t: "Stop shard(s)" not in t, "the dialog cancelled")
-        # ...and a hung worker (SIGSTOP) reads LATE in its row and the top bar at 80 columns, long
-        # before stall_timeout; RUNNING again once it goes on.
-        hung = pid_of(tmp_path, 1)
-        os.kill(hung, signal.SIGSTOP)
-        try:
-            text = wait_screen(lambda t: t.count("◷ LATE") >= 2, "LATE in the row and the top bar", timeout=60)
-            assert "■ STOPPED" not in text and "STALLED" not in text
-        finally:
-            os.kill(hung, signal.SIGCONT)
-        wait_screen(lambda t: "LATE" not in t and t.count("▶ RUNNING") >= 2, "RUNNING again")
         tmux("send-keys", "-t", tmux.session, "C-c", check=True)     # quits like q
         # The view was a client: its supervisor goes on, and a `fleet up` joins it at once, with
         # no deploy and no preflight, and finds shard 0 as the restart left it.
@@ -312,6 +292,58 @@ def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
         tmux.stop()
         subprocess.run([sys.executable, "-m", "fleet.cli", "down", "--yes", "-c", config], cwd=REPO,
                        capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by scripts/test.sh")
+def test_keys_in_a_burst_enter_on_a_stop_and_a_hung_worker_at_80x24(tmp_path):
+    """Issue 55, in a real terminal: `/local:1` typed in one burst is a filter (not `l`, the log
+    view); `x` then Enter stops nothing (the dialog opens on Cancel); a worker frozen with SIGSTOP
+    reads `◷ LATE` in its row and in the top bar's counts at 80 columns, long before its
+    stall_timeout, and RUNNING again once it goes on."""
+    from tests.fleet.test_records import job_toml
+    ticks = [[["ticks", 100000, 0.5]]]
+    config = job_toml(tmp_path, {"0": ticks, "1": ticks}, gpus=(0, 1), stall="120s")
+    tmux = Tmux("fleet-keys")
+    tmux.start(f"cd {REPO} && {sys.executable} -m fleet up -c {config}; sleep 60", 80, 24)
+
+    def wait_screen(pred, what, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = tmux.screen()
+            if pred(text):
+                return text
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}; screen:\n{tmux.screen()}")
+    keys = lambda *k: tmux("send-keys", "-t", tmux.session, *k, check=True)    # noqa: E731
+    try:
+        wait_screen(lambda t: t.count("▶ RUNNING") >= 2 and "local:1" in t, "two running shards")
+        keys("/local:1")                                               # one send-keys: one burst
+        text = wait_screen(lambda t: "shards (1/2)" in t, "the filter typed in one burst")
+        assert "— log ·" not in text and "local:1" in text.splitlines()[-3], text    # no log view: the filter
+        keys("Escape")
+        wait_screen(lambda t: "shards (2/2)" in t, "the filter cleared")
+        keys("x")
+        wait_screen(lambda t: "Stop shard(s) " in t and "Cancel" in t, "the stop dialog")
+        keys("Enter")
+        wait_screen(lambda t: "Stop shard(s)" not in t, "the dialog cancelled")
+        group = os.getpgid(pid_of_run(tmp_path, "job", 1))
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            text = wait_screen(lambda t: t.count("◷ LATE") >= 2, "LATE in the row and the top bar", timeout=60)
+            assert "STOPPED" not in text and "STALLED" not in text, text
+        finally:
+            os.killpg(group, signal.SIGCONT)
+        wait_screen(lambda t: "LATE" not in t and t.count("▶ RUNNING") >= 2, "RUNNING again")
+        for line in open(tmp_path / "fleet" / "job" / "shards" / "0" / "events.jsonl"):
+            assert '"event": "stop' not in line, line                  # nothing was stopped
+    finally:
+        tmux.stop()
+        subprocess.run([sys.executable, "-m", "fleet.cli", "down", "--yes", "-c", config], cwd=REPO,
+                       capture_output=True)
+
+
+def pid_of_run(tmp_path, run: str, shard: int) -> int:
+    return int(open(tmp_path / "fleet" / run / "shards" / str(shard) / "pid").read())
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by scripts/test.sh")
