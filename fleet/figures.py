@@ -274,8 +274,9 @@ def progress_age(record: ShardRecord, host_now: float, idle_s: float | None = No
     age = idle_s if idle_s is not None else max(host_now - a.last_progress_t, 0.0)
     # Gaps within what a replay keeps in full (worker.agent.thin_progress), so a re-attached
     # supervisor judges LATE as the live one did.
-    times = [p[0] for p in a.history]
-    recent = [t for t in times if times and t >= times[-1] - protocol.REPLAY_RECENT_S][-(USUAL_OF + 1):]
+    # Only the last few points are read: the judge asks this of every live shard at every pass.
+    last = [p[0] for p in itertools.islice(reversed(a.history), USUAL_OF + 1)][::-1]
+    recent = [t for t in last if t >= last[-1] - protocol.REPLAY_RECENT_S]
     gaps = [b - x for x, b in zip(recent, recent[1:]) if b > x]
     usual = statistics.median(gaps) if len(gaps) >= 2 else None
     late = usual is not None and age > max(LATE_FACTOR * usual, LATE_MIN_S)

@@ -35,7 +35,8 @@ class Host:
     usd_per_hour: float | None = None      # [[hosts]] usd_per_hour
     unusable: bool = False                 # reached, but its python or agent fails there
     down_since: float | None = None        # supervisor clock: unreachable since (None: reachable)
-    offsets: deque = field(default_factory=deque)   # (supervisor time, host clock - it) of each line heard
+    offsets: deque = field(default_factory=deque)   # (supervisor time, host clock - it): the window's candidates
+                                                    # for its maximum, decreasing (every line's, once O(n) a line)
     behind_s: float = 0.0                  # how old the newest line read was when read (a backlog)
     stale: bool = False                    # our loop ran late: nothing read on time since
     removed: bool = False                  # the plan has shards here; fleet.toml no longer lists it
@@ -58,10 +59,13 @@ class Host:
         self.last_seen = now
         if t is None:
             return
-        self.offsets.append((now, float(t) - now))
-        while self.offsets and self.offsets[0][0] < now - OFFSET_WINDOW_S:
+        offset = float(t) - now          # a sliding-window maximum: offsets[0] is the window's largest
+        while self.offsets and self.offsets[-1][1] <= offset:
+            self.offsets.pop()           # (never the maximum again while this one is in the window)
+        self.offsets.append((now, offset))
+        while self.offsets[0][0] < now - OFFSET_WINDOW_S:
             self.offsets.popleft()
-        self.clock_offset = max(o for _, o in self.offsets)
+        self.clock_offset = self.offsets[0][1]
         self.behind_s = max(0.0, now + self.clock_offset - float(t))
         if self.behind_s <= CATCH_UP_S:
             self.behind_s, self.stale = 0.0, False

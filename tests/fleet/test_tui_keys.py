@@ -639,3 +639,4 @@ async def test_an_unreachable_hosts_row_gives_its_reason_the_rest_of_the_row(wid
         error = next(h.error for h in app.snap.hosts if h.reachable is False)
         row = next(r for r in screen_text(app) if "UNKNOWN: unreachable" in r)
         assert error in row and "· last seen 5s ago" in row, (error, row)
+
