@@ -33,16 +33,16 @@ def all_visible_files_load(out: str) -> None:
         assert t["hidden_states"].shape[0] == t["token_ids"].shape[0] == t["loss_mask"].shape[0]
 
 
-def test_sigkill_at_20_seeded_moments_never_loses_or_corrupts(tmp_path, dense_model):
+def test_sigkill_at_10_seeded_moments_never_loses_or_corrupts(tmp_path, dense_model):
     from worker.demo import make_token_dataset
-    rows = 30000                  # more than 20 trials get through on a fast machine: most kills land
+    rows = 15000                  # more than 10 trials get through on a fast machine: most kills land
     data = make_token_dataset(str(tmp_path / "d.jsonl"), rows, vocab_size=500, mean_tokens=50, seed=9)
     out, state = str(tmp_path / "out"), str(tmp_path / "state")
     args = [sys.executable, "-m", "worker.extract", "--model", dense_model, "--data", data, "--out", out,
             "--state", state, "--max-tokens-per-batch", "256"]
     rng = random.Random(20261130)
     kills = 0
-    for trial in range(20):
+    for trial in range(10):                                # (20 cost CI 4 minutes; 10 land in every phase)
         moment = rng.uniform(0.5, 7.0)                    # loading, first batches, or mid-run
         proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(moment)
@@ -57,7 +57,7 @@ def test_sigkill_at_20_seeded_moments_never_loses_or_corrupts(tmp_path, dense_mo
             assert rep["problems"] == [], (trial, rep["problems"][:3])
         indices = recorded(out)
         assert len(indices) == len(set(indices)), f"trial {trial}: a sample recorded twice"
-    assert kills >= 15, "most of the moments should land while the worker runs"
+    assert kills >= 7, "most of the moments should land while the worker runs"
     r = run_worker(*args[3:])
     assert r.returncode == 0, r.stderr
     assert sorted(recorded(out)) == list(range(rows))

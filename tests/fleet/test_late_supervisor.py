@@ -1,5 +1,6 @@
 """The supervisor's own lateness is never read as the shards' (issue 35): the run's supervisor (the
-process `fleet up --headless` started: fleet/service.py) stopped (SIGSTOP) for two minutes while its
+process `fleet up --headless` started: fleet/service.py) stopped (SIGSTOP) for a minute (twice its
+stall_timeout; it was two, which cost CI a minute more and tested nothing more) while its
 [job] shards run and finish, then continued, and stopped again and again for seconds at a time (a
 starved event loop): no shard is judged STALLED, FAILED or UNKNOWN, nothing is restarted or launched
 twice, the run ends as it really did, and the supervisor says it was catching up — to the client
@@ -31,7 +32,7 @@ def run_headless(config: str):
     return proc, lines
 
 
-@pytest.mark.parametrize("stops", [[120.0], [6.0] * 8], ids=["two-minutes", "starved"])
+@pytest.mark.parametrize("stops", [[60.0], [6.0] * 8], ids=["a-minute", "starved"])
 def test_a_stopped_or_starved_supervisor_decides_nothing_false(tmp_path, stops):
     ticks = 40 if len(stops) == 1 else 70
     config = job_toml(tmp_path, {str(k): [[["ticks", ticks, 1.0], ["print", "extract-only mode"]]] for k in range(4)},

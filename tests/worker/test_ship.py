@@ -23,6 +23,7 @@ from tests.s3_store import S3Store
 from worker.ship import ShipError, destination
 
 ROWS = 240
+SFTP_ROWS = 80                    # sftp:// ships over ssh sessions: the same checks on fewer rows
 KEEP = 600_000                    # bytes; a batch of 512 tokens here is ~280 kB, so the bound bites
 
 
@@ -221,6 +222,9 @@ def test_sftp_through_the_hosts_own_ssh(dense_model, rows, sshd, tmp_path):
     """sftp://: rclone over the host's ssh (here told its key and known_hosts through
     RCLONE_SFTP_SSH, as ~/.ssh/config would): every file lands, none stays."""
     out, state, dest = str(tmp_path / "out"), str(tmp_path / "state"), str(tmp_path / "dest")
+    few = tmp_path / "few.jsonl"                  # a third of the rows: each batch's transfer is an ssh session
+    few.write_text("".join(open(rows).readlines()[:SFTP_ROWS]))
+    rows = str(few)
     ssh = (f"ssh -i {sshd.client_key} -o UserKnownHostsFile={sshd.known_hosts} -o BatchMode=yes "
            f"-p {sshd.port} root@127.0.0.1")
     proc = extract(dense_model, rows, out, state, f"sftp://root@127.0.0.1:{sshd.port}{dest}",
@@ -228,7 +232,7 @@ def test_sftp_through_the_hosts_own_ssh(dense_model, rows, sshd, tmp_path):
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-2000:]
     recorded = written(out)
-    assert len(recorded) == ROWS and local_samples(out) == {}
+    assert len(recorded) == SFTP_ROWS and local_samples(out) == {}
     assert {n: os.path.getsize(os.path.join(dest, n)) for n in os.listdir(dest) if n.startswith("hs_")} == \
         {f"hs_{i}.safetensors": n for i, n in recorded.items()}
 
