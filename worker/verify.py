@@ -97,7 +97,7 @@ def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = F
     report.broken = to_runs(found.broken)
     if repair:
         report.repaired = _repair(out, layout, found, confirmed, restore)
-    unrecorded = set(layout.scan(out)) - {r["index"] for r in found.written}
+    unrecorded = _unrecorded(out, layout, found)
     if repair and (stray := _moved_strays(out, layout, unrecorded, found, confirmed)):
         report.repaired = report.repaired or protocol.Repair()
         report.repaired.removed_files += len(stray)
@@ -188,7 +188,7 @@ def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | 
         if out is not None and repair:
             report.repaired = _repair_at(dest, out, layout, found, confirmed, restore)
         if out is not None:              # files here no manifest records, of rows that moved away
-            unrecorded = set(layout.scan(out)) - {r["index"] for r in found.written}
+            unrecorded = _unrecorded(out, layout, found)
             report.strays = to_runs(i for i in unrecorded if _gone(found, i))
         found.problems += found.broken.values()
         found.problems += away_problems(found.away)
@@ -270,7 +270,7 @@ def _repair_at(dest, out: str, layout: Layout, found: "_Findings", confirmed: se
     found.broken = {i: why for i, why in found.broken.items() if i not in reship}
     repaired = _repair(out, layout, found, confirmed, restore) or protocol.Repair()
     repaired.reshipped = sorted(reship)
-    unrecorded = set(layout.scan(out)) - {r["index"] for r in found.written}
+    unrecorded = _unrecorded(out, layout, found)
     repaired.removed_files += len(_moved_strays(out, layout, unrecorded, found, confirmed))
     found.broken = kept                       # still missing there until the next launch ships them
     folder = os.path.join(out, protocol.MANIFEST_DIR)
@@ -446,6 +446,11 @@ def restore_rows(out: str, found: _Findings, rows: set[int]) -> None:
                 ledger.free += [[a, b, None] for a, b in subtract(merge(lifted), merge(have))]
     for manifest, gone in found.gone.items():            # what this check still reads as moved
         found.gone[manifest] = [[a, b, h] for a0, b0, h in gone for a, b in subtract([(a0, b0)], runs)]
+
+
+def _unrecorded(out: str, layout: Layout, found: "_Findings") -> set[int]:
+    """The rows whose files lie in `out` while no manifest line of it records them."""
+    return set(layout.scan(out)) - {r["index"] for r in found.written}
 
 
 def _moved_strays(out: str, layout: Layout, unrecorded: set[int], found: _Findings,

@@ -11,7 +11,6 @@ arrive on the app's timer.
 from __future__ import annotations
 
 from textual import on, work
-from textual.actions import SkipAction
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -29,7 +28,7 @@ from .panes.log import LogView
 from .panes.shards import regex_problem, COLUMN_KEYS, COLUMNS as SHARD_COLUMNS, ShardDetail, ShardTable, View, replaying_hosts
 from .panes.throughput import BUCKET_S, ThroughputChart
 from .panes.topbar import TopBar
-from .screens import ConfirmScreen, LogScreen
+from .screens import ConfirmScreen, LogScreen, pass_to_input
 
 def gpus_of(s) -> tuple[str, tuple[int, ...]] | None:
     """The host and GPUs of a shard, for the GPU pane to highlight."""
@@ -53,7 +52,7 @@ class MainScreen(Screen):
         Binding("x", "stop", "stop", tooltip="stop the selected (or marked) shards: STOPPED; asks first"),
         Binding("l,enter", "log", "log", tooltip="the selected shard's log, full screen"),
         # priority: the app runs these as it reads them, so the keys typed after them in one burst
-        # are forwarded to the input they open, not to the table (see typed_into_input)
+        # are forwarded to the input they open, not to the table (see screens.pass_to_input)
         Binding("slash", "filter", "filter", priority=True,
                 tooltip="filter as you type: a regex (!regex hides the matches)"),
         Binding("colon", "command", "command", priority=True,
@@ -340,15 +339,8 @@ class MainScreen(Screen):
         if k is not None:
             self.app.push_screen(LogScreen(self.app.source, k))
 
-    def typed_into_input(self) -> None:
-        """A priority key pressed while an input has the focus is that input's character: the
-        binding passes (SkipAction), and the app forwards the key to the input, in order with the
-        keys before it (inserted here, it overtook them)."""
-        if isinstance(self.focused, Input):
-            raise SkipAction()
-
     def action_filter(self) -> None:
-        self.typed_into_input()
+        pass_to_input(self)
         box = self.query_one("#filter", Input)
         self.query_one("#command", Input).display = False
         box.display = True
@@ -356,7 +348,7 @@ class MainScreen(Screen):
         self.set_focus(box)          # now: the app forwards the next keys it reads to the focused input
 
     def action_command(self) -> None:
-        self.typed_into_input()
+        pass_to_input(self)
         box = self.query_one("#command", Input)
         self.query_one("#filter", Input).display = False
         box.display = True

@@ -12,6 +12,14 @@ from textual.widgets import Button, Footer, Input, Label, Static
 from .panes.log import LogView
 
 
+def pass_to_input(screen) -> None:
+    """A priority key (`/`, `:`) pressed while an input has the focus is that input's character:
+    the binding passes (SkipAction), and the app forwards the key to the input, in order with the
+    keys before it (inserted by the action, it overtook them)."""
+    if isinstance(screen.focused, Input):
+        raise SkipAction()
+
+
 class ConfirmScreen(ModalScreen[bool]):
     """A destructive question. The focus starts on the harmless answer, so Enter (or a key typed by
     habit) cancels; only the named key (`key`, `y` unless said) or a click on the action does it."""
@@ -140,8 +148,7 @@ class LogScreen(Screen[None]):
         self.app.pop_screen()
 
     def action_search(self) -> None:
-        if isinstance(self.focused, Input):              # a / in the search itself: the input's
-            raise SkipAction()
+        pass_to_input(self)                              # a / in the search itself
         box = self.query_one("#log-search", Input)
         box.display = True
         box.value = self.query_one(LogView).search or ""
