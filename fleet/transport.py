@@ -370,7 +370,8 @@ class SSHTransport(Transport):
         if isinstance(e, asyncssh.HostKeyNotVerifiable):      # a jump host (the target's is _open's)
             return (f"host key not trusted by {r.said('known_hosts', r.known_hosts)}; to trust it run "
                     f"ssh-keyscan -p {r.port} {r.host} >> {r.known_hosts}")
-        if isinstance(e, asyncssh.ConnectionLost):            # TCP connected, then closed before SSH spoke
+        if isinstance(e, (asyncssh.ConnectionLost, ConnectionResetError)):
+            # TCP connected, then closed (or reset, when the close beats our first bytes) before SSH spoke
             return (f"{r.host}:{r.port} closed the connection before SSH began (not sshd on that port, a "
                     f"firewall or proxy in the way, or sshd refusing under load: MaxStartups)")
         if isinstance(e, asyncssh.Error):

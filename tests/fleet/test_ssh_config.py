@@ -272,10 +272,13 @@ def test_resolve_follows_include_patterns_and_fleet_toml_wins(tmp_path, monkeypa
                                                           "~/.sky/generated/ssh/mycluster")
 
 
-def test_a_port_that_closes_before_ssh_speaks_is_said_as_such(tmp_path, home, sshd):
+@pytest.mark.parametrize("hang_up_with", ["close", "reset"])
+def test_a_port_that_closes_before_ssh_speaks_is_said_as_such(tmp_path, home, sshd, hang_up_with):
     """Issue 55: a host whose port accepts and closes (a proxy, a firewall, not sshd) read only
-    "SSH error: Connection lost"."""
+    "SSH error: Connection lost". A close that beats the client's first bytes reads as a reset
+    (CI saw "Connection reset by peer"): "reset" makes that case every time (SO_LINGER 0 sends RST)."""
     import socket
+    import struct
     import threading
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -288,6 +291,8 @@ def test_a_port_that_closes_before_ssh_speaks_is_said_as_such(tmp_path, home, ss
                 conn, _ = server.accept()
             except OSError:
                 return
+            if hang_up_with == "reset":
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             conn.close()
     threading.Thread(target=hang_up, daemon=True).start()
     try:
