@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from worker import protocol
-from worker.text import printable, printable_data, printable_lines
+from worker.text import plain_json, printable, printable_data, printable_lines
 
 from . import deploy, render
 from .config import Config, HostSpec
@@ -38,6 +38,7 @@ LATE_S = 0.5                  # a wait that ends this much past its time: this p
 SILENCE_PER_ACTION_S = 2.0    # ...plus this per shard starting or acted on there (a launch storm)
 STARTING_UP = frozenset({State.STARTING, State.LOADING, State.STOPPING})
 SILENCE_FRESH_S = 0.5         # silence() is worked out again at most this often
+SILENCE_CHECK_S = 0.5         # and the host's silence looked at this often
 
 
 @dataclass
@@ -61,6 +62,7 @@ class HostLink:
     on_claimed: Callable[[RunClaimed], None] = lambda e: None      # another supervisor holds the run
     pinged: float = 0.0
     silence_at: tuple[float, float] = (-1e9, AGENT_SILENCE_S)   # (loop time, silence) last worked out
+    heard_at: float = 0.0                             # (loop time) the agent's last line
 
     @property
     def name(self) -> str:
@@ -90,16 +92,16 @@ class HostLink:
         now = asyncio.get_running_loop().time()
         if now - self.silence_at[0] < SILENCE_FRESH_S:  # asked at every line: 64 hosts x 512 shards
             return self.silence_at[1]                   # walked the store ~1,000 times a second
-        shown = self.store.shown
-        busy = sum(1 for s in self.store.shards.values()
-                   if s.placement.host == self.name and (s.busy_since is not None or s.acting or
-                                                         shown.get(s.id, (None,))[0] in STARTING_UP))
+        shown, shards = self.store.shown, self.store.shards
+        busy = sum(1 for p in self.store.on(self.name) if (s := shards.get(p.shard)) is not None and
+                   (s.busy_since is not None or s.acting or shown.get(s.id, (None,))[0] in STARTING_UP))
         self.silence_at = (now, min(60.0, AGENT_SILENCE_S + SILENCE_PER_ACTION_S * busy + 8 * self.starved()))
         return self.silence_at[1]
 
     def take(self, line: str, discover: bool = False) -> protocol.Message | None:
         """One line of the agent: a message folded into the store, or a diagnostic kept."""
-        msg = protocol.parse_message(line, printable_data)     # a host's text is data, never control
+        msg = protocol.parse_message(line) if plain_json(line) else \
+            protocol.parse_message(line, printable_data)       # a host's text is data, never control
         if msg is None:                         # not a message: a diagnostic (a traceback line)
             if line.strip():
                 self.diagnostics.append(printable(line.strip())[-300:])
@@ -156,32 +158,38 @@ class HostLink:
 
     async def _read(self, lines) -> None:
         """Fold the agent's lines until it goes silent for longer than `silence` — silence of the
-        host's, not ours: a wait that ended long after its time (this process was stopped or
-        starved) waits again for the same line, which is never cancelled, so none is lost."""
-        pending: asyncio.Future | None = None
+        host's, not ours: one task reads and folds every line as it comes, and this one looks at
+        the silence every SILENCE_CHECK_S (a timer a line was a third of the supervisor's CPU at
+        64 hosts); a look that came long after its time (this process was stopped or starved)
+        starts the silence over, so nothing it could not have heard counts against the host."""
+        loop = asyncio.get_running_loop()
+        self.heard_at = loop.time()
+        reader = asyncio.ensure_future(self._fold_all(lines))
         try:
             while True:
+                t0 = loop.time()
+                done, _ = await asyncio.wait({reader}, timeout=SILENCE_CHECK_S)
+                if done:
+                    reader.result()                 # (the agent exited: its HostError)
+                now = loop.time()
+                if now - t0 > SILENCE_CHECK_S + LATE_S:
+                    self.heard_at = now             # our lateness, not the host's silence
+                    continue
                 silence = self.silence()
                 if not self.host.replayed:          # the agent is starting and replaying
                     silence = max(silence, AGENT_START_S)
-                if pending is None:
-                    pending = asyncio.ensure_future(lines.__anext__())
-                t0 = asyncio.get_running_loop().time()
-                done, _ = await asyncio.wait({pending}, timeout=silence)
-                if not done:
-                    if asyncio.get_running_loop().time() - t0 > silence + LATE_S:
-                        continue                    # our lateness, not the host's silence
+                if now - self.heard_at > silence:
                     raise HostError(f"{self.name}: no telemetry for {silence:.0f}s")
-                try:
-                    line = pending.result()
-                except StopAsyncIteration:
-                    why = self.diagnostics[-1] if self.diagnostics else "no output"
-                    raise HostError(f"{self.name}: agent exited: {why}") from None
-                pending = None
-                self._fold(line)
         finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
+            reader.cancel()
+
+    async def _fold_all(self, lines) -> None:
+        loop = asyncio.get_running_loop()
+        async for line in lines:
+            self.heard_at = loop.time()
+            self._fold(line)
+        why = self.diagnostics[-1] if self.diagnostics else "no output"
+        raise HostError(f"{self.name}: agent exited: {why}")
 
     def _fold(self, line: str) -> None:
         """One line of the live stream folded; the host is up once its record is replayed."""

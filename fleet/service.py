@@ -40,7 +40,8 @@ from .transport import HostError
 
 from worker import protocol
 
-PUSH_S = 1.0              # a watching client gets the newest picture this often
+PUSH_S = 1.0              # a watching client (or a /metrics scrape) gets the newest picture this often
+UNWATCHED_S = 5.0         # with neither, whether the run has ended is asked this often, and at each transition
 LINGER_S = 0.0            # an ended run's supervisor waits this long with no client before it goes
 FAILED_LINGER_S = 30.0    # a refused setup waits this long for the client that started it to read why
 QUEUE_MAX = 20000         # a client this far behind is dropped (it reconnects)
@@ -152,6 +153,7 @@ class Service:
         lines = render.transition_lines(changes, snap)
         for line in lines:
             self.log(line)
+        self.wake.set()                                   # (the run may have ended with them)
         if any(p.watching for p in self.peers):          # (the changes first: a picture that ends the
             self.broadcast(control.encode(control.Changes(       # run ends `--headless` after its lines)
                 transitions=[control.TransitionRecord.of(c) for c in changes], lines=lines)))
@@ -266,8 +268,9 @@ class Service:
             else:
                 ended_since = None
             self.wake.clear()
+            watched = self.metrics_server is not None or any(p.watching for p in self.peers)
             with contextlib.suppress(asyncio.TimeoutError):
-                async with asyncio.timeout(PUSH_S):
+                async with asyncio.timeout(PUSH_S if watched else UNWATCHED_S):
                     await self.wake.wait()
         self.note("told to stop supervising")
         return 0
@@ -359,6 +362,7 @@ class Service:
             for text in self.notes:
                 peer.send(control.Note(text=text, past=True))
             peer.watching = True
+            self.wake.set()                               # (pictures every PUSH_S from now)
             if self.failed is not None:
                 peer.send(self.failed)
                 self.failed_read = True

@@ -10,6 +10,7 @@ asks `verdict` and `transitions` and records its own actions on the shards (`beg
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -30,6 +31,9 @@ from .transport import HostError, HostUnusable, RunClaimed
 
 
 EXTRAPOLATE_S = 10.0      # a shard's idle time is carried past its host's last word by at most this
+VERDICT_FRESH_S = 1.0     # a verdict is judged again once this old (what changes with time alone: a
+                          # stall, LATE, a backoff's end), and at once when what it is judged from changes
+VERSIONS = itertools.count(1)    # a shard's version: unique across shards, old and replayed anew
 
 
 @dataclass
@@ -49,13 +53,19 @@ class Shard:
     slurm: protocol.SlurmTask | None = None      # what Slurm says now of its newest launch's task
     gpus: protocol.TaskGpus | None = None        # the GPUs that task reported
     damage: protocol.RecordDamage | None = None  # what of its record could not be read
+    version: int = field(default_factory=lambda: next(VERSIONS))   # new whenever what it is judged from changes
 
     @property
     def id(self) -> int:
         return self.placement.shard
 
+    def changed(self) -> None:
+        """What its verdict is judged from changed: a verdict judged before is judged again."""
+        self.version = next(VERSIONS)
+
     def fold(self, ev: protocol.Record, live: bool) -> None:
         """One event of its record (`live`: followed as it happened, not replayed)."""
+        self.changed()
         self.record.apply(ev)
         if isinstance(ev, protocol.Launch):
             self.launch_failures.clear()
@@ -64,6 +74,7 @@ class Shard:
             self.idle_s, self.idle_at = 0.0, time.monotonic()
 
     def liveness(self, msg: protocol.Liveness) -> None:
+        self.changed()
         self.alive, self.pid, self.acting = msg.alive, msg.pid, msg.acting
         self.idle_s, self.idle_at = msg.idle_s, time.monotonic()
 
@@ -88,6 +99,7 @@ class Shard:
         self.busy_since = None
 
     def launch_failed(self, failure: LaunchFailure) -> None:
+        self.changed()
         self.busy_since = None
         self.launch_failures.append(failure)
 
@@ -96,6 +108,15 @@ class Shard:
         return Shard(self.placement, ShardRecord(needs_done_sentinel=needs_done_sentinel),
                      launch_failures=self.launch_failures, busy_since=self.busy_since,
                      busy_mark=self.busy_mark)
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A verdict and what it was judged from: the shard's version, its host's down reason, when."""
+    version: int
+    down: str | None
+    now: float
+    verdict: Verdict
 
 
 @dataclass(frozen=True)
@@ -157,9 +178,8 @@ class Store:
         self.plan: protocol.Plan | None = None
         self.shown: dict[int, tuple[State, int]] = {}    # shard -> (state, failures) last published
         self.moves = Moves()                              # rows moved between hosts (fleet/relocate.py)
-        self.decided: dict[int, Verdict] = {}             # the last decide pass's verdicts (Store.decide)...
-        self._decided_on: tuple = ()                      # ...and the inputs they were judged from
-        self.applied = 0                                  # agent messages folded so far
+        self.judged: dict[int, Judged] = {}               # each shard's newest verdict (Store.verdict)
+        self._on: dict[str, list[Placement]] | None = None   # placements by host (Store.on)
         self.unfinished: dict[str, tuple] = {}            # an idle host's rows not done, as it counted them
 
     @property
@@ -167,7 +187,12 @@ class Store:
         return len(self.placements)
 
     def on(self, host: str) -> list[Placement]:
-        return [p for p in self.placements if p.host == host]
+        """The host's shards' places (asked at every line a host sends: kept by host)."""
+        if self._on is None:
+            self._on = {}
+            for p in self.placements:
+                self._on.setdefault(p.host, []).append(p)
+        return self._on.get(host, [])
 
     # --- the plan ----------------------------------------------------------------------------------
     def use_plan(self, plan: protocol.Plan) -> None:
@@ -175,13 +200,14 @@ class Store:
         self.plan = plan
         self.placements = self.engine.placements(plan)
         self.shards = {p.shard: self._new(p) for p in self.placements}
-        self.decided = {}
+        self.judged, self._on = {}, None
         for name in removed_hosts(plan, self.config):     # its rows go to the others, as a lost host's
             self.hosts.setdefault(name, Host.removed_from_config(name))
 
     def forget(self) -> None:
         """No plan, no shards (a one-shot read starts here and finds them)."""
-        self.shards, self.placements, self.plan, self.moves, self.decided = {}, [], None, Moves(), {}
+        self.shards, self.placements, self.plan, self.moves = {}, [], None, Moves()
+        self.judged, self._on = {}, None
 
     def host_facts(self, verdicts: dict[int, Verdict], now: float, after: float | None) -> list[HostFacts]:
         """Each host as fleet/relocate.py needs it: lost or usable, whether it had work, its rows."""
@@ -220,6 +246,7 @@ class Store:
             return None
         place = Placement(k, host, ev.gpu if ev.gpu is not None else -1)
         self.placements.append(place)
+        self._on = None
         shard = self.shards[k] = self._new(place)
         return shard
 
@@ -244,7 +271,6 @@ class Store:
               now: float | None = None) -> protocol.Record | None:
         """One message of a host's agent; the event it carried, once folded. Raises HostError
         where it says the host cannot be used."""
-        self.applied += 1
         host = self.hosts[host_name]
         sent = None if isinstance(msg, protocol.TaskGpus) else getattr(msg, "t", None)   # (its reading's time)
         host.heard(sent, time.time() if now is None else now)
@@ -274,6 +300,7 @@ class Store:
                 shard.damage = msg
         elif isinstance(msg, protocol.SlurmTask):
             if (shard := self.shards.get(msg.shard)) is not None:
+                shard.changed()
                 shard.slurm = msg
         elif isinstance(msg, protocol.TaskGpus):
             if (shard := self.shards.get(msg.shard)) is not None:
@@ -324,30 +351,21 @@ class Store:
         return any(s.busy_since is not None for s in self.shards.values())
 
     def verdict(self, shard: Shard, now: float | None = None) -> Verdict:
-        """The judge's verdict on the shard now: the decide pass's own, where one was taken at
-        `now` or later (every reader — the snapshot, the view, a refusal — reads that one), else
-        judged afresh (a one-shot read)."""
-        if now is None and (taken := self.current(shard.id)) is not None:
-            return taken
-        host = self.hosts[shard.placement.host]
+        """The judge's verdict on the shard at `now` (default: now), judged once for every reader —
+        the decide pass, the snapshot, a refusal — while what it is judged from is unchanged and it
+        is under VERDICT_FRESH_S old (at 64 hosts x 8 shards, judging every shard for each of them,
+        4 passes and a picture a second, was a tenth of the supervisor's CPU)."""
         now = time.time() if now is None else now
-        return judge(shard.record, shard.alive, host.host_now(now), self.policy,
-                     tuple(shard.launch_failures), shard.slurm, shard.acting, shard.idle(), host.down_reason)
-
-    def decide(self, verdicts: dict[int, Verdict]) -> None:
-        """The decide pass's verdicts, published: what everyone reads until the next pass, or until
-        something they were judged from changes (a line folded, a host up or down, a launch that
-        failed), whichever comes first — never a stale picture."""
-        self.decided, self._decided_on = dict(verdicts), self.inputs()
-
-    def current(self, shard_id: int) -> Verdict | None:
-        """The decide pass's verdict on the shard, while what it was judged from is unchanged."""
-        return self.decided.get(shard_id) if self._decided_on == self.inputs() else None
-
-    def inputs(self) -> tuple:
-        """What the verdicts are judged from, as far as it changes between passes."""
-        return (self.applied, tuple((h.reachable, h.unusable) for h in self.hosts.values()),
-                sum(len(s.launch_failures) for s in self.shards.values()))
+        host = self.hosts[shard.placement.host]
+        down = host.down_reason
+        taken = self.judged.get(shard.id)
+        if taken is not None and taken.version == shard.version and taken.down == down and \
+                0.0 <= now - taken.now < VERDICT_FRESH_S:
+            return taken.verdict
+        v = judge(shard.record, shard.alive, host.host_now(now), self.policy,
+                  tuple(shard.launch_failures), shard.slurm, shard.acting, shard.idle(), down)
+        self.judged[shard.id] = Judged(shard.version, down, now, v)
+        return v
 
     def transitions(self, verdicts: dict[int, Verdict], now: float) -> list[Transition]:
         """The shards whose shown state changed, or that failed again, since the last call (each
@@ -363,16 +381,15 @@ class Store:
     def snapshot(self, now: float | None = None) -> FleetSnapshot:
         """The picture of the run at `now` (supervisor clock): a projection, nothing changes."""
         now = time.time() if now is None else now
-        decided = self.decided if self._decided_on == self.inputs() else {}     # (judged once for all)
-        views = [self._view(s, now, decided.get(s.id)) for s in sorted(self.shards.values(), key=lambda s: s.id)]
+        views = [self._view(s, now) for s in sorted(self.shards.values(), key=lambda s: s.id)]
         hosts = {**self.hosts, **self.engine.nodes(self)}
         return build_snapshot(self.config.run.name, views, hosts, now, self.config.spec.expected,
                               (self.moves.rows, self.moves.redone), verifiable=self.config.spec.job is None,
                               moving=self.moves.in_flight)
 
-    def _view(self, s: Shard, now: float, decided: Verdict | None) -> ShardView:
+    def _view(self, s: Shard, now: float) -> ShardView:
         p = s.placement
-        verdict = decided or self.verdict(s, now)                 # the decision's own, where current
+        verdict = self.verdict(s, now)                            # the decision's own, where current
         return self.engine.view(s, ShardView(
             s.id, p.host, p.gpu, s.record, verdict, s.alive, s.pid, self.policy.max_restarts,
             gpus=p.all_gpus, idle_s=s.idle(), moved_to=self.moves.moved_to(p.host, s.record.leased_t),

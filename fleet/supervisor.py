@@ -25,7 +25,7 @@ from . import deploy, relocate, setup
 from .actions import HostStop, UNDER_WAY, busy_mark, policy_action, refusal as action_refusal, user_action
 from .config import Config
 from .follow import HostLink, read_all
-from .judge import LaunchFailure, Verdict, policy_for
+from .judge import Action, LaunchFailure, Verdict, policy_for
 from .engines import make_launcher
 from .notify import Notifier
 from .schema import FleetSnapshot
@@ -222,18 +222,19 @@ class Supervisor:
         verdicts: dict[int, Verdict] = {}
         due: dict[str, list[protocol.ShardAction]] = {}
         self._tell_catching_up()
+        held = {name: not h.reachable or not h.replayed or h.catching_up or
+                bool(self.store.moves.untold(name))               # told first of rows moved away
+                for name, h in self.store.hosts.items()}
         for s in list(self.shards.values()):
-            host = self.store.hosts[s.placement.host]
-            s.settle(now, busy_mark(s.record), ACTION_TIMEOUT_S)
+            if s.busy_since is not None:
+                s.settle(now, busy_mark(s.record), ACTION_TIMEOUT_S)
             v = verdicts[s.id] = self.verdict(s, now)
-            if not host.reachable or not host.replayed or s.busy_since is not None or host.catching_up or \
-                    self.store.moves.untold(s.placement.host):       # told first of rows moved away
+            if v.action == Action.NONE or held[s.placement.host] or s.busy_since is not None:
                 continue
             action = policy_action(s.record, v, self.sup.stop_grace, s.id)
             if action is not None:
                 s.begin(now, busy_mark(s.record))
                 due.setdefault(s.placement.host, []).append(action)
-        self.store.decide(verdicts)                     # what the snapshot and every refusal read
         for host, actions in due.items():
             self._spawn(self.carry_out(self.links[host], actions))
         self.relocate(verdicts, now)

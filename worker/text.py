@@ -26,10 +26,24 @@ _SEQUENCE = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
 _CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
+# Every code point the two above can take out (each sequence begins with one): text with none of
+# them is printable as it is — most of a host's text, looked at once instead of rewritten twice.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
 def printable(text: str) -> str:
     """`text` from a host as data, never terminal control: its control sequences and characters
     and bidi overrides removed (a line break becomes a space)."""
+    if _UNSAFE.search(text) is None:
+        return text
     return _CONTROL.sub("", _SEQUENCE.sub("", text.replace("\r\n", " ").replace("\n", " ")))
+
+
+def plain_json(line: str) -> bool:
+    """A JSON line no string of which needs `printable`: no escape (a control character can only
+    come escaped) and no code point it takes out. The supervisor reads ~250 such lines a second
+    at 64 hosts; only the rest go through printable_data."""
+    return "\\" not in line and _UNSAFE.search(line.rstrip("\n")) is None
 
 
 def printable_data(obj: Any) -> Any:

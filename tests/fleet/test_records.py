@@ -336,7 +336,7 @@ async def test_one_verdict_a_shard_of_an_unreachable_host_is_unknown_and_refused
         sup.links["local"].host.down(HostError("local: connection refused"))
         now = time.time()
         sup.decide(now)
-        decided = sup.store.decided[0]
+        decided = sup.store.judged[0].verdict
         assert (decided.state, decided.reason, decided.recorded) == \
             (State.UNKNOWN, "host unreachable: connection refused", State.DONE)
         row = sup.snapshot().shards[0]

@@ -303,3 +303,23 @@ def test_a_port_that_closes_before_ssh_speaks_is_said_as_such(tmp_path, home, ss
             host["error"]
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("ciphers_line, expected", [(None, "aes128-gcm@openssh.com"),
+                                                    ("Ciphers chacha20-poly1305@openssh.com",
+                                                     "chacha20-poly1305@openssh.com")])
+async def test_aes_gcm_is_asked_first_unless_the_ssh_config_chooses(tmp_path, home, sshd, ciphers_line, expected):
+    """The supervisor decrypts every telemetry line of every host: AES-GCM costs asyncssh a sixth of
+    chacha20-poly1305 (its default first) a packet. A `Ciphers` line in the user's config wins."""
+    import asyncio
+    from fleet.config import load_config
+    from fleet.transport import SSHTransport
+    write_ssh_config(home, host_entry("gpubox", sshd.port, *([ciphers_line] if ciphers_line else [])))
+    config = load_config(alias_toml(tmp_path, sshd, "gpubox", gpus=(0,)))
+    transport = SSHTransport(config.hosts[0], config.spec.supervise, asyncio.Semaphore(1))
+    await transport.connect()
+    try:
+        assert (transport.conn.get_extra_info("send_cipher"), transport.conn.get_extra_info("recv_cipher")) == \
+            (expected, expected)
+    finally:
+        await transport.close()
