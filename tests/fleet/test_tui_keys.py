@@ -441,9 +441,10 @@ def test_columns_fit_the_width_by_priority_and_the_reason_takes_the_rest():
     assert shape("processed 812/1500 (3.2 it/s)") == shape("processed 813/1500 (3.4 it/s)")
 
 
-@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
-async def test_a_toast_never_covers_the_selected_shards_detail_line(size):
-    """At 80x24 the line under the table is the only place a shard's whole reason shows: a toast
+@pytest.mark.parametrize("size", [(80, 24), (120, 40), (200, 60)])
+async def test_a_toast_never_covers_the_selected_shards_detail_line_or_the_log(size):
+    """At 80x24 the line under the table is the only place a shard's whole reason shows, and the
+    log's newest line says what a toast says (issue 55: toasts covered the log for 8 s): a toast
     (a failure told while watching, a `:` command's error) sits elsewhere, at any height."""
     app = FleetApp(fleet(), interval=3600)
     async with app.run_test(size=size, notifications=True) as pilot:
@@ -454,8 +455,11 @@ async def test_a_toast_never_covers_the_selected_shards_detail_line(size):
         await pilot.pause()
         toasts = toasts()
         detail = app.screen.query_one(ShardDetail).region
+        log = app.screen.query_one(LogView)
         assert toasts and all(t.region.area and not t.region.overlaps(detail) for t in toasts), \
             ([t.region for t in toasts], detail)
+        assert not log.display or not any(t.region.overlaps(log.region) for t in toasts), \
+            ([t.region for t in toasts], log.region)
 
 
 async def test_r_and_k_on_a_done_shard_are_refused_by_the_same_rule_as_fleet_restart():
