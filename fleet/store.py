@@ -74,7 +74,10 @@ class Shard:
             self.idle_s, self.idle_at = 0.0, time.monotonic()
 
     def liveness(self, msg: protocol.Liveness) -> None:
-        self.changed()
+        """Its host's word on its process, every telemetry interval: a new version only when the
+        process's life changed (its idle time is a clock, judged again with time: VERDICT_FRESH_S)."""
+        if (msg.alive, msg.pid, msg.acting) != (self.alive, self.pid, self.acting):
+            self.changed()
         self.alive, self.pid, self.acting = msg.alive, msg.pid, msg.acting
         self.idle_s, self.idle_at = msg.idle_s, time.monotonic()
 
