@@ -41,8 +41,10 @@ def test_a_real_runs_figures_are_scraped_and_printed_in_prometheus_format(tmp_pa
                 return parse(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
             except OSError:
                 return None
-        wait_for(lambda: (m := scrape()) and value(m, "fleet_shard_state", shard="1", state="RUNNING") == 1.0,
-                 120, what="shard 1 RUNNING on /metrics")
+        # (shard 1 may run before shard 0's first line has given its total: wait for both)
+        wait_for(lambda: (m := scrape()) and value(m, "fleet_shard_state", shard="1", state="RUNNING") == 1.0
+                 and value(m, "fleet_shard_samples_total", shard="0") == 30.0,
+                 120, what="shard 1 RUNNING and shard 0's total on /metrics")
         live = scrape()
         assert value(live, "fleet_shard_samples_total", shard="0", host="local", gpu="0", run="job") == 30.0
         assert value(live, "fleet_host_up", host="local") == 1.0
