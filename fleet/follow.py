@@ -37,8 +37,7 @@ AGENT_SILENCE_S = 5.0         # no line from an agent for this long: the host is
 LATE_S = 0.5                  # a wait that ends this much past its time: this process ran late
 SILENCE_PER_ACTION_S = 2.0    # ...plus this per shard starting or acted on there (a launch storm)
 STARTING_UP = frozenset({State.STARTING, State.LOADING, State.STOPPING})
-SILENCE_FRESH_S = 0.5         # silence() is worked out again at most this often
-SILENCE_CHECK_S = 0.5         # and the host's silence looked at this often
+SILENCE_CHECK_S = 0.5         # the host's silence is looked at (and its limit worked out) this often
 
 
 @dataclass
@@ -61,7 +60,6 @@ class HostLink:
     prepare: Callable[[HostLink], Awaitable[None]] | None = None   # does that once it answers
     on_claimed: Callable[[RunClaimed], None] = lambda e: None      # another supervisor holds the run
     pinged: float = 0.0
-    silence_at: tuple[float, float] = (-1e9, AGENT_SILENCE_S)   # (loop time, silence) last worked out
     heard_at: float = 0.0                             # (loop time) the agent's last line
 
     @property
@@ -89,14 +87,10 @@ class HostLink:
         host is busy with actions of ours (eight launches at once load a small host for seconds),
         and while the supervisor itself is starved of CPU (its own loop running late): silence it
         could not have heard is not the host's."""
-        now = asyncio.get_running_loop().time()
-        if now - self.silence_at[0] < SILENCE_FRESH_S:  # asked at every line: 64 hosts x 512 shards
-            return self.silence_at[1]                   # walked the store ~1,000 times a second
         shown, shards = self.store.shown, self.store.shards
         busy = sum(1 for p in self.store.on(self.name) if (s := shards.get(p.shard)) is not None and
                    (s.busy_since is not None or s.acting or shown.get(s.id, (None,))[0] in STARTING_UP))
-        self.silence_at = (now, min(60.0, AGENT_SILENCE_S + SILENCE_PER_ACTION_S * busy + 8 * self.starved()))
-        return self.silence_at[1]
+        return min(60.0, AGENT_SILENCE_S + SILENCE_PER_ACTION_S * busy + 8 * self.starved())
 
     def take(self, line: str, discover: bool = False) -> protocol.Message | None:
         """One line of the agent: a message folded into the store, or a diagnostic kept."""

@@ -392,7 +392,7 @@ class Store:
 
     def _view(self, s: Shard, now: float) -> ShardView:
         p = s.placement
-        verdict = self.verdict(s, now)                            # the decision's own, where current
+        verdict = self.verdict(s, now)                            # (the decide pass's, while fresh)
         return self.engine.view(s, ShardView(
             s.id, p.host, p.gpu, s.record, verdict, s.alive, s.pid, self.policy.max_restarts,
             gpus=p.all_gpus, idle_s=s.idle(), moved_to=self.moves.moved_to(p.host, s.record.leased_t),
