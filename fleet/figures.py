@@ -74,12 +74,13 @@ def pace(record: ShardRecord, host_now: float) -> Pace | None:
         return None
     tokens = record.total_tokens is not None
     column = 2 if tokens else 1
-    moved = [p for i, p in enumerate(a.history) if i == 0 or p[column] != a.history[i - 1][column]]
-    moved = [p for p in moved if p[column] > 0]             # from the first completed batch on
+    moved = a.moved[column]            # where the column moved, from the first completed batch on
     if len(moved) == 1:                # one batch: timed from the attempt's first point (rough: "~")
         moved = [(a.history[0][0], *(0,) * (len(moved[0]) - 1)), moved[0]]
     behind = moved[-1][0] - moved[0][0] if moved else 0.0   # how long the pace has been measured
-    moved = [p for p in moved if p[0] >= host_now - PACE_WINDOW_S] or moved[-2:]
+    cut = host_now - PACE_WINDOW_S
+    moved = list(itertools.takewhile(lambda p: p[0] >= cut, reversed(moved)))[::-1] \
+        or list(itertools.islice(moved, max(len(moved) - 2, 0), None))
     if len(moved) < 2 or moved[-1][0] <= moved[0][0] or moved[-1][column] <= moved[0][column]:
         return None
     span = moved[-1][0] - moved[0][0]

@@ -21,6 +21,7 @@ latest; then it backs off and restarts as any failure does.
 
 from __future__ import annotations
 
+import itertools
 from bisect import bisect_right
 from dataclasses import dataclass
 from enum import Enum
@@ -263,15 +264,15 @@ def rates(record: ShardRecord, state: State, host_now: float, window: float = RA
     a = record.attempt
     if a is None or state not in MEASURED or len(a.history) < 2:
         return None
-    ends = batch_ends(a.history)
+    ends = a.ends                                # batch_ends(a.history), kept as it was folded
     last = ends[-1]
     since = host_now - last[0]
-    tail = ends[-9:]
+    tail = list(itertools.islice(ends, max(len(ends) - 9, 0), None))
     gaps = sorted(b[0] - x[0] for x, b in zip(tail, tail[1:]))
     usual = gaps[len(gaps) // 2] if gaps else 0.0
     if len(ends) < 2 or since >= max(window, STALE_BATCHES * usual):
         return Rates(0.0, 0.0, 0.0)
-    ref = next((e for e in reversed(ends[:-1]) if e[0] <= last[0] - window), ends[0])
+    ref = next((e for e in itertools.islice(reversed(ends), 1, None) if e[0] <= last[0] - window), ends[0])
     span = last[0] - ref[0]
     if span <= 0:
         return Rates(0.0, 0.0, 0.0)

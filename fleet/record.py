@@ -51,6 +51,12 @@ class Attempt:
     stop: protocol.StopRequested | None = None
     end: protocol.Exited | None = None
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
+    # Read off the history as each point is folded, so the judge and every picture read them
+    # without walking 600 points a shard each second: the points where the counters moved (a batch
+    # written; judge.batch_ends of the history), and where samples (1) or tokens (2) moved to above 0
+    # (the pace's points; figures.pace).
+    ends: deque = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
+    moved: tuple = field(default_factory=lambda: (None, deque(maxlen=HISTORY_POINTS), deque(maxlen=HISTORY_POINTS)))
     launcher: str | None = None           # "slurm": an array task (None: hostctl on a host)
     job: str | None = None                # its Slurm task, "<array job id>_<index>"
     node: str | None = None               # the node it ran on (its `started`)
@@ -296,7 +302,14 @@ class ShardRecord:
             a.phase = Phase.RUNNING
         a.last_progress_t = ev.t
         counted = ev.counted_t if ev.counted_t is not None and ev.counted_t <= ev.t else ev.t
-        a.history.append((ev.t, self.done + self.skipped, self.tokens, self.bytes, self.sq_tokens, counted))
+        point = (ev.t, self.done + self.skipped, self.tokens, self.bytes, self.sq_tokens, counted)
+        before = a.history[-1] if a.history else None
+        a.history.append(point)
+        if not a.ends or a.ends[-1][1:] != point[1:4]:
+            a.ends.append((counted, *point[1:4]))
+        for column in (1, 2):
+            if point[column] > 0 and (before is None or point[column] != before[column]):
+                a.moved[column].append(point)
 
     @staticmethod
     def _said(a: Attempt, ev: protocol.Failed | protocol.Sentinel) -> None:

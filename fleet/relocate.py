@@ -104,6 +104,8 @@ class Moves:
 
     def moved_to(self, host: str, since: float | None) -> str | None:
         """Where the rows of a shard of `host` went, if they moved after its last lease (`since`)."""
+        if not self.moves:                 # (asked of every shard for every picture)
+            return None
         later = [m for m in self.away_from(host) if since is None or m.t >= since]
         return later[-1].to_host if later else None
 

@@ -40,12 +40,19 @@ from .transport import HostError
 
 from worker import protocol
 
-PUSH_S = 1.0              # a watching client (or a /metrics scrape) gets the newest picture this often
+PUSH_S = 1.0              # a watching client (or a /metrics scrape) gets the newest picture this often,
+PUSH_LARGE_S = 2.0        # or this often in a run of more than LARGE_RUN shards (a picture of 512 shards
+LARGE_RUN = 256           # a second was a quarter of the supervisor's CPU at 64 hosts); a transition at once
 UNWATCHED_S = 5.0         # with neither, whether the run has ended is asked this often, and at each transition
 LINGER_S = 0.0            # an ended run's supervisor waits this long with no client before it goes
 FAILED_LINGER_S = 30.0    # a refused setup waits this long for the client that started it to read why
 QUEUE_MAX = 20000         # a client this far behind is dropped (it reconnects)
 NOTES_KEPT = 50           # the supervisor's last log lines a new client gets
+
+
+def push_every(shards: int) -> float:
+    """Seconds between the pictures a watched supervisor pushes when nothing changes state."""
+    return PUSH_S if shards <= LARGE_RUN else PUSH_LARGE_S
 
 
 class Peer:
@@ -109,6 +116,7 @@ class Service:
         self.wake = asyncio.Event()
         self.ready = asyncio.Event()                      # setup is over (supervising, or failed)
         self.newest: FleetSnapshot | None = None
+        self.fresh: FleetSnapshot | None = None       # the picture a decide pass's changes just pushed
         self.metrics_server = None
         self.t0 = time.monotonic()
         self.log_file = None
@@ -149,7 +157,7 @@ class Service:
 
     def changed(self, changes: list[Transition]) -> None:
         """A decide pass's transitions: the picture after them, then the lines `--headless` prints."""
-        snap = self.sup.snapshot()
+        snap = self.newest = self.fresh = self.sup.snapshot()
         lines = render.transition_lines(changes, snap)
         for line in lines:
             self.log(line)
@@ -257,8 +265,9 @@ class Service:
         while not self.stopping.is_set():
             if sup.claimed is not None:
                 return await self.refuse(claimed_words(self.config, sup.claimed.holder, self.take_over), EXIT_FAULT)
-            snap = self.newest = sup.snapshot()
-            if any(p.watching for p in self.peers):
+            fresh, self.fresh = self.fresh, None          # (pushed with its changes: not built twice)
+            snap = self.newest = fresh or sup.snapshot()
+            if fresh is None and any(p.watching for p in self.peers):
                 self.broadcast(self.snap_record(snap), "snap")
             if sup.run_ended(snap):
                 ended_since = ended_since or time.monotonic()
@@ -270,7 +279,7 @@ class Service:
             self.wake.clear()
             watched = self.metrics_server is not None or any(p.watching for p in self.peers)
             with contextlib.suppress(asyncio.TimeoutError):
-                async with asyncio.timeout(PUSH_S if watched else UNWATCHED_S):
+                async with asyncio.timeout(push_every(len(sup.shards)) if watched else UNWATCHED_S):
                     await self.wake.wait()
         self.note("told to stop supervising")
         return 0

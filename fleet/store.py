@@ -298,6 +298,11 @@ class Store:
         elif isinstance(msg, protocol.Liveness):
             if (shard := self.shards.get(msg.shard)) is not None:
                 shard.liveness(msg)
+        elif isinstance(msg, protocol.Idle):
+            at = time.monotonic()
+            for k, idle_s in zip(msg.shards, msg.idle_s):
+                if (shard := self.shards.get(k)) is not None and shard.alive:
+                    shard.idle_s, shard.idle_at = idle_s, at
         elif isinstance(msg, protocol.RecordDamage):
             if (shard := self.shards.get(msg.shard)) is not None:
                 shard.damage = msg

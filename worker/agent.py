@@ -196,6 +196,7 @@ class Agent:
         if self.slurm is not None:
             self.poll_slurm_shards(replay, force_liveness)
             return
+        idle: dict[int, float] = {}          # live shards whose life did not change: one line
         for k, f in self.shards.items():
             acting = is_acting(f.dir)          # before the record: an action seen idle here has
             alive = is_running(f.dir)          # its launch, if it made one, in what is read next
@@ -208,11 +209,16 @@ class Agent:
                 self.send(protocol.EventMessage(shard=k, event=ev))
             if (damage := f.damage(k, replay)) is not None:
                 self.send(damage)
-            due = alive and time.monotonic() - f.idle_sent >= IDLE_EVERY_S
-            if force_liveness or due or (alive, acting) != (f.alive, f.acting):
+            if force_liveness or (alive, acting) != (f.alive, f.acting):
                 f.alive, f.acting, f.idle_sent = alive, acting, time.monotonic()
                 self.send(protocol.Liveness(shard=k, alive=alive, pid=read_pid(f.dir) if alive else None,
                                             acting=acting, idle_s=f.idle_s() if alive else None))
+            elif alive and time.monotonic() - f.idle_sent >= IDLE_EVERY_S:
+                f.idle_sent = time.monotonic()
+                if (idle_s := f.idle_s()) is not None:         # (no progress yet: nothing to say)
+                    idle[k] = idle_s
+        if idle:
+            self.send(protocol.Idle(shards=list(idle), idle_s=list(idle.values())))
 
     def poll_slurm_shards(self, replay: bool, force_liveness: bool) -> None:
         """The record first, then Slurm: a task's end is only concluded from a query that began

@@ -41,7 +41,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, Optional
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # --- remote layout -----------------------------------------------------------------------------
 EVENTS_FILE = "events.jsonl"
@@ -629,8 +629,8 @@ class RecordDamage(Message):
 class Liveness(Message):
     """`alive`: the shard's lock is held (its runner or process lives). `acting`: a stop or restart
     is being carried out on the host (`hostctl act` holds the shard's act lock); None where nothing
-    acts on the host (Slurm: the supervisor resubmits). Sent on a change, and every second with
-    `idle_s` while the shard is alive."""
+    acts on the host (Slurm: the supervisor resubmits). Sent on a change, with `idle_s` while the
+    shard is alive (its idle time between changes goes in the host's Idle line)."""
     KIND: ClassVar[str] = "shard"
     shard: int = 0
     alive: bool = False
@@ -639,6 +639,26 @@ class Liveness(Message):
     acting: Optional[bool] = None
     idle_s: Optional[float] = None    # seconds since the newest launch last made progress, by the
                                       # host's monotonic clock (a step of its wall clock changes nothing)
+
+
+@message
+@dataclass
+class Idle(Message):
+    """The idle time of every live shard whose life did not change, in one line a telemetry
+    interval (one Liveness each was 8 lines a second per 8-GPU host: at 64 hosts, most of what the
+    supervisor read). `shards[i]` has been `idle_s[i]` seconds without progress, by the host's
+    monotonic clock. A change of a shard's life is still its own Liveness."""
+    KIND: ClassVar[str] = "idle"
+    shards: list[int] = field(default_factory=list)
+    idle_s: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        msg = super().from_dict(d)
+        if not (isinstance(msg.shards, list) and isinstance(msg.idle_s, list) and len(msg.shards) == len(msg.idle_s)
+                and all(type(k) is int for k in msg.shards) and all(type(s) in (int, float) for s in msg.idle_s)):
+            raise ReplyError(f"idle: not a list of shards and one of their idle times: {d!r:.120}")
+        return msg
 
 
 @message

@@ -322,6 +322,27 @@ async def test_a_shard_that_stops_is_late_at_three_of_its_intervals_long_before_
         assert late.reason.startswith("silent ") and "STALLED at 40s" in late.reason, late.reason
         assert not any(is_late or state != State.RUNNING for age, is_late, state in seen
                        if age is not None and age <= 9.9), seen
+        # Its idle time comes in the host's one Idle line a second (its life did not change, so no
+        # Liveness of its own): past the 10 s a word is carried, the age still grows with the host's.
+        await until(lambda: (shard(sup, 0).progress_age_s or 0) >= 14.0, timeout=30, what="an age past 14 s")
+        agent = subprocess.Popen([sys.executable, "-m", "worker.agent", "--run-dir", str(tmp_path / "fleet" / "job"),
+                                  "--shards", "0", "--output", str(tmp_path / "out"), "--interval", "0.25"],
+                                 cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            def read() -> list[str]:                 # until its third Idle line
+                out = []
+                while sum('"idle"' in line for line in out) < 3 and len(out) < 200:
+                    out.append(agent.stdout.readline())
+                return out
+            lines = await asyncio.to_thread(read)
+        finally:
+            agent.kill()
+            agent.wait()
+        said = [protocol.parse_message(line) for line in lines]
+        idle = [m for m in said if isinstance(m, protocol.Idle)]
+        assert len([m for m in said if isinstance(m, protocol.Liveness)]) == 1, lines   # the replay's
+        assert len(idle) >= 2 and all(m.shards == [0] for m in idle), lines
+        assert idle[0].idle_s[0] >= 14.0 and idle[-1].idle_s[0] > idle[0].idle_s[0], lines
     finally:
         await sup.close()
 
