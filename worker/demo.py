@@ -138,7 +138,7 @@ def main() -> None:
                                 description="Make the local demo's tiny model and chat dataset if absent.")
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
-    p.add_argument("--samples", type=int, default=1200)
+    p.add_argument("--samples", type=int, default=600)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=12)
     args = p.parse_args()
