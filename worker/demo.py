@@ -157,7 +157,7 @@ def main() -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--samples", type=int, default=600)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--layers", type=int, default=8)
     args = p.parse_args()
     if not os.path.exists(os.path.join(args.model, "config.json")):
         make_model(args.model, hidden=args.hidden, layers=args.layers)

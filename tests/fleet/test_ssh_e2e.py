@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import wait_for
 from tests.fleet.conftest import fleet, fleet_popen, fleet_toml, supervisor_info
 from tests.sshd_server import free_port, keygen
+from worker import protocol
 
 pytestmark = pytest.mark.ssh
 
@@ -353,8 +354,11 @@ def test_an_agent_that_fails_or_speaks_another_protocol_says_why(tmp_path, sshd)
     # The deployed worker speaks another protocol version: refused, with what to do.
     [code] = glob.glob(os.path.join(run_dir, "code", "*", "worker", "protocol.py"))
     text = open(code).read()
-    open(code, "w").write(text.replace("PROTOCOL_VERSION = 2", "PROTOCOL_VERSION = 1"))
+    current = f"PROTOCOL_VERSION = {protocol.PROTOCOL_VERSION}"
+    assert current in text
+    open(code, "w").write(text.replace(current, "PROTOCOL_VERSION = 1"))
     r = fleet("status", "--json", "-c", config)
     host = json.loads(r.stdout)["hosts"][0]
     assert r.returncode == 3
-    assert host["error"] == "host runs worker protocol 1, this fleet speaks 2: redeploy (fleet up)"
+    assert host["error"] == f"host runs worker protocol 1, this fleet speaks {protocol.PROTOCOL_VERSION}: " \
+                            "redeploy (fleet up)"
