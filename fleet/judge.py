@@ -264,7 +264,7 @@ def rates(record: ShardRecord, state: State, host_now: float, window: float = RA
     a = record.attempt
     if a is None or state not in MEASURED or len(a.history) < 2:
         return None
-    ends = a.ends                                # batch_ends(a.history), kept as it was folded
+    ends = a.ends                                # the batch ends, kept as the record folded
     last = ends[-1]
     since = host_now - last[0]
     tail = list(itertools.islice(ends, max(len(ends) - 9, 0), None))
@@ -278,17 +278,6 @@ def rates(record: ShardRecord, state: State, host_now: float, window: float = RA
         return Rates(0.0, 0.0, 0.0)
     late = usual / since if since > usual else 1.0
     return Rates(*((last[i] - ref[i]) / span * late for i in (1, 2, 3)))
-
-
-def batch_ends(history) -> list[tuple]:
-    """(time, samples, tokens, bytes) of the attempt's first progress point and of every point
-    where its counters moved (a batch written), at the time its rows were counted."""
-    out: list[tuple] = []
-    for t, samples, tokens, nbytes, _sq, counted in history:
-        point = (counted, samples, tokens, nbytes)
-        if not out or point[1:] != out[-1][1:]:
-            out.append(point)
-    return out
 
 
 def _at(history, t: float, column: int) -> float:

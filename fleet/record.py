@@ -52,11 +52,11 @@ class Attempt:
     end: protocol.Exited | None = None
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
     # Read off the history as each point is folded, so the judge and every picture read them
-    # without walking 600 points a shard each second: the points where the counters moved (a batch
-    # written; judge.batch_ends of the history), and where samples (1) or tokens (2) moved to above 0
-    # (the pace's points; figures.pace).
+    # without walking 600 points a shard each second: (count time, samples, tokens, bytes) of the
+    # first point and of every point where the counters moved (a batch written; judge.rates), and,
+    # by history column (1 samples, 2 tokens), the points where it moved to above 0 (figures.pace).
     ends: deque = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
-    moved: tuple = field(default_factory=lambda: (None, deque(maxlen=HISTORY_POINTS), deque(maxlen=HISTORY_POINTS)))
+    moved: dict = field(default_factory=lambda: {1: deque(maxlen=HISTORY_POINTS), 2: deque(maxlen=HISTORY_POINTS)})
     launcher: str | None = None           # "slurm": an array task (None: hostctl on a host)
     job: str | None = None                # its Slurm task, "<array job id>_<index>"
     node: str | None = None               # the node it ran on (its `started`)
@@ -307,7 +307,7 @@ class ShardRecord:
         a.history.append(point)
         if not a.ends or a.ends[-1][1:] != point[1:4]:
             a.ends.append((counted, *point[1:4]))
-        for column in (1, 2):
+        for column in a.moved:
             if point[column] > 0 and (before is None or point[column] != before[column]):
                 a.moved[column].append(point)
 

@@ -301,7 +301,7 @@ class Store:
         elif isinstance(msg, protocol.Idle):
             at = time.monotonic()
             for k, idle_s in zip(msg.shards, msg.idle_s):
-                if (shard := self.shards.get(k)) is not None and shard.alive:
+                if (shard := self.shards.get(k)) is not None:     # (Shard.idle: only while alive)
                     shard.idle_s, shard.idle_at = idle_s, at
         elif isinstance(msg, protocol.RecordDamage):
             if (shard := self.shards.get(msg.shard)) is not None:

