@@ -25,6 +25,14 @@ minute, and the whole run with its load. The host's caches live under the host's
 
     python bench/gpu_fleet.py --shape hybrid27 --out $OUT --samples 2600
 
+`--shape moe30b`: Qwen3-30B-A3B's shape (48 layers, hidden 2048, 128 experts, 8 a token,
+moe_intermediate 768; random weights), the same runs as hybrid27, with MFU counting the active
+parameters (worker.model.active_parameters: 2.73B of 29.9B); `--budgets` runs each token budget
+([run] max_tokens_per_batch) and `--fast both` each budget with the fast kernels off
+(FLEET_FAST=0) and on, in the same call:
+
+    python bench/gpu_fleet.py --shape moe30b --out $OUT --samples 3000 --once --budgets 16384,32768 --fast both
+
 flash-linear-attention must be importable by the python that fleet launches the worker with
 (`pip install` it there; a PYTHONPATH of the bench's shell does not reach the worker).
 """
@@ -66,14 +74,25 @@ HYBRID27 = dict(vocab_size=VOCAB, hidden_size=5120, intermediate_size=17408, num
                 rms_norm_eps=1e-6, hidden_act="silu", torch_dtype="bfloat16")
 
 
+# Qwen3-30B-A3B's shape (its config.json, random weights): 30.5B parameters, 3.3B of them a token
+# meets (2.73B without the embeddings).
+MOE30B = dict(vocab_size=VOCAB, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+              num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+              num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+              decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, model_type="qwen3_moe",
+              architectures=["Qwen3MoeForCausalLM"], rms_norm_eps=1e-6, rope_theta=1000000.0,
+              hidden_act="silu", torch_dtype="bfloat16")
+SHAPES = {"hybrid27": HYBRID27, "moe30b": MOE30B}
+
+
 def counted_params(shape: dict) -> int:
-    """Non-embedding parameters of `shape`, counted on a model built on the meta device."""
-    import torch
-    from transformers import AutoConfig, AutoModel
+    """Non-embedding parameters a token meets in `shape` (all of them, but for an MoE's experts
+    the k of E it is routed to), counted on a model built on the meta device."""
+    from transformers import AutoConfig
+
+    from worker.model import config_active_parameters
     config = AutoConfig.for_model(**{k: v for k, v in shape.items() if k != "architectures"})
-    with torch.device("meta"):
-        model = AutoModel.from_config(config)
-    return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    return config_active_parameters(config)[1]
 
 
 def nonembedding_params() -> int:
@@ -84,12 +103,12 @@ def nonembedding_params() -> int:
     return L * per_layer + H
 
 
-def make_data(path: str, n: int, seed: int, window: int = 0, pad: int = 16) -> dict:
+def make_data(path: str, n: int, seed: int, window: int = 0, pad: int = 16, budget: int = BUDGET) -> dict:
     """A dataset of about `n` random-id rows: ShareGPT-like lengths, or with `window` the rows of
     every k-th batch of one sort window of that many rows (bench/window.py: a real shard's padding).
     Its tokens, rows and the padding share of the batches a shard cuts from it."""
     rng = random.Random(seed)
-    lengths = (window_lengths(seed, n, BUDGET, pad, window=window) if window
+    lengths = (window_lengths(seed, n, budget, pad, window=window) if window
                else [min(length, 8192) for length in sharegpt_lengths(rng, n, 728)])
     tokens = 0
     with open(path, "w") as f:
@@ -97,21 +116,22 @@ def make_data(path: str, n: int, seed: int, window: int = 0, pad: int = 16) -> d
             tokens += length
             f.write(json.dumps({"input_ids": [rng.randrange(VOCAB) for _ in range(length)]}) + "\n")
     return {"tokens": tokens, "rows": len(lengths), "window": window or None,
-            "padding": round(padding_share(length_batches(lengths, BUDGET, pad), pad), 4)}
+            "padding": round(padding_share(length_batches(lengths, budget, pad), pad), 4)}
 
 
-PASSED = ("FLEET_TUNING_PRESETS", "FLEET_FULL_TUNING", "FLEET_SPLIT_PROJECTIONS")     # the bench's environment the workers get
+PASSED = ("FLEET_TUNING_PRESETS", "FLEET_FULL_TUNING", "FLEET_SPLIT_PROJECTIONS", "FLEET_FAST")     # the bench's environment the workers get
 
 
-def passed_env() -> str:
-    """[run] env for the variables of PASSED set in the bench's environment."""
-    pairs = [f"{k} = {json.dumps(os.environ[k])}" for k in PASSED if k in os.environ]
+def passed_env(more: dict | None = None) -> str:
+    """[run] env for the variables of PASSED set in the bench's environment (and `more`)."""
+    env = {**{k: os.environ[k] for k in PASSED if k in os.environ}, **(more or {})}
+    pairs = [f"{k} = {json.dumps(v)}" for k, v in env.items()]
     return f"env = {{ {', '.join(pairs)} }}" if pairs else ""
 
 
 def write_config(path: str, work: str, data: str, output: str, gpus: list[int], name: str,
                  gpus_per_shard: int = 1, extra: tuple[str, ...] = (), dtype: str = "bf16",
-                 model: str | None = None) -> str:
+                 model: str | None = None, budget: int = BUDGET, env: dict | None = None) -> str:
     """`model`: a saved checkpoint to load (default: `<work>/model`'s config.json, random weights)."""
     extra = tuple(extra) if model else ("--random-weights", *extra)
     with open(path, "w") as f:
@@ -122,12 +142,12 @@ model = "{model or work + '/model'}"
 data = "{data}"
 output = "{output}"
 layers = "speculators"
-max_tokens_per_batch = {BUDGET}
+max_tokens_per_batch = {budget}
 device = "cuda"
 extra_args = {json.dumps(list(extra))}
 gpus_per_shard = {gpus_per_shard}
 dtype = "{dtype}"
-{passed_env()}
+{passed_env(env)}
 
 [expected]
 tokens_per_s_per_gpu = 6000
@@ -234,12 +254,25 @@ def loading_steps(events: list[dict]) -> list[list]:
             or kind(s[1]) != kind(steps[i - 1][1]) or kind(s[1]) != kind(steps[i + 1][1])]
 
 
-def hybrid27(args, result: dict, peak: float, ngpu: int) -> None:
-    """The 27B hybrid through fleet, one shard per GPU: a first launch on a bare host, then the
-    same again with the host's caches warm."""
+def runs_of(args) -> list[tuple[str, int, dict]]:
+    """(name, token budget, worker env) of each run: hybrid27's first launch and the same again;
+    with --budgets or --fast, one first launch per budget and fast setting, in that order."""
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [BUDGET]
+    fast = {"both": ["0", "1"], "on": ["1"], "off": ["0"]}.get(args.fast, [])
+    if not args.budgets and not fast:
+        return [(name, BUDGET, {}) for name in (("first",) if args.once else ("first", "again"))]
+    return [(f"b{b}" + (f"-fast{f}" if f else ""), b, {"FLEET_FAST": f} if f else {})
+            for b in budgets for f in (fast or [None])]
+
+
+def one_shape(args, result: dict, peak: float, ngpu: int) -> None:
+    """The 27B hybrid (or the MoE) through fleet, one shard per GPU: a first launch on a bare
+    host, then the same again with the host's caches warm (or the runs of --budgets / --fast)."""
     work = args.work
-    json.dump(HYBRID27, open(f"{work}/model/config.json", "w"))
-    params = result["nonembedding_params"] = counted_params(HYBRID27)
+    shape = SHAPES[args.shape]
+    json.dump(shape, open(f"{work}/model/config.json", "w"))
+    params = result["nonembedding_params"] = counted_params(shape)
+    result["params_counted"] = "active" if "num_experts" in shape else "all"
     model = None
     if args.checkpoint:                  # a real checkpoint, as a download holds it, read by the load
         from bench.load_checkpoint import SAVE, files_of
@@ -247,7 +280,7 @@ def hybrid27(args, result: dict, peak: float, ngpu: int) -> None:
         os.makedirs(model, exist_ok=True)
         t0 = time.time()
         if not files_of(model):          # (one saved by an earlier call of the bench is used again)
-            json.dump(HYBRID27, open(f"{model}/config.json", "w"))
+            json.dump(shape, open(f"{model}/config.json", "w"))
             subprocess.run([sys.executable, "-c", SAVE, model], check=True)
         result["checkpoint"] = {"path": model, "bytes": sum(os.path.getsize(f) for f in files_of(model)),
                                 "save_s": round(time.time() - t0, 1)}
@@ -256,13 +289,14 @@ def hybrid27(args, result: dict, peak: float, ngpu: int) -> None:
     from worker.extract import HYBRID_PAD
     extra = tuple(args.worker_args.split())
     pads = argparse.ArgumentParser(add_help=False)
-    pads.add_argument("--pad-multiple", type=int, default=HYBRID_PAD)     # the worker's, as it will read it
+    pads.add_argument("--pad-multiple", type=int, default=HYBRID_PAD if shape is HYBRID27 else 8)   # the worker's
     pad = pads.parse_known_args(extra)[0].pad_multiple
-    result["data"] = make_data(data, args.samples, 2, args.window, pad=pad)
+    runs = runs_of(args)
+    result["data"] = make_data(data, args.samples, 2, args.window, pad=pad, budget=runs[0][1])
     result["tokens"] = result["data"]["tokens"]
-    for name in ("first",) if args.once else ("first", "again"):
+    for name, budget, env in runs:
         cfg = write_config(f"{work}/{name}.toml", work, data, f"{work}/out-{name}", list(range(ngpu)), name,
-                           dtype=args.dtype, model=model, extra=extra)
+                           dtype=args.dtype, model=model, extra=extra, budget=budget, env=env)
         t0 = time.time()
         rc, lines, _ = run_headless(cfg, f"{args.out}/{name}.log")
         per = []
@@ -275,7 +309,8 @@ def hybrid27(args, result: dict, peak: float, ngpu: int) -> None:
             m["mfu_after_load_checks_apart"] = round(2 * params * m["after_load_tokens_per_s_checks_apart"] / peak, 3)
             per.append(m)
         v = fleet("verify", "-c", cfg)
-        result[name] = {"rc": rc, "wall_s": round(time.time() - t0, 1), "per_gpu": per, "verify_rc": v.returncode}
+        result[name] = {"rc": rc, "wall_s": round(time.time() - t0, 1), "per_gpu": per, "verify_rc": v.returncode,
+                        "budget": budget, "env": env}
         shutil.rmtree(f"{work}/out-{name}", ignore_errors=True)
         print(json.dumps({name: result[name]}), flush=True)
         json.dump(result, open(f"{args.out}/result.json", "w"), indent=2)
@@ -356,13 +391,16 @@ def main() -> None:
     p.add_argument("--split-only", action="store_true",
                    help="only the shard spanning every GPU: against one shard per GPU, and its files "
                         "against one GPU's run of the same batches")
-    p.add_argument("--shape", choices=("dense27", "hybrid27"), default="dense27",
-                   help="the dense 27B (scaling, kill and restart, split) or the 27B hybrid (first launch "
-                        "and a second one on the warm host cache)")
+    p.add_argument("--shape", choices=("dense27", "hybrid27", "moe30b"), default="dense27",
+                   help="the dense 27B (scaling, kill and restart, split), the 27B hybrid (first launch "
+                        "and a second one on the warm host cache) or Qwen3-30B-A3B's MoE shape (the same runs)")
+    p.add_argument("--budgets", default="", help="hybrid27/moe30b: comma list of token budgets, one first launch each")
+    p.add_argument("--fast", choices=("", "on", "off", "both"), default="",
+                   help="hybrid27/moe30b: each run with the fast kernels on (FLEET_FAST=1), off, or both")
     p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="hidden states as stored")
     p.add_argument("--once", action="store_true", help="hybrid27: the first launch only")
     p.add_argument("--window", type=int, default=0, metavar="ROWS",
-                   help="hybrid27: the rows of every k-th batch of one sort window of this many rows (20000: "
+                   help="hybrid27/moe30b: the rows of every k-th batch of one sort window of this many rows (20000: "
                         "the worker's), so batches pad as a real shard's do; default: --samples rows sorted alone")
     p.add_argument("--worker-args", default="", help="hybrid27: more worker arguments, e.g. \"--pad-multiple 8\"")
     p.add_argument("--checkpoint", default=None,
@@ -393,8 +431,8 @@ def main() -> None:
     result = {"gpus": ngpu, "gpu_name": torch.cuda.get_device_name(0), "peak_tflops": round(peak / 1e12, 1),
               "nonembedding_params": params, "torch": torch.__version__, "shape": args.shape,
               "fla": __import__("importlib.util").util.find_spec("fla") is not None}
-    if args.shape == "hybrid27":
-        hybrid27(args, result, peak, ngpu)
+    if args.shape in SHAPES:
+        one_shape(args, result, peak, ngpu)
         print(json.dumps(result, indent=1))
         return
     # 1. scaling, 1 GPU then all

@@ -547,3 +547,71 @@ def missing_fast_kernels(model: torch.nn.Module) -> str | None:
         return None
     return (f"fast Gated DeltaNet kernels missing ({', '.join(missing)}): transformers falls back "
             f"to slow reference kernels")
+
+
+# --- the FLOP model: the parameters a token meets (issue 56) ----------------------------------
+
+def moe_shape(config: Any) -> tuple[int, int] | None:
+    """(experts, experts a token is routed to) of a mixture-of-experts config, else None."""
+    config = getattr(config, "text_config", None) or config
+    experts = next((getattr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(getattr(config, n, None), int)), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not experts or not isinstance(top_k, int) or top_k <= 0 or experts <= 1:
+        return None
+    return experts, top_k
+
+
+def active_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(non-embedding parameters, those a token meets): a mixture of experts' expert weights
+    count top-k / experts of themselves (each token runs k of the E experts), its router and
+    shared experts whole. Counted from the modules, so any layout counts as it is built: the
+    fused one (3-D `gate_up_proj` / `down_proj` of E experts) or a ModuleList `experts`. What
+    MFU counts for an MoE (2 x active x tokens/s over the peak) and what the ETA's FLOP model
+    weighs a token by. Input embeddings are left out (a lookup); an LM head is not built here."""
+    config = text_config(model) if hasattr(model, "config") else None
+    moe = moe_shape(config) if config is not None else None
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    skip = {id(p) for p in embeddings.parameters()} if embeddings is not None else set()
+    total = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    if moe is None:
+        return total, total
+    experts, top_k = moe
+    inactive = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("Experts") or isinstance(getattr(module, "gate_up_proj", None), torch.Tensor):
+            params = [p for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] == experts]
+            inactive += sum(p.numel() for p in params) * (experts - top_k) // experts
+        elif isinstance(getattr(module, "experts", None), torch.nn.ModuleList) and len(module.experts) == experts:
+            inactive += sum(p.numel() for p in module.experts.parameters()) * (experts - top_k) // experts
+    return total, total - inactive
+
+
+def config_active_parameters(config: Any) -> tuple[int, int]:
+    """active_parameters of the model `config` describes, built on the meta device (no memory)."""
+    from transformers import AutoModel
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    return active_parameters(model)
+
+
+# Tokens a batch gives each expert: a grouped GEMM of m rows x K=hidden is far from its peak when
+# m is a few hundred. The budget an MoE's batches get so each expert gets about this many rows on
+# average (docs/benchmarks.md, issue 56: the experts' GEMMs at N tokens a batch on an H100).
+EXPERT_ROWS = 2048
+
+
+def expert_rows(tokens: int, config: Any) -> float | None:
+    """Rows each expert's GEMM gets on average from a batch of `tokens` (None: not an MoE)."""
+    moe = moe_shape(config)
+    return tokens * moe[1] / moe[0] if moe else None
+
+
+def experts_budget(budget: int, config: Any, rows: int = EXPERT_ROWS, cap: int = 65536) -> int:
+    """The token budget of an MoE's batches: at least `rows` rows per expert on average (128
+    experts, 8 a token: 32,768 tokens for 2,048), at most `cap`; a dense model's is `budget`."""
+    moe = moe_shape(config)
+    if moe is None:
+        return budget
+    experts, top_k = moe
+    return max(budget, min(cap, -(-rows * experts // top_k)))
