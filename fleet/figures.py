@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import statistics
 from dataclasses import dataclass
+from typing import Sequence
 
 from worker import protocol
 
@@ -98,6 +99,7 @@ def pace_eta(record: ShardRecord, p: Pace | None) -> float | None:
         # than an interval's worth while nothing is reported (a stall must not look like an end).
         return max(p.cost.of(*left) - min(p.cost.since_s, p.cost.interval_s), 0.0)
     if p.unit == "tokens":
+        assert record.total_tokens is not None, "pace() measures tokens only for a record with its total_tokens"
         return p.per_unit * max(record.total_tokens - record.tokens, 0)
     return p.per_unit * max(record.total - record.done - record.skipped, 0) if record.total else None
 
@@ -170,7 +172,7 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
     return [a[i][n] / a[i][i] for i in range(n)]
 
 
-def nnls_toward(xs: list[tuple[float, ...]], ys: list[float], prior: tuple[float, ...],
+def nnls_toward(xs: Sequence[tuple[float, ...]], ys: list[float], prior: tuple[float, ...],
                 weight: float) -> tuple[float, ...]:
     """Non-negative least squares of ys on xs, each row weighted by 1 / its prior cost (a batch's
     time varies in proportion to it), pulled toward `prior` in the directions the rows do not
@@ -255,7 +257,8 @@ def _fit_cost(record: ShardRecord, host_now: float) -> Cost | None:
     theta = nnls_toward(xs, ys, prior, PRIOR_WEIGHT) if len(xs) >= 2 else prior
     last = intervals[-1][0]
     gaps = [iv[1] for iv in intervals]
-    return Cost(*theta, fitted=theta != prior, since_s=max(host_now - last, 0.0),
+    per_row, per_token, per_sq = theta
+    return Cost(per_row, per_token, per_sq, fitted=theta != prior, since_s=max(host_now - last, 0.0),
                 interval_s=statistics.median(gaps))
 
 

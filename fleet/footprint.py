@@ -153,6 +153,8 @@ def shipping_lines(fp: Footprint, destination: str, keep_local: int | None, grou
     if measured:
         line += "; upload measured: " + ", ".join(f"{h} {gb(r)}/s" for h, r in sorted(measured.items()))
     cheaper = '; dtype = "fp8" halves the bytes' if fp.bytes_per_token_fp8 else ""
+    if not tokens_per_s_per_gpu:                  # no expected rate: nothing can be outpaced
+        return line, []
     warnings = [f"{_writes(host, gpus, needed, tokens_per_s_per_gpu)}, its upload to {destination} measured "
                 f"{gb(rate)}/s: the uplink, not the GPU, sets the pace (about {rate / needed:.0%} of expected "
                 f"once keep_local is full){cheaper}"
@@ -167,6 +169,8 @@ def disk_warnings(fp: Footprint, groups: list[Need], tokens_per_s_per_gpu: float
     the ways out: fp8, another disk, fewer layers."""
     fixes = ('dtype = "fp8" halves the bytes; ' if fp.bytes_per_token_fp8 else "") + \
         "another disk in [run] output = [...] adds its rate; fewer layers write fewer bytes"
+    if not tokens_per_s_per_gpu:                  # no expected rate: nothing can be outpaced
+        return []
     return [f"{_writes(host, gpus, needed, tokens_per_s_per_gpu)}, its output disk(s) took {gb(rate)}/s at "
             f"preflight: the disk, not the GPU, sets the pace (about {rate / needed:.0%} of expected); {fixes}"
             for host, gpus, needed, rate in outpaced(fp, groups, tokens_per_s_per_gpu, write_rates)]

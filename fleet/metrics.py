@@ -12,6 +12,7 @@ state it could be in, 1 for the one it is in (`fleet_shard_state`), so a dashboa
 from __future__ import annotations
 
 from typing import Callable, Iterable
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
@@ -28,7 +29,7 @@ def families(snap: FleetSnapshot) -> list[Metric]:
     def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
         return GaugeMetricFamily(f"fleet_{name}", doc, labels=("run",) + labels)
 
-    out = []
+    out: list[Metric] = []
     shard_labels = ("shard", "host", "gpu")
     state = gauge("shard_state", "1 for the state the shard is in, 0 for the others", shard_labels + ("state",))
     per_shard = {
@@ -70,7 +71,7 @@ def families(snap: FleetSnapshot) -> list[Metric]:
     out += [up, mem_used, mem_total, util]
 
     t = snap.totals
-    for name, doc, value in (
+    for name, doc, figure in (
             ("samples_per_second", "the run's samples a second", t.samples_per_s),
             ("tokens_per_second", "the run's tokens a second", t.tokens_per_s),
             ("expected_tokens_per_second", "what the run is expected to do ([expected] x its GPUs)",
@@ -80,10 +81,10 @@ def families(snap: FleetSnapshot) -> list[Metric]:
             ("samples_done", "samples written or skipped", t.done),
             ("samples_total", "samples in the run", t.total),
             ("finished", "1 once every row of the run is done", 1.0 if t.finished else 0.0)):
-        g = gauge(name, doc)
-        if value is not None:
-            g.add_metric([run], float(value))
-        out.append(g)
+        family = gauge(name, doc)
+        if figure is not None:
+            family.add_metric([run], float(figure))
+        out.append(family)
     return out
 
 
@@ -119,7 +120,7 @@ def parse_address(address: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def serve(address: str, newest: Callable[[], FleetSnapshot | None]):
+def serve(address: str, newest: Callable[[], FleetSnapshot | None]) -> WSGIServer:
     """Serve /metrics on `address` (HOST:PORT) from `newest()` at each scrape, in a thread of
     prometheus_client's own; returns its server (shutdown() stops it). Raises AddressError or OSError."""
     from prometheus_client.exposition import start_http_server

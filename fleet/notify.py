@@ -140,6 +140,7 @@ class Notifier:
 
     def told(self, changes: list[Transition]) -> list[Notice]:
         """Send the chosen notices of one decide pass's transitions."""
+        assert self._snapshot is not None, "the supervisor starts the notifier before it subscribes told"
         return self._send([n for n in notices(changes, self._snapshot())])
 
     def _send(self, new: list[Notice]) -> list[Notice]:

@@ -85,7 +85,9 @@ class FleetApp(App[str]):
     @property
     def main(self) -> MainScreen:
         """The main screen: panes are looked up there, so a redraw under a modal never fails."""
-        return self.screen_stack[0]
+        main = self.screen_stack[0]
+        assert isinstance(main, MainScreen), "the default screen (get_default_screen) is the bottom one"
+        return main
 
     @property
     def snap(self) -> FleetSnapshot | None:

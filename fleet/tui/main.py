@@ -10,6 +10,8 @@ arrive on the app's timer.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -30,6 +32,11 @@ from .panes.throughput import BUCKET_S, ThroughputChart
 from .panes.topbar import TopBar
 from .screens import ConfirmScreen, LogScreen, pass_to_input
 
+if TYPE_CHECKING:
+    from textual import getters
+
+    from .app import FleetApp
+
 def gpus_of(s) -> tuple[str, tuple[int, ...]] | None:
     """The host and GPUs of a shard, for the GPU pane to highlight."""
     return (s.host, tuple(s.gpus or (s.gpu,))) if s is not None else None
@@ -42,6 +49,8 @@ SHORT_LOG_MIN = 3            # lines of log worth showing on a terminal under 30
 
 
 class MainScreen(Screen):
+    if TYPE_CHECKING:
+        app = getters.app(FleetApp)          # (for the type checker: this screen's app is the FleetApp)
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (140, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall"), (50, "-taller")]
     BINDINGS = [

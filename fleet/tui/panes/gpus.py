@@ -60,7 +60,7 @@ def cost_cell(h: HostStatus) -> str:
 
 
 class GpuTable(LineTable):
-    BINDINGS = [Binding("enter", "toggle", "expand host", tooltip="expand or fold the selected host's GPUs")]
+    BINDINGS = [Binding("enter", "toggle_host", "expand host", tooltip="expand or fold the selected host's GPUs")]
 
     def __init__(self, **kw):
         super().__init__(COLUMNS, **kw)
@@ -125,8 +125,8 @@ class GpuTable(LineTable):
         if t is None:
             return (f"{arrow} {h.name}", (("no GPU telemetry", "italic"),), "", "", "", "", cost_cell(h), "")
         frac = t.mem_used / t.mem_total if t.mem_total else None
-        seen = [f"g:{h.name}:{g.index}" for g in h.gpus or [] if not g.lost]
-        hist = [sum(x) / len(x) for x in zip(*(self.history.get(key, ()) for key in seen))]
+        keys = [f"g:{h.name}:{g.index}" for g in h.gpus or [] if not g.lost]
+        hist = [sum(x) / len(x) for x in zip(*(self.history.get(key, ()) for key in keys))]
         return (f"{arrow} {h.name} {t.count}×",
                 meter(frac, 6, f"{gib(t.mem_used, 0)}/{gib(t.mem_total, 0)}", memory_level(frac or 0), no_color),
                 meter(t.util / 100 if t.util is not None else None, 4, _num(t.util, "%"), util_level(t.util or 0),
@@ -157,7 +157,7 @@ class GpuTable(LineTable):
             return ((f"stale {h.gpu_age_s:.0f}s", "yellow"),)
         return "live"
 
-    def action_toggle(self) -> None:
+    def action_toggle_host(self) -> None:
         key = self.selected_key or ""
         host = key.split(":")[1] if ":" in key else None
         if host is None:
@@ -177,7 +177,7 @@ class GpuTable(LineTable):
 
     def on_line_table_row_activated(self, event: LineTable.RowActivated) -> None:
         event.stop()
-        self.action_toggle()
+        self.action_toggle_host()
 
 
 def telemetry_line(snap: FleetSnapshot) -> str | None:

@@ -14,6 +14,7 @@ mouse: click selects a row, double click activates it, a click on the header sor
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
@@ -126,11 +127,14 @@ def render_cell(cell: Cell, width: int, align: str, base: Style, bar: bool = Fal
     return segments
 
 
+_shown: weakref.WeakKeyDictionary[Static, object] = weakref.WeakKeyDictionary()   # what each Static says
+
+
 def show_text(widget: Static, content) -> None:
     """Update a Static only when what it says changed, and without laying the screen out again when
     its height is fixed: at 512 shards a layout costs more than the redraw itself."""
-    if getattr(widget, "_fleet_shown", None) != content:
-        widget._fleet_shown = content
+    if _shown.get(widget) != content:
+        _shown[widget] = content
         height = widget.styles.height
         widget.update(content, layout=height is None or height.is_auto)   # a fixed height: no layout
 
