@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fleet import relocate                      # noqa: E402
 from fleet.config import load_config             # noqa: E402
 from fleet.judge import policy_for               # noqa: E402
-from fleet.engines import make_launcher          # noqa: E402
+from fleet.engine import make_launcher          # noqa: E402
 from fleet.plan import make_plan                 # noqa: E402
 from fleet.store import Store                    # noqa: E402
 from fleet.transport import HostError            # noqa: E402

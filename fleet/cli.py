@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Awaitable, Callable
+from typing import Any, Callable, Coroutine, NoReturn
 
 import click
 
@@ -48,7 +48,7 @@ config_option = click.option("-c", "--config", "config_path", default=config_def
                              type=click.Path(dir_okay=False), help="the run's fleet.toml")
 
 
-def fail(message: str, code: int) -> None:
+def fail(message: str, code: int) -> NoReturn:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
 
@@ -61,7 +61,7 @@ def load(path: str) -> Config:
         raise                                             # unreachable
 
 
-def run_async(fn: Callable[[], Awaitable[int]]) -> None:
+def run_async(fn: Callable[[], Coroutine[Any, Any, int]]) -> None:
     try:
         code = asyncio.run(fn())
     except KeyboardInterrupt:
@@ -339,7 +339,7 @@ async def ask_supervisor(config: Config, who: str, at: str | None = None) -> tup
 
 @main.command()
 @config_option
-@click.option("--json", "as_json", is_flag=True, help="print the snapshot as JSON (schema fleet.status/2)")
+@click.option("--json", "as_json", is_flag=True, help="print the snapshot as JSON (schema fleet.status/3)")
 @click.option("--json-schema", "as_schema", is_flag=True,
               help="print the JSON schema of --json's output and exit (reads no fleet.toml)")
 @click.option("--prometheus", "as_prometheus", is_flag=True,
@@ -417,6 +417,7 @@ def down(config_path: str, yes: bool, timeout: float, at: str | None) -> None:
             if joined:
                 snap = (await joined[0].ask(control.SnapshotRequest())).snapshot
             else:
+                assert sup is not None, "made above when no supervisor runs"
                 snap = await sup.read_once()
             if all(s.state in SETTLED for s in snap.shards) and all(h.reachable for h in snap.hosts):
                 click.echo(f"run {config.run.name}: nothing is running or waiting to restart; nothing to stop")
@@ -429,6 +430,7 @@ def down(config_path: str, yes: bool, timeout: float, at: str | None) -> None:
                     fail(reply.error, reply.code or EXIT_FAULT)
                 results = [host_stop(h) for h in reply.stopped]
             else:
+                assert sup is not None, "made above when no supervisor runs"
                 results = await sup.stop_all(timeout)
         except PlanError as e:
             fail(str(e), EXIT_CONFIG)
@@ -438,6 +440,7 @@ def down(config_path: str, yes: bool, timeout: float, at: str | None) -> None:
             if joined:
                 await joined[0].close()
             else:
+                assert sup is not None, "made above when no supervisor runs"
                 await sup.close()
         code = 0
         for r in results:

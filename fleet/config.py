@@ -351,29 +351,26 @@ SLURM_TIME_RE = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+
                            r"\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE")
 # sbatch options fleet sets itself: one task per shard, its log in the shard's folder, no requeue
 # behind fleet's back (a restart is fleet's, under the restart policy).
+# fleet.toml sections that name an engine of tasks, in the order they are looked for (none: [[hosts]]).
+TASK_ENGINES = ("slurm", "ray")
 SBATCH_OWN = ("-a", "--array", "-o", "--output", "-e", "--error", "-J", "--job-name", "--open-mode",
               "--requeue", "--no-requeue", "--parsable", "--wrap", "-n", "--ntasks", "-N", "--nodes")
-SLURM_HOST = "slurm"                     # the launcher's name where a host's would be (shards, status)
 
 
-class SlurmSpec(Strict):
-    """Slurm as the launcher: one array task per shard, submitted and watched from the login node."""
+class TaskEngineSpec(Strict):
+    """What every engine that queues shards as tasks takes ([slurm], [ray]): the login (or head)
+    node fleet deploys to, submits from and runs the agent on, and the run's records on a
+    filesystem every node sees."""
     login: str = "local"                 # "[user@]host" reached over SSH, or "local" (fleet runs there)
     port: int | None = Field(None, ge=1, le=65535)   # left out: as for [[hosts]], from ~/.ssh/config
     identity_file: str | None = None
     known_hosts: str | None = None
     accept_new: bool = False
-    partition: str | None = None
-    account: str | None = None
-    time: str | None = None              # the task's time limit, as sbatch --time takes it
-    gpus_per_task: int | None = Field(None, ge=0)  # --gres=gpu:N (0: CPU-only; None: [run] gpus_per_shard)
-    max_parallel: int | None = Field(None, gt=0)   # the array's %N throttle
-    sbatch_args: list[str] = []
     root: str = "fleet"                  # on a filesystem every node sees (records, code, logs)
     python: str | None = None            # as the nodes see it (a shared venv)
     shards: int = Field(gt=0)
     job_name: str | None = None          # default "fleet-<run name>"
-    poll_interval: float = 5.0           # how often squeue is asked
+    poll_interval: float = 5.0           # how often the engine is asked about the tasks
 
     @field_validator("login")
     @classmethod
@@ -382,9 +379,42 @@ class SlurmSpec(Strict):
             raise ValueError('"local" or [user@]host (no spaces, not starting with "-")')
         return v
 
-    @field_validator("partition", "account", "job_name")
+    @field_validator("job_name")
     @classmethod
     def _word(cls, v):
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._,:-]*", v):
+            raise ValueError("letters, digits and . _ , : - only")
+        return v
+
+    @field_validator("poll_interval", mode="before")
+    @classmethod
+    def _duration(cls, v):
+        return positive_duration(v)
+
+    def login_host(self, name: str) -> "HostSpec":
+        """The login node as a host named `name`: where fleet deploys, submits, and runs the agent."""
+        user, _, address = self.login.rpartition("@")
+        return HostSpec(name=name, address=address, port=self.port, user=user or None,
+                        identity_file=self.identity_file, known_hosts=self.known_hosts,
+                        accept_new=self.accept_new, python=self.python, gpus=[0], root=self.root)
+
+    def host_options(self) -> dict:
+        """What the engine's host side (worker/engine/) is told of this section."""
+        return {}
+
+
+class SlurmSpec(TaskEngineSpec):
+    """Slurm as the launcher: one array task per shard, submitted and watched from the login node."""
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None              # the task's time limit, as sbatch --time takes it
+    gpus_per_task: int | None = Field(None, ge=0)  # --gres=gpu:N (0: CPU-only; None: [run] gpus_per_shard)
+    max_parallel: int | None = Field(None, gt=0)   # the array's %N throttle
+    sbatch_args: list[str] = []
+
+    @field_validator("partition", "account")
+    @classmethod
+    def _slurm_word(cls, v):
         if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._,:-]*", v):
             raise ValueError("letters, digits and . _ , : - only")
         return v
@@ -408,17 +438,30 @@ class SlurmSpec(Strict):
                                  f"in the shard's folder, restarts under the restart policy)")
         return v
 
-    @field_validator("poll_interval", mode="before")
-    @classmethod
-    def _duration(cls, v):
-        return positive_duration(v)
+    def host_options(self) -> dict:
+        return {"partition": self.partition, "account": self.account}
 
-    def login_host(self) -> "HostSpec":
-        """The login node as a host: where fleet deploys, submits, and runs the agent."""
-        user, _, address = self.login.rpartition("@")
-        return HostSpec(name=SLURM_HOST, address=address, port=self.port, user=user or None,
-                        identity_file=self.identity_file, known_hosts=self.known_hosts,
-                        accept_new=self.accept_new, python=self.python, gpus=[0], root=self.root)
+
+class RaySpec(TaskEngineSpec):
+    """A Ray cluster as the launcher: one actor per shard, created and watched from a node of the
+    cluster (`login`: the head node, or any node with the cluster's address)."""
+    address: str = "auto"                # the cluster's GCS address (host:port), or "auto" (the login node's)
+    namespace: str = "fleet"             # the Ray namespace fleet's actors live in
+    num_gpus: float | None = Field(None, ge=0)   # each shard's actor's GPUs (None: [run] gpus_per_shard; 0: CPU-only)
+    num_cpus: float = Field(1.0, ge=0)   # what each shard's actor asks for beside its GPUs
+    resources: dict[str, float] = {}     # custom resources each shard's actor asks for
+    runtime_env: dict | None = None      # Ray's runtime_env for the actors (env_vars, ...), as Ray takes it
+    dashboard: str | None = None         # the state API's address (http://head:8265); default: Ray's own
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        if v != "auto" and not re.fullmatch(r"[A-Za-z0-9._-]+:\d+", v):
+            raise ValueError('"auto" or host:port of the cluster\'s GCS (e.g. "10.0.0.1:6379")')
+        return v
+
+    def host_options(self) -> dict:
+        return {"address": self.address, "namespace": self.namespace, "dashboard": self.dashboard}
 
 
 NOTIFY_EVENTS = ("PENDING", "STARTING", "LOADING", "RUNNING", "LATE", "DONE", "STALLED", "FAILED", "BACKOFF",
@@ -466,11 +509,12 @@ class FleetSpec(Strict):
     notify: NotifySpec | None = None
     hosts: list[HostSpec] = []
     slurm: SlurmSpec | None = None
+    ray: RaySpec | None = None
 
     @model_validator(mode="after")
     def _checks(self):
-        if not self.hosts and self.slurm is None:
-            raise ValueError("hosts: required key missing: give [[hosts]] (SSH boxes) or a [slurm] section")
+        if not self.hosts and self.slurm is None and self.ray is None:
+            raise ValueError("hosts: required key missing: give [[hosts]] (SSH boxes), a [slurm] or a [ray] section")
         names = [h.name for h in self.hosts]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -496,10 +540,21 @@ class Config:
         return self.spec.run
 
     @property
+    def engine(self) -> str:
+        """Which engine runs the shards: the engine section present, else "hosts" ([[hosts]])."""
+        return next((name for name in TASK_ENGINES if getattr(self.spec, name) is not None), "hosts")
+
+    @property
+    def tasks(self) -> TaskEngineSpec | None:
+        """The engine of tasks' section ([slurm], [ray]); None for [[hosts]]."""
+        return getattr(self.spec, self.engine, None) if self.engine != "hosts" else None
+
+    @property
     def hosts(self) -> list[HostSpec]:
-        """The hosts fleet talks to: the [[hosts]], or with [slurm] its login node (named "slurm")."""
-        if self.spec.slurm is not None:
-            return [self.spec.slurm.login_host()]
+        """The hosts fleet talks to: the [[hosts]], or an engine of tasks' login node (named as
+        the engine: "slurm", "ray")."""
+        if self.tasks is not None:
+            return [self.tasks.login_host(self.engine)]
         return self.spec.hosts
 
     @property
@@ -507,8 +562,12 @@ class Config:
         return self.spec.slurm
 
     @property
+    def ray(self) -> RaySpec | None:
+        return self.spec.ray
+
+    @property
     def job_name(self) -> str:
-        return (self.spec.slurm and self.spec.slurm.job_name) or f"fleet-{self.run.name}"
+        return (self.tasks and self.tasks.job_name) or f"fleet-{self.run.name}"
 
     def host_path(self, host: HostSpec, path: str) -> str:
         """A [run]/root path as the host sees it: local relative paths from fleet.toml's folder."""
@@ -581,7 +640,7 @@ def _section_name(loc: tuple) -> str:
 
 
 _MODELS = {"run": RunSpec, "expected": ExpectedSpec, "supervise": SuperviseSpec, "job": JobSpec,
-           "hosts": HostSpec, "slurm": SlurmSpec, "notify": NotifySpec, "": FleetSpec}
+           "hosts": HostSpec, "slurm": SlurmSpec, "ray": RaySpec, "notify": NotifySpec, "": FleetSpec}
 
 
 def _format_error(err: dict, lines: dict[tuple, int], path: str) -> str:
@@ -629,10 +688,12 @@ def load_config(path: str) -> Config:
         msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(e))
         where = f"{path}:{m.group(1)}" if m else path
         raise ConfigError(f"{where}: invalid TOML: {msg}") from None
-    if isinstance(data.get("slurm"), dict) and "hosts" in data:
+    given = [name for name in TASK_ENGINES if isinstance(data.get(name), dict)] + (["hosts"] if "hosts" in data else [])
+    if len(given) > 1:
         lines = _key_lines(text)
-        line = lines.get(("slurm",)) or lines.get(("hosts",))
-        raise ConfigError(f"{path}:{line}: [slurm] and [[hosts]] are alternatives: Slurm launches "
+        line = lines.get((given[0],)) or lines.get((given[1],))
+        names = " and ".join("[[hosts]]" if g == "hosts" else f"[{g}]" for g in given)
+        raise ConfigError(f"{path}:{line}: {names} are alternatives: an engine ([slurm], [ray]) places "
                           f"the shards on its nodes, [[hosts]] are SSH boxes fleet launches on; "
                           f"keep one of them")
     try:

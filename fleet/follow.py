@@ -24,7 +24,7 @@ from worker.text import plain_json, printable, printable_data, printable_lines
 
 from . import deploy, render
 from .config import Config, HostSpec
-from .launcher import Launcher
+from .engine import Launcher
 from .state import State
 from .hosts import Host
 from .store import Store
@@ -101,9 +101,10 @@ class HostLink:
                 self.diagnostics.append(printable(line.strip())[-300:])
             return None
         ev = self.store.apply(self.name, msg, discover)
-        if isinstance(ev, protocol.Leased) and self.host.replayed and \
-                (line := render.lease_line(ev, msg.shard, self.store.where, self.store.published_state)) is not None:
-            self.on_log(line)                   # a move as it happens (not the replay's history)
+        if isinstance(ev, protocol.Leased) and isinstance(msg, protocol.EventMessage) and self.host.replayed and \
+                (said := render.lease_line(ev, msg.shard, self.store.where, self.store.published_state)) is not None:
+            self.on_log(said)                   # a move as it happens (not the replay's history; an
+                                                # event comes of an EventMessage alone)
         if isinstance(msg, protocol.Replayed):
             self.on_change()
         return msg

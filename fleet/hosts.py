@@ -18,7 +18,7 @@ OFFSET_WINDOW_S = 60.0    # the clock offset is the best of this many seconds of
 
 @dataclass
 class Host:
-    """What the supervisor knows of a host from its agent (with [slurm]: the login node, or a
+    """What the supervisor knows of a host from its agent (with an engine of tasks: its login node, or a
     compute node its tasks report from)."""
     name: str
     address: str
@@ -31,7 +31,7 @@ class Host:
     clock_offset: float = 0.0              # host clock - supervisor clock
     last_seen: float | None = None         # supervisor clock
     replayed: bool = False
-    role: str | None = None                # with [slurm]: "login" or "node"
+    role: str | None = None                # with an engine of tasks: "login" or "node"
     usd_per_hour: float | None = None      # [[hosts]] usd_per_hour
     unusable: bool = False                 # reached, but its python or agent fails there
     down_since: float | None = None        # supervisor clock: unreachable since (None: reachable)
@@ -113,8 +113,8 @@ class Host:
     def replay_done(self) -> None:
         self.replayed = True
 
-    def slurm_said(self, msg: protocol.SlurmPoll) -> None:
-        self.error = f"Slurm: {msg.error}" if msg.error else None
+    def engine_said(self, msg: protocol.EnginePoll) -> None:
+        self.error = f"{msg.engine or 'the engine'}: {msg.error}" if msg.error else None
 
     def read_gpus(self, msg: protocol.GpuReading) -> None:
         self.telemetry, self.gpus, self.gpu_t = msg.source, [Gpu(**g.to_dict()) for g in msg.gpus], msg.t

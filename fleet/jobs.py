@@ -19,12 +19,12 @@ AGENT_SENTINEL_KEYS = ("done", "fail", "progress", "progress_glob", "total")
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a shard runs, as its engine (fleet/launcher.py) placed it."""
+    """Where a shard runs, as its engine (fleet/engine/) placed it."""
     shard: int
     host: str
     gpu: int                       # the first of its GPUs (the one a shard of one GPU has)
     gpus: tuple[int, ...] = ()     # all of them, when the shard spans several (gpus_per_shard)
-    pinned: bool = True            # given these GPUs by fleet (False: by its engine, e.g. Slurm)
+    pinned: bool = True            # given these GPUs by fleet (False: by its engine of tasks)
 
     @property
     def all_gpus(self) -> tuple[int, ...]:

@@ -12,11 +12,11 @@ Invariants (tested with hypothesis in tests/fleet/test_judge.py):
 - the verdict depends only on the record, liveness and time: replaying a record gives the verdict
   the live stream gave at that point.
 
-Under Slurm, "liveness" is what Slurm says now of the newest launch's task (queued with its reason,
-running on a node: `protocol.SlurmTask`), and how a task ended is in the record (`slurm_end`). A
-task Slurm ended by a signal is FAILED (no action) until Slurm's final word is recorded (time
-limit, preemption, node failure, someone's scancel), or SLURM_WORD_WAIT_S after its end at the
-latest; then it backs off and restarts as any failure does.
+Under an engine that queues tasks, "liveness" is what the engine says now of the newest launch's
+task (queued with its reason, running on a node: `protocol.TaskState`), and how a task ended is in
+the record (`task_end`). A task the engine ended by a signal is FAILED (no action) until the
+engine's final word is recorded (time limit, preemption, node failure, someone's cancel), or
+ENGINE_WORD_WAIT_S after its end at the latest; then it backs off and restarts as any failure does.
 """
 
 from __future__ import annotations
@@ -27,15 +27,14 @@ from dataclasses import dataclass
 from enum import Enum
 
 from worker import protocol
-from worker.slurm import WAITING
 
 from .figures import progress_age
-from .record import Outcome, Phase, ShardRecord, awaiting_slurm, outcome
+from .record import Outcome, Phase, ShardRecord, awaiting_engine, outcome
 from .state import MEASURED, State
 
 RATE_WINDOW_S = 30.0
 STALE_BATCHES = 4          # a rate is 0 once no batch ended for this many of its usual intervals
-SLURM_WORD_WAIT_S = 30.0  # a restart waits this long (at most) for Slurm's account of an end
+ENGINE_WORD_WAIT_S = 30.0  # a restart waits this long (at most) for the engine's account of an end
 WARMING_UP = "model loaded; reading its rows and running the first batch"
 RECORD_LOST = ("a process holds the shard's lock but its record has no launch (events.jsonl truncated "
                "or replaced?): not launched again; fleet down stops it")
@@ -93,26 +92,26 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
 
 def judge(record: ShardRecord, alive: bool | None, host_now: float, policy: Policy,
           launch_failures: tuple[LaunchFailure, ...] = (),
-          slurm: protocol.SlurmTask | None = None, acting: bool | None = None,
+          task: protocol.TaskState | None = None, acting: bool | None = None,
           idle_s: float | None = None, host_down: str | None = None) -> Verdict:
-    """`slurm`: what Slurm says now of the newest launch's task (ignored if it is another's).
+    """`task`: what the engine says now of the newest launch's task (ignored if it is another's).
     `acting`: a stop or restart is being carried out on the host now (None: nothing acts there).
     `idle_s`: seconds since the last progress on monotonic clocks (the host agent's): stalls are
     judged on it when given, so a step of the host's wall clock neither stalls nor hides a shard.
     `host_down`: why its host cannot be read now: the shard is UNKNOWN (no action; the state its
     record last gave kept as `recorded`), the one rule every reader of a verdict follows."""
-    v = _judged(record, alive, host_now, policy, launch_failures, slurm, acting, idle_s)
+    v = _judged(record, alive, host_now, policy, launch_failures, task, acting, idle_s)
     if host_down is not None:
         return Verdict(State.UNKNOWN, host_down, attempts=v.attempts, recorded=v.state)
     return v
 
 
 def _judged(record: ShardRecord, alive: bool | None, host_now: float, policy: Policy,
-            launch_failures: tuple[LaunchFailure, ...], slurm: protocol.SlurmTask | None,
+            launch_failures: tuple[LaunchFailure, ...], task: protocol.TaskState | None,
             acting: bool | None, idle_s: float | None) -> Verdict:
     a = record.attempt
-    if slurm is not None and (a is None or slurm.launch != a.n):
-        slurm = None
+    if task is not None and (a is None or task.launch != a.n):
+        task = None
     failures = [f for f in launch_failures if a is None or f.t >= a.t]
     attempts = record.auto_attempts
     for f in failures:
@@ -123,10 +122,10 @@ def _judged(record: ShardRecord, alive: bool | None, host_now: float, policy: Po
         return _unlaunched(record, alive)
     if a.ended:
         return _ended(record, a, acting, host_now, policy, attempts)
-    if a.slurm and a.pid is None and alive is not False and (slurm is None or slurm.state in WAITING):
+    if a.queued and a.pid is None and alive is not False and (task is None or task.phase == "queued"):
         if a.stop is not None:
             return Verdict(State.QUEUED, "cancelling", attempts=attempts)
-        why = slurm.reason if slurm is not None else (None if a.job else "submitting to Slurm")
+        why = task.reason if task is not None else (None if a.job else f"submitting to {a.launcher}")
         return Verdict(State.QUEUED, why, attempts=attempts)
     if alive is False:                     # dead, its end not yet in the record (the agent adds it)
         return Verdict(State.FAILED, "process vanished without an exit status", attempts=attempts)
@@ -151,7 +150,7 @@ def _ended(record: ShardRecord, a, acting: bool | None, host_now: float, policy:
         return _restarting(a.stop, a.end.t, acting, host_now, attempts)
     if kind == Outcome.STOPPED:
         return Verdict(State.STOPPED, why, attempts=attempts)
-    if awaiting_slurm(a) and host_now < a.end.t + SLURM_WORD_WAIT_S:
+    if awaiting_engine(a) and host_now < a.end.t + ENGINE_WORD_WAIT_S:
         return Verdict(State.FAILED, why, attempts=attempts)    # the agent records it in a moment
     return _failed(why, a.end.t, attempts, host_now, policy, a.failure_fatal)
 
@@ -166,9 +165,9 @@ def _live(record: ShardRecord, acting: bool | None, host_now: float, policy: Pol
         phase = Phase.RUNNING
     if a.stop is not None:
         return _stopping(a.stop, acting, host_now, attempts)
-    if a.failure is not None and a.slurm and not a.failure_line:
-        # A Slurm task's `failed` is its last words before it exits (Slurm signals every process of
-        # a task it ends): its end, and Slurm's account of it, say why.
+    if a.failure is not None and a.queued and not a.failure_line:
+        # An engine's task's `failed` is its last words before it exits (the engine signals every
+        # process of a task it ends): its end, and the engine's account of it, say why.
         return Verdict(State(phase.value), f"ending: {a.failure}", attempts=attempts)
     if a.failure is not None:              # a fail line or `failed` while the process still runs
         return _kill_first(_failed(a.failure, a.failure_t or a.t, attempts, host_now, policy,
@@ -220,7 +219,7 @@ def _stopping(stop: protocol.StopRequested, acting: bool | None, host_now: float
 def _restarting(stop: protocol.StopRequested, ended_t: float, acting: bool | None, host_now: float,
                 attempts: int) -> Verdict:
     """The old process is gone; the restart's launch is its actor's. With no actor on the host
-    (Slurm: the supervisor resubmits; or the actor died) the supervisor launches, as the intent says."""
+    (an engine's task: the supervisor resubmits; or the actor died) the supervisor launches, as the intent says."""
     why = f"restarting ({stop.reason})" if stop.reason else "restarting"
     if acting:
         return Verdict(State.STOPPING, why, attempts=attempts, by=stop.by or "auto")

@@ -112,9 +112,10 @@ def refusal(old: Plan, diffs: list[str]) -> str:
 
 
 def removed_hosts(plan: Plan, config: Config) -> list[str]:
-    """Hosts the run's plan places shards on that fleet.toml no longer lists (under [slurm], whose
-    one host is the login node, none): a lost host's from the start, their rows go to the others."""
-    if config.spec.slurm is not None:
+    """Hosts the run's plan places shards on that fleet.toml no longer lists (none for a plan whose
+    shards an engine of tasks places: its one host is the login node): a lost host's from the start,
+    their rows go to the others."""
+    if plan.launcher is not None:
         return []
     known = {h.name for h in config.hosts}
     return sorted({s.host for s in plan.shards} - known)

@@ -57,11 +57,11 @@ class Attempt:
     # by history column (1 samples, 2 tokens), the points where it moved to above 0 (figures.pace).
     ends: deque = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
     moved: dict = field(default_factory=lambda: {1: deque(maxlen=HISTORY_POINTS), 2: deque(maxlen=HISTORY_POINTS)})
-    launcher: str | None = None           # "slurm": an array task (None: hostctl on a host)
-    job: str | None = None                # its Slurm task, "<array job id>_<index>"
+    launcher: str | None = None           # the engine that queued it as a task (None: hostctl on a host)
+    job: str | None = None                # its task, in the engine's naming
     node: str | None = None               # the node it ran on (its `started`)
-    gpus: list | None = None              # the node's GPU indices Slurm gave it
-    slurm_end: protocol.SlurmEnded | None = None   # Slurm's final state of its task
+    gpus: list | None = None              # the node's GPU indices the engine gave it
+    task_end: protocol.TaskEnded | None = None   # the engine's final word on its task
     base_done: int = 0                    # samples finished (or skipped) before this launch
     worked: bool = False                  # this launch has finished a sample (warm-up is over)
     batches_from: float | None = None     # when its first batch began (the worker's `batches_from`)
@@ -72,37 +72,40 @@ class Attempt:
         return self.end is not None
 
     @property
-    def slurm(self) -> bool:
-        return self.launcher == "slurm"
+    def queued(self) -> bool:
+        """An engine queued it as a task (worker/engine/): the engine, not fleet, may end it."""
+        return self.launcher is not None
 
 
-# Slurm states in which Slurm, not the shard, ended the task: the reason the shard failed.
-SLURM_ENDS = {
-    "CANCELLED": "cancelled in Slurm, not by fleet (scancel or an admin)",
-    "TIMEOUT": "the task reached its time limit",
-    "PREEMPTED": "preempted by a job of higher priority",
-    "NODE_FAIL": "its node failed",
-    "BOOT_FAIL": "its node failed to boot",
-    "DEADLINE": "the job reached its deadline",
-    "OUT_OF_MEMORY": "out of memory (Slurm's limit)",
-    "REVOKED": "revoked by Slurm",
+# Ends (protocol.TASK_ENDS) in which the engine, not the shard, ended the task: why the shard failed.
+ENGINE_ENDS = {
+    "cancelled": "cancelled outside fleet (by an admin, or the engine's own command)",
+    "time_limit": "the task reached its time limit",
+    "preempted": "preempted by a job of higher priority",
+    "node_lost": "its node failed",
+    "boot_failed": "its node failed to boot",
+    "deadline": "the job reached its deadline",
+    "out_of_memory": "out of memory (the engine's limit)",
+    "revoked": "revoked by the engine",
 }
 
 
-def slurm_reason(end: protocol.SlurmEnded) -> str:
-    """'Slurm NODE_FAIL on node07: its node failed (NodeDown)'."""
+def task_end_reason(end: protocol.TaskEnded) -> str:
+    """'<engine> NODE_FAIL on node07: its node failed (NodeDown)': the engine's name and words, then
+    what the neutral end means)."""
     where = f" on {end.node}" if end.node else ""
-    what = SLURM_ENDS.get(end.state, "")
-    return f"Slurm {end.state}{where}" + (f": {what}" if what else "") + (f" ({end.reason})" if end.reason else "")
+    what = ENGINE_ENDS.get(end.end, "")
+    return f"{end.engine or 'the engine'} {end.state}{where}" + (f": {what}" if what else "") + \
+        (f" ({end.reason})" if end.reason else "")
 
 
-def awaiting_slurm(a: Attempt) -> bool:
-    """A Slurm task that ended by a signal with no stop of fleet's, and Slurm's final state not yet
-    recorded: Slurm ended it, and why (time limit, preemption, node failure, someone's scancel) is
-    Slurm's to say (the agent records it once the task's state is final). A launch sbatch refused
-    never reached Slurm (no job): it has nothing to say."""
+def awaiting_engine(a: Attempt) -> bool:
+    """A task that ended by a signal with no stop of fleet's, and the engine's final word not yet
+    recorded: the engine ended it, and why (time limit, preemption, node failure, someone's cancel)
+    is the engine's to say (the agent records it once the task's state is final). A launch the
+    engine refused never reached it (no job): it has nothing to say."""
     end = a.end
-    return a.slurm and a.job is not None and a.stop is None and a.slurm_end is None and end is not None and \
+    return a.queued and a.job is not None and a.stop is None and a.task_end is None and end is not None and \
         not end.vanished and (end.stopped or end.code is None or end.code < 0)
 
 
@@ -115,7 +118,7 @@ def outcome(a: Attempt, needs_done_sentinel: bool) -> tuple[Outcome, str | None]
     intended = _intended_end(a, end)
     if intended is not None:
         return intended
-    return Outcome.FAILED, _slurm_failure(a, end) or _failure_reason(a, end)
+    return Outcome.FAILED, _task_failure(a, end) or _failure_reason(a, end)
 
 
 def _finished(a: Attempt, end: protocol.Exited, needs_done_sentinel: bool) -> bool:
@@ -128,25 +131,25 @@ def _finished(a: Attempt, end: protocol.Exited, needs_done_sentinel: bool) -> bo
 def _intended_end(a: Attempt, end: protocol.Exited) -> tuple[Outcome, str] | None:
     """An end someone asked for is never a failure: a user's (or the run's) stop, a plain stop of
     a hostctl launch with no intent recorded, or the user's own restart."""
-    if (a.stop is not None and a.stop.final) or (end.stopped and a.stop is None and not a.slurm):
+    if (a.stop is not None and a.stop.final) or (end.stopped and a.stop is None and not a.queued):
         return Outcome.STOPPED, "stopped"
     if a.stop is not None and a.stop.restart and a.stop.by == "manual":
         return Outcome.RESTARTED, "restarted by the user"
     return None
 
 
-def _slurm_failure(a: Attempt, end: protocol.Exited) -> str | None:
-    """Why a Slurm task failed when Slurm, not the shard, ended it (or may have: then the reason
-    says it waits for Slurm's final state); None to judge it by the task's own record."""
-    if a.slurm and a.stop is None and a.slurm_end is not None:
-        if a.slurm_end.state in SLURM_ENDS:
-            return slurm_reason(a.slurm_end)
+def _task_failure(a: Attempt, end: protocol.Exited) -> str | None:
+    """Why a task failed when its engine, not the shard, ended it (or may have: then the reason
+    says it waits for the engine's final word); None to judge it by the task's own record."""
+    if a.queued and a.stop is None and a.task_end is not None:
+        if a.task_end.end in ENGINE_ENDS:
+            return task_end_reason(a.task_end)
         if end.vanished:
-            return f"the task ended without recording how; {slurm_reason(a.slurm_end)}"
+            return f"the task ended without recording how; {task_end_reason(a.task_end)}"
         return None
-    if awaiting_slurm(a):
+    if awaiting_engine(a):
         sig = f" (signal {-end.code})" if end.code is not None and end.code < 0 else ""
-        return f"ended by Slurm{sig}; waiting for Slurm's final state"
+        return f"ended by {a.launcher}{sig}; waiting for {a.launcher}'s final word"
     return None
 
 
@@ -209,8 +212,8 @@ class ShardRecord:
         if a is None:
             return
         self.last_event, self.last_event_t = ev.KIND, ev.t
-        if isinstance(ev, (protocol.Submitted, protocol.SlurmEnded)):
-            self._slurm(a, ev)                # Slurm's word may come after the task's own end
+        if isinstance(ev, (protocol.Submitted, protocol.TaskEnded)):
+            self._task(a, ev)                 # the engine's word may come after the task's own end
         elif a.ended:
             if isinstance(ev, protocol.StopRequested):    # an intent for an ended attempt: a stop
                 a.stop = newer_intent(a.stop, ev)         # or restart of a shard that is not running
@@ -277,7 +280,7 @@ class ShardRecord:
             self._exited(a, ev)
 
     def _started(self, a: Attempt, ev: protocol.Started) -> None:
-        """The process (or its Slurm task) is up: its pid, where it runs, the shard's size."""
+        """The process (or its engine's task) is up: its pid, where it runs, the shard's size."""
         a.pid = ev.pid if ev.pid is not None else a.pid
         if ev.total is not None:
             self.total = ev.total
@@ -330,15 +333,15 @@ class ShardRecord:
             self.failures += 1
             self.last_failure, self.last_failure_t = why, ev.t
 
-    def _slurm(self, a: Attempt, ev) -> None:
-        """`submitted` names the task; `slurm_end` is Slurm's final state of it (the first one
+    def _task(self, a: Attempt, ev) -> None:
+        """`submitted` names the task; `task_end` is the engine's final word on it (the first one
         counts). After the attempt's end it can only refine why it failed."""
         if isinstance(ev, protocol.Submitted):
             a.job = a.job or ev.job
             return
-        if a.slurm_end is not None:
+        if a.task_end is not None:
             return
-        a.slurm_end = ev
+        a.task_end = ev
         a.node = a.node or ev.node
         if a.ended:
             kind, why = outcome(a, self.needs_done_sentinel)

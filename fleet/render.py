@@ -95,11 +95,12 @@ def format_status(snap: FleetSnapshot) -> str:
     if not snap.shards:
         lines.append("shards: unknown (no reachable host holds the run's plan or records)")
         return "\n".join(lines)
-    lines.append(f"{'shard':>5}  {'where':<14}{'state':<9}{'progress':>16}{'samples/s':>11}"
+    wide = max(14, *(len(f"{s.host}:{s.gpu}") + 2 for s in snap.shards))   # an engine's node names run long
+    lines.append(f"{'shard':>5}  {'where':<{wide}}{'state':<9}{'progress':>16}{'samples/s':>11}"
                  f"  {'restarts':<15}reason")
     for s in snap.shards:
         prog = f"{s.done + s.skipped}/{s.total}" + ("⚠" if s.over_total else "")
-        lines.append(f"{s.id:>5}  {s.host + ':' + str(s.gpu):<14}{s.state.value:<9}{prog:>16}"
+        lines.append(f"{s.id:>5}  {s.host + ':' + str(s.gpu):<{wide}}{s.state.value:<9}{prog:>16}"
                      f"{number(s.samples_per_s) if s.state in MEASURED else '—':>11}  "
                      f"{restarts_text(s):<15}{' · '.join(filter(None, (s.reason, note(s))))}")
     return "\n".join(lines)

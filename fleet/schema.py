@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .state import State
 
-SCHEMA = "fleet.status/2"
+SCHEMA = "fleet.status/3"
 
 AlertLevel = Literal["ok", "low", "critical"]
 
@@ -88,10 +88,10 @@ class ShippingStatus(BaseModel):
 class HostStatus(BaseModel):
     name: str
     address: str
-    role: Optional[Literal["login", "node"]] = Field(None, description="with [slurm]: the login node "
-                                                     "fleet submits from (named \"slurm\"), or a compute "
-                                                     "node its tasks run on (GPUs as they report them); "
-                                                     "null for [[hosts]]")
+    role: Optional[Literal["login", "node"]] = Field(None, description="with an engine of tasks: the login "
+                                                     "(or head) node fleet submits from (named as the "
+                                                     "engine), or a node its tasks run on (GPUs as they "
+                                                     "report them); null for [[hosts]]")
     reachable: Optional[bool] = Field(None, description="false: unreachable (then gpus and disk are "
                                                         "null, not zero); null: not tried yet")
     error: Optional[str] = Field(None, description="why it is unreachable, or the agent's last error")
@@ -115,21 +115,24 @@ class HostStatus(BaseModel):
     behind_s: Optional[float] = Field(None, description="how old the newest line read was, while catching up")
 
 
-class SlurmTaskStatus(BaseModel):
-    job: Optional[str] = Field(None, description="the array task, \"<array job id>_<index>\"")
-    state: Optional[str] = Field(None, description="Slurm's state now (PENDING, RUNNING, COMPLETING), "
-                                                   "or its final one as recorded (CANCELLED, TIMEOUT, ...)")
-    reason: Optional[str] = Field(None, description="Slurm's reason (Priority, Resources, ...)")
+class TaskStatus(BaseModel):
+    job: Optional[str] = Field(None, description="the task, in its engine's naming (an array task "
+                                                 "\"<array job id>_<index>\", an actor's id)")
+    phase: Optional[Literal["queued", "running", "ending", "ended"]] = Field(
+        None, description="where the task is, in every engine's words")
+    state: Optional[str] = Field(None, description="the engine's own state now (PENDING, RUNNING, ALIVE, "
+                                                   "...), or its final one as recorded (CANCELLED, TIMEOUT, DEAD)")
+    reason: Optional[str] = Field(None, description="the engine's reason (Priority, Resources, ...)")
     node: Optional[str] = None
 
 
 class ShardStatus(BaseModel):
     id: int
-    host: str = Field(description="where it runs or ran; with [slurm] its node once started, "
-                                  "\"slurm\" before")
+    host: str = Field(description="where it runs or ran; with an engine of tasks its node once "
+                                  "started, its engine's name (its fleet.toml section) before")
     gpu: int
     gpus: list[int] = Field(default_factory=list, description="every GPU of the shard (gpus_per_shard)")
-    slurm: Optional[SlurmTaskStatus] = Field(None, description="with [slurm]: its newest launch's task")
+    task: Optional[TaskStatus] = Field(None, description="with an engine of tasks: its newest launch's task")
     state: State
     reason: Optional[str] = Field(None, description="why it is in this state (failures, stops)")
     faulty: bool = Field(False, description="STALLED, FAILED, BACKOFF, FATAL or UNKNOWN")
@@ -214,7 +217,7 @@ class RunCounts(BaseModel):
     gpus_planned: int = Field(0, description="GPUs in the run's plan (a shard may span several)")
     gpus_expected: int = Field(0, description="gpus_planned less the GPUs whose shard is DONE (nothing "
                                               "left to do), STOPPED (taken out on purpose), QUEUED (waiting "
-                                              "for Slurm to place it) or UNKNOWN "
+                                              "for its engine to place it) or UNKNOWN "
                                               "(its host is not measured: out of both sides of the "
                                               "ratio). PENDING, STARTING, LOADING, STALLED, FAILED, "
                                               "BACKOFF and FATAL shards count: a GPU that should work "

@@ -27,7 +27,7 @@ from .transport import HostError, HostUnusable
 
 if TYPE_CHECKING:
     from .follow import HostLink
-    from .launcher import Launcher
+    from .engine import Launcher
 
 EXIT_FAULT, EXIT_CONFIG, EXIT_UNREACHABLE = 1, 2, 3
 Say = Callable[[str], None]

@@ -19,7 +19,7 @@ from .hosts import Host
 from .judge import Rates, Verdict, rates
 from .record import ShardRecord
 from .schema import (AlertLevel, FleetSnapshot, Gpu, GpuTotals, HostStatus, ReferenceStatus, RunAverages, RunCounts,
-                     RunEta, RunMoney, RunRates, ShardStatus, ShippingStatus, SlurmTaskStatus, Totals)
+                     RunEta, RunMoney, RunRates, ShardStatus, ShippingStatus, TaskStatus, Totals)
 from .state import FAULTY, MEASURED, SETTLED, State
 from .units import bytes_text
 
@@ -103,8 +103,8 @@ class ShardView:
     alive: bool | None = None
     pid: int | None = None
     max_restarts: int = 0
-    node: str | None = None                # with [slurm]: the node its newest launch runs/ran on
-    slurm: SlurmTaskStatus | None = None
+    node: str | None = None                # an engine's task: the node its newest launch runs/ran on
+    task: TaskStatus | None = None
     gpus: tuple[int, ...] = ()
     idle_s: float | None = None            # monotonic seconds since its last progress (the agent's)
     moved_to: str | None = None            # its host was lost and its rows went to this host
@@ -231,7 +231,7 @@ def shard_row(v: ShardView, host: Host, now: float) -> tuple[ShardStatus, Rates 
     r, a = v.record, v.record.attempt
     rate = rates(r, state, hn) if host.reachable else None
     row = ShardStatus(
-        id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), slurm=v.slurm, state=state,
+        id=v.id, host=v.node or v.host, gpu=v.gpu, gpus=list(v.gpus or (v.gpu,)), task=v.task, state=state,
         reason=v.verdict.reason,
         faulty=state in FAULTY, done=r.done, skipped=r.skipped, total=r.total,
         progress=shard_progress(r, state),

@@ -1,8 +1,8 @@
 """Shard states and the sets of them that mean something; every other module reads these.
 
 `PENDING → STARTING → LOADING → RUNNING → DONE`, with QUEUED between PENDING and STARTING when
-Slurm launches (submitted, waiting in Slurm's queue; the reason is Slurm's: Priority, Resources,
-...); off the happy path LATE (alive, running, silent past a few of its usual intervals between
+an engine queues the shard's task (submitted, waiting in the engine's queue; the reason is the
+engine's: Priority, Resources, ...); off the happy path LATE (alive, running, silent past a few of its usual intervals between
 progress events: a hang looks like one before stall_timeout acts), STALLED (alive, no progress for stall_timeout), FAILED (ended badly, or a
 failure seen while it still runs), BACKOFF (waiting to be restarted), FATAL (gave up after
 max_restarts), STOPPED (stopped on purpose: never restarted automatically), STOPPING (a stop or

@@ -50,7 +50,7 @@ class Shard:
     idle_at: float = 0.0                 # ...as of this moment of ours (time.monotonic())
     busy_since: float | None = None      # an action is in flight (supervisor clock)
     busy_mark: tuple = ()                # the record's busy_mark when it began
-    slurm: protocol.SlurmTask | None = None      # what Slurm says now of its newest launch's task
+    task: protocol.TaskState | None = None      # what its engine says now of its newest launch's task
     gpus: protocol.TaskGpus | None = None        # the GPUs that task reported
     damage: protocol.RecordDamage | None = None  # what of its record could not be read
     version: int = field(default_factory=lambda: next(VERSIONS))   # new whenever what it is judged from changes
@@ -159,7 +159,7 @@ def changes(shown: dict[int, tuple[State, int]], current: list[tuple[int, State,
 
 
 class Placer(Protocol):
-    """What the store asks of the engine (the Launcher, fleet/launcher.py): its hosts, the plan's
+    """What the store asks of the engine (the Launcher, fleet/engine/): its hosts, the plan's
     shards placed, where a shard's attempt runs, and the hosts it shows beside them."""
 
     def first_hosts(self) -> dict[str, Host]: ...
@@ -174,7 +174,7 @@ class Store:
     def __init__(self, config: Config, policy: Policy, engine: Placer):
         self.config = config
         self.policy = policy
-        self.engine = engine                # where shards run: the Launcher (fleet/launcher.py)
+        self.engine = engine                # where shards run: the Launcher (fleet/engine/)
         self.hosts: dict[str, Host] = engine.first_hosts()
         self.shards: dict[int, Shard] = {}
         self.placements: list[Placement] = []
@@ -306,15 +306,15 @@ class Store:
         elif isinstance(msg, protocol.RecordDamage):
             if (shard := self.shards.get(msg.shard)) is not None:
                 shard.damage = msg
-        elif isinstance(msg, protocol.SlurmTask):
+        elif isinstance(msg, protocol.TaskState):
             if (shard := self.shards.get(msg.shard)) is not None:
                 shard.changed()
-                shard.slurm = msg
+                shard.task = msg
         elif isinstance(msg, protocol.TaskGpus):
             if (shard := self.shards.get(msg.shard)) is not None:
                 shard.gpus = msg
-        elif isinstance(msg, protocol.SlurmPoll):
-            host.slurm_said(msg)
+        elif isinstance(msg, protocol.EnginePoll):
+            host.engine_said(msg)
         elif isinstance(msg, protocol.GpuReading):
             host.read_gpus(msg)
         elif isinstance(msg, protocol.DiskReading):
@@ -371,7 +371,7 @@ class Store:
                 0.0 <= now - taken.now < VERDICT_FRESH_S:
             return taken.verdict
         v = judge(shard.record, shard.alive, host.host_now(now), self.policy,
-                  tuple(shard.launch_failures), shard.slurm, shard.acting, shard.idle(), down)
+                  tuple(shard.launch_failures), shard.task, shard.acting, shard.idle(), down)
         self.judged[shard.id] = Judged(shard.version, down, now, v)
         return v
 

@@ -4,7 +4,7 @@ snapshots and subscribe to its transitions.
 
 Every 0.25 s the decide loop asks `fleet.judge` for each shard's verdict, publishes the shards
 whose state changed (`Store.transitions`, computed once), turns what is due into typed actions
-(`fleet.actions`) and hands each host's to the engine's Launcher (`fleet.launcher`) in one
+(`fleet.actions`) and hands each host's to the engine's Launcher (`fleet.engine`) in one
 command. The user's restarts and stops (`request`, `stop_all`) take the same path after the same
 rule. Whether an action happened is read from the record, never from how long its command took.
 As an async context manager its tasks (a loop per host, the decide loop, the actions it spawned,
@@ -26,7 +26,7 @@ from .actions import HostStop, UNDER_WAY, busy_mark, policy_action, refusal as a
 from .config import Config
 from .follow import HostLink, read_all
 from .judge import Action, LaunchFailure, Verdict, policy_for
-from .engines import make_launcher
+from .engine import make_launcher
 from .notify import Notifier
 from .schema import FleetSnapshot
 from .state import LIVE, SETTLED, State
@@ -178,7 +178,7 @@ class Supervisor:
     async def launch_all(self) -> None:
         """Launch every shard that is neither live nor done (what `fleet up` does on (re)attach):
         a manual launch, so failed, FATAL and stopped shards start over with a fresh budget; one
-        command per host (with [slurm]: one array of all of them)."""
+        command per host (an engine of tasks: one submission of all of them)."""
         await self.wait_replayed()
         due: dict[str, list[protocol.ShardAction]] = {}
         for s in self.shards.values():
@@ -243,7 +243,7 @@ class Supervisor:
     def relocate(self, verdicts: dict[int, Verdict], now: float) -> None:
         """Rows of lost and idle hosts to the others, and hosts that are back told of it
         (fleet/relocate.py decides; `worker.relocate` carries it out). The built-in worker, or a
-        [job] taking its rows, over SSH: any other [job] keeps its fixed shards, and Slurm places
+        [job] taking its rows, over SSH: any other [job] keeps its fixed shards, and an engine of tasks places
         its tasks itself."""
         self._moves_due = False
         job = self.config.spec.job

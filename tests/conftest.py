@@ -39,7 +39,7 @@ def host_python() -> str:
 # --- the fast lane: `pytest -m "not slow"` (README: Development) ----------------------------------
 # What is slow is said here, in one place, with why; CI (scripts/test.sh) runs everything. The fast
 # lane keeps the pure parts, the live view on the synthetic fleet, and a short worker run.
-SLOW_MARKERS = {"ssh": "a real sshd", "slurm": "a real one-node Slurm cluster"}
+SLOW_MARKERS = {"ssh": "a real sshd", "slurm": "a real one-node Slurm cluster", "ray": "a real Ray cluster"}
 SLOW_FIXTURES = {
     "runs": "the worker run in every format on the tiny model (minutes, shared by a session)",
     "fp8_run": "a worker run in fp8 and speculators' train loop on it",
@@ -123,6 +123,9 @@ def pytest_collection_modifyitems(config, items):
             # One Slurm cluster per session: its tests go to one xdist worker (`--dist loadgroup`),
             # where the session fixture starts it once; other workers never start one.
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        if item.get_closest_marker("ray"):
+            # One Ray cluster at a time on the machine (`ray stop` ends every one): one worker.
+            item.add_marker(pytest.mark.xdist_group("ray"))
     stale = [t for t in SLOW_TESTS if (m := modules.get(t.split("::")[0])) is not None
              and not hasattr(m, t.split("::")[1])]
     if stale:              # a renamed test would leave the list silently: say so

@@ -8,13 +8,13 @@ runner died without recording it (`exited`, `vanished`), under the shard's lock 
 race it. It exits when its stdin closes or its stdout breaks, that is, with the SSH channel; the
 workers do not. An error it cannot go on from is sent as an `error` message before it exits.
 
-Under Slurm (`--slurm`, on the login node) liveness is Slurm's: a shard is alive while Slurm holds
-its newest launch's task (queued or running), asked with `squeue` every `--slurm-interval` (every
-second while a task is completing or its final state is still to be read). Each live task's state
-is sent as it changes (`slurm`: PENDING and the reason, RUNNING and the node); a task's final state
-is recorded in its shard's record once (`slurm_end`, with `exited` when the task never recorded its
-end), so a replay judges it the same after Slurm has forgotten the job. GPUs are the tasks' own
-readings from their folders (`task_gpus`), not this node's.
+Under an engine that queues tasks (`--engine NAME`, on its login node; worker/engine/) liveness
+is the engine's: a shard is alive while the engine holds its newest launch's task (queued or
+running), asked every `--engine-interval` (every second while a task is ending or its final word is
+still to be read). Each live task's state is sent as it changes (`task`: queued and the reason,
+running and the node); a task's final word is recorded in its shard's record once (`task_end`, with
+`exited` when the task never recorded its end), so a replay judges it the same after the engine has
+forgotten the task. GPUs are the tasks' own readings from their folders (`task_gpus`), not this node's.
 
 Standard library only (pynvml when present). It reads only the run's own folders.
 """
@@ -31,16 +31,19 @@ import threading
 import time
 import traceback
 
-from . import claim, protocol, slurm
+from . import claim, protocol
+from .engine import load as load_engine
+from .engine.tasks import Engine, EngineError, RunLock, View, record_end, settle_unended
 from .gpu import GpuReader
 from .hostctl import is_acting, is_running, read_pid
+from .launches import LaunchState
 from .plan import read_plan
 from .probe import disk_space
 
 REPLAY_RECENT_S = protocol.REPLAY_RECENT_S   # progress kept in full on replay (rates need 30 s; LATE its gaps)
 REPLAY_BUCKET_S = 60.0            # older progress: one per minute (the throughput chart)
-SLURM_URGENT_S = 1.0              # squeue interval while a task is completing or its end is unread
-SLURM_END_WINDOW_S = 600.0        # a launch that ended this recently still gets Slurm's final word
+ENGINE_URGENT_S = 1.0             # the engine's poll interval while a task is ending or its end is unread
+ENGINE_END_WINDOW_S = 600.0       # a launch that ended this recently still gets the engine's final word
 IDLE_EVERY_S = 1.0                # how often a live shard's idle time is sent
 CLAIM_TTL_S = 300.0               # a claiming agent's supervisor silent on stdin this long: gone
 
@@ -59,10 +62,10 @@ class ShardFollower:
         self.acting: bool | None = None
         self.progress_mono: float | None = None   # monotonic time of the newest launch's last progress
         self.idle_sent = 0.0
-        self.state = slurm.LaunchState()      # the newest launch as Slurm matters to it
+        self.state = LaunchState()            # the newest launch as an engine's task matters to it
         self.end_t: float | None = None       # host time the newest launch ended
-        self.job_seen = 0.0                   # monotonic time its Slurm job was first read
-        self.final_checked = False            # Slurm's final word on an ended launch was looked for
+        self.job_seen = 0.0                   # monotonic time its task was first read
+        self.final_checked = False            # the engine's final word on an ended launch was looked for
         self.sent_view: tuple | None = None
         self.gpus_mtime: float | None = None
 
@@ -123,14 +126,15 @@ class ShardFollower:
             os.close(fd)
 
 
-class SlurmWatch:
-    """The agent's view of the run's Slurm tasks: one `squeue` for all of them when due, in a
-    thread of its own, so a slow controller never silences the agent (the supervisor takes five
+class TaskWatch:
+    """The agent's view of the run's tasks: one question to the engine for all of them when due, in
+    a thread of its own, so a slow controller never silences the agent (the supervisor takes five
     silent seconds for a dead link)."""
 
-    def __init__(self, interval: float):
+    def __init__(self, engine: Engine, interval: float):
+        self.engine = engine
         self.interval = interval
-        self.views: dict[str, slurm.View] = {}
+        self.views: dict[str, View] = {}
         self.began = -1e18                 # monotonic time the last answered query began
         self.last_try = -1e18
         self.error: str | None = None
@@ -141,8 +145,8 @@ class SlurmWatch:
 
     def _ask(self, jobs: list[str], began: float) -> None:
         try:
-            self._answer = (began, slurm.views_of(jobs) if jobs else {}, None)
-        except slurm.SlurmError as e:
+            self._answer = (began, self.engine.views_of(jobs) if jobs else {}, None)
+        except EngineError as e:
             self._answer = (began, None, str(e))
         except Exception as e:                 # never lose the thread's answer to a surprise
             self._answer = (began, None, f"{type(e).__name__}: {e}")
@@ -151,7 +155,7 @@ class SlurmWatch:
         """Start a query if one is due (`force`: now, and wait for it, calling `beat` each second);
         True when an answer came in (views are then fresh for what was read before `began`)."""
         now = time.monotonic()
-        due = self.interval if not self.urgent else min(self.interval, SLURM_URGENT_S)
+        due = self.interval if not self.urgent else min(self.interval, ENGINE_URGENT_S)
         if self._thread is None and (force or now - self.last_try >= due):
             self.last_try = now
             self._answer = None
@@ -176,13 +180,13 @@ class SlurmWatch:
 
 class Agent:
     def __init__(self, run_dir: str, shards: list[int], output: str | None, out=sys.stdout,
-                 slurm_interval: float | None = None):
+                 engine: Engine | None = None, engine_interval: float = 5.0):
         self.run_dir = run_dir
         self.output = output
         self.out = out
         self.shards = {k: ShardFollower(protocol.shard_dir(run_dir, k)) for k in shards}
-        self.slurm = SlurmWatch(slurm_interval) if slurm_interval else None
-        self.gpus = GpuReader() if self.slurm is None else None
+        self.tasks = TaskWatch(engine, engine_interval) if engine is not None else None
+        self.gpus = GpuReader() if self.tasks is None else None
 
     def send(self, message: protocol.Message) -> None:
         self.out.write(message.to_json() + "\n")
@@ -193,8 +197,8 @@ class Agent:
     def poll_shards(self, replay: bool = False, force_liveness: bool = False) -> None:
         """Liveness first, then the record: the runner writes `exited` before the lock goes, so a
         shard seen dead here has its end in what is read next (or the agent records it)."""
-        if self.slurm is not None:
-            self.poll_slurm_shards(replay, force_liveness)
+        if self.tasks is not None:
+            self.poll_task_shards(replay, force_liveness)
             return
         idle: dict[int, float] = {}          # live shards whose life did not change: one line
         for k, f in self.shards.items():
@@ -220,50 +224,51 @@ class Agent:
         if idle:
             self.send(protocol.Idle(shards=list(idle), idle_s=list(idle.values())))
 
-    def poll_slurm_shards(self, replay: bool, force_liveness: bool) -> None:
-        """The record first, then Slurm: a task's end is only concluded from a query that began
-        after its job was read, and its record is read again before anything is written."""
-        watch = self.slurm
+    def poll_task_shards(self, replay: bool, force_liveness: bool) -> None:
+        """The record first, then the engine: a task's end is only concluded from a query that
+        began after its task was read, and its record is read again before anything is written."""
+        watch = self.tasks
         events = {k: f.read() for k, f in self.shards.items()}
         self._close_final_checks(protocol.now())
         wanted = [f for f in self.shards.values() if f.state.job and (not f.ended or not f.final_checked)]
         answered = watch.poll([f.state.job for f in wanted], force=replay, beat=self._beat)
         if replay or (watch.error,) != watch.sent_error:
             watch.sent_error = (watch.error,)
-            self.send(protocol.SlurmPoll(error=watch.error))
+            self.send(protocol.EnginePoll(error=watch.error, engine=watch.engine.label))
         for k, f in self.shards.items():
             view = watch.views.get(f.state.job) if f.state.job else None
-            events[k] += self._record_slurm_end(f, view, answered)
-            self._send_slurm_shard(k, f, view, thin_progress(events[k]) if replay else events[k],
+            events[k] += self._record_task_end(f, view, answered)
+            self._send_task_shard(k, f, view, thin_progress(events[k]) if replay else events[k],
                                    replay, force_liveness)
-        watch.urgent = any(v.state in ("COMPLETING", "CONFIGURING") for v in watch.views.values()) or \
+        watch.urgent = any(v.phase == "ending" for v in watch.views.values()) or \
             any(f.state.job and not f.final_checked for f in self.shards.values() if f.ended)
 
     def _close_final_checks(self, now_host: float) -> None:
-        """An ended launch whose final word from Slurm is not worth waiting for any more."""
+        """An ended launch whose final word from the engine is not worth waiting for any more."""
         for f in self.shards.values():
-            if f.ended and (not f.state.slurm or f.state.slurm_ended or f.state.job is None
-                            or f.end_t is None or now_host - f.end_t > SLURM_END_WINDOW_S):
+            if f.ended and (not f.state.queued or f.state.task_ended or f.state.job is None
+                            or f.end_t is None or now_host - f.end_t > ENGINE_END_WINDOW_S):
                 f.final_checked = True
 
-    def _record_slurm_end(self, f: ShardFollower, view, answered: bool) -> list[protocol.Event]:
-        """What Slurm's answer adds to a shard's record: a submission whose submitter died, or the
-        final state of a task that ended (from a query that began after its job was read)."""
-        state = f.state
-        fresh = answered and f.job_seen < self.slurm.began
-        if state.slurm and not f.ended and state.job is None and answered:
+    def _record_task_end(self, f: ShardFollower, view: View | None, answered: bool) -> list[protocol.Event]:
+        """What the engine's answer adds to a shard's record: a submission whose submitter died, or
+        the final word on a task that ended (from a query that began after its task was read)."""
+        state, watch = f.state, self.tasks
+        assert watch is not None
+        fresh = answered and f.job_seen < watch.began
+        if state.queued and not f.ended and state.job is None and answered:
             return self._settle_submission(f)
         if view is not None and view.terminal and fresh and (not f.ended or not f.final_checked):
-            if f.ended and view.state in ("COMPLETED", "UNKNOWN"):
+            if f.ended and view.end in ("completed", "unknown"):
                 f.final_checked = True            # nothing to add to the task's own end
-            elif self._under_run_lock(lambda: slurm.record_end(f.dir, view)):
+            elif self._under_run_lock(lambda: record_end(f.dir, view, watch.engine.label)):
                 f.final_checked = True
                 return f.read()
         return []
 
-    def _send_slurm_shard(self, k: int, f: ShardFollower, view, events: list[protocol.Event], replay: bool,
-                          force_liveness: bool) -> None:
-        """A shard's new events, its liveness as Slurm sees it, its task and the task's GPUs."""
+    def _send_task_shard(self, k: int, f: ShardFollower, view: View | None, events: list[protocol.Event],
+                         replay: bool, force_liveness: bool) -> None:
+        """A shard's new events, its liveness as the engine sees it, its task and the task's GPUs."""
         state = f.state
         for ev in events:
             self.send(protocol.EventMessage(shard=k, event=ev))
@@ -275,10 +280,10 @@ class Agent:
             self.send(protocol.Liveness(shard=k, alive=alive, pid=read_pid(f.dir) if alive else None))
         key = (state.n, view) if alive and view is not None else None
         if key is not None and (replay or key != f.sent_view):
-            self.send(protocol.SlurmTask(shard=k, launch=state.n, job=view.job, state=view.state,
-                                         reason=view.reason, node=view.node))
+            self.send(protocol.TaskState(shard=k, launch=state.n, job=view.job, phase=view.phase,
+                                         state=view.state, reason=view.reason, node=view.node))
         f.sent_view = key
-        if alive and view is not None and view.state == "RUNNING":
+        if alive and view is not None and view.phase == "running":
             self._task_gpus(k, f, replay)
 
     def _beat(self) -> None:
@@ -288,7 +293,7 @@ class Agent:
     def _under_run_lock(self, write) -> bool:
         """Write into a record only while no submission or cancellation of the run is under way
         (they record the same ends themselves); False when one is: try again next time."""
-        lock = slurm.RunLock(self.run_dir)
+        lock = RunLock(self.run_dir)
         if not lock.acquire(wait=0):
             return False
         try:
@@ -298,12 +303,15 @@ class Agent:
             lock.release()
 
     def _settle_submission(self, f: ShardFollower) -> list[protocol.Event]:
-        """A launch that has no Slurm job while no submission holds the run's lock: its submitter
-        died before sbatch answered. Recorded as a failed launch (under the lock, after re-reading)."""
+        """A launch that has no task while no submission holds the run's lock: its submitter died
+        before the engine answered. Recorded as a failed launch (under the lock, after re-reading)."""
+        assert self.tasks is not None
+        label = self.tasks.engine.label
+
         def settle():
-            state = slurm.LaunchState.read(f.events_path)
+            state = LaunchState.read(f.events_path)
             if not state.ended and state.job is None:
-                slurm.settle_unended(f.dir, state, {})
+                settle_unended(f.dir, state, {}, label)
         return f.read() if self._under_run_lock(settle) else []
 
     def _task_gpus(self, k: int, f: ShardFollower, replay: bool) -> None:
@@ -326,7 +334,7 @@ class Agent:
             self.send(reading)
 
     def poll_gpu(self) -> None:
-        if self.gpus is None:                   # Slurm: the tasks report their own GPUs
+        if self.gpus is None:                   # an engine's tasks report their own GPUs
             return
         self.send(protocol.GpuReading(source=self.gpus.source, gpus=self.gpus.read(), error=self.gpus.error))
 
@@ -439,9 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=0.25)
     ap.add_argument("--gpu-interval", type=float, default=1.0)
     ap.add_argument("--once", action="store_true")
-    ap.add_argument("--slurm", action="store_true",
-                    help="the shards are Slurm array tasks: liveness and final states from squeue")
-    ap.add_argument("--slurm-interval", type=float, default=5.0, help="seconds between squeue calls")
+    ap.add_argument("--engine", default=None, help="the shards are this engine's tasks (worker/engine/): "
+                    "liveness and final states are the engine's")
+    ap.add_argument("--engine-options", default="{}", help="the engine's section of fleet.toml, as JSON")
+    ap.add_argument("--engine-interval", type=float, default=5.0, help="seconds between questions to the engine")
     ap.add_argument("--claim", default=None, help="hold the run for this supervisor (a SupervisorClaim's "
                     "JSON): worker/claim.py")
     ap.add_argument("--take-over", action="store_true", help="with --claim: end the agent that holds it")
@@ -452,8 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shards = discover_shards(args.run_dir) if args.shards == "auto" else \
             [int(x) for x in args.shards.split(",") if x]
-        agent = Agent(args.run_dir, shards, args.output,
-                      slurm_interval=args.slurm_interval if args.slurm else None)
+        engine = load_engine(args.engine, json.loads(args.engine_options)) if args.engine else None
+        agent = Agent(args.run_dir, shards, args.output, engine=engine, engine_interval=args.engine_interval)
         if args.once:
             agent.once()
             return 0

@@ -4,7 +4,7 @@
                                     [--sentinels JSON] -- ARGV...
     python -m worker.hostctl act --run-dir R [--wait S]   < JSON lines of protocol.ShardAction
     python -m worker.hostctl stop-all --run-dir R [--timeout 10]
-    python -m worker.hostctl task --submission FILE      (inside a Slurm array task)
+    python -m worker.hostctl task --engine E --submission FILE [--index K]   (inside an engine's task)
 
 `launch` takes an exclusive flock on D/lock, appends the `launch` event (numbered: 1, 2, ...) and
 hands the lock to a detached runner (new session, all streams redirected), which hands it on to the
@@ -22,7 +22,7 @@ a restart and no later stop cancelled it. The intent in the record is what a sec
 it never acts twice. A host's launches arrive as one `act` command. Everything arrives as an argv
 or typed JSON on stdin: no shell ever sees a value from fleet.toml. Standard library only.
 
-`task` is the same runner inside a Slurm array task (worker/slurm.py submitted it): it takes the
+`task` is the same runner inside an engine's task (worker/engine/ submitted it): it takes the
 shard's lock, finds its launch in the submission file, adds the node, job and GPUs to `started`,
 reports its own GPUs into the shard's folder, and runs the shard exactly as `run` does.
 """
@@ -35,7 +35,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -168,7 +167,7 @@ def run(shard_dir: str, lock_fd: int, argv: list[str], cwd: str | None, launch_n
         log_offset: int, sentinels: SentinelSpec | None, started: dict | None = None,
         rows: protocol.RowShare | None = None) -> int:
     """The detached runner: start the process, record its pid, follow its log for sentinels,
-    record how it ended. `started`: more fields for the `started` event (a Slurm task's node).
+    record how it ended. `started`: more fields for the `started` event (an engine task's node).
     `rows`: a [job] that takes its rows, run once per chunk of its leases (worker/ranged.py)."""
     p = _paths(shard_dir)
     stopping: list[int] = []
@@ -281,6 +280,17 @@ def _forward_stops(stopping: list[int], children: list[subprocess.Popen]) -> Non
         signal.signal(s, forward)
 
 
+_prctl = None                      # inside an engine's task: libc's prctl (the shard dies with its runner)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the runner dies (PR_SET_PDEATHSIG). An engine's task
+    can lose its runner with no chance to end the shard (a lost node, the engine's kill); the shard's
+    process must not write on alone, unseen. Nothing is imported here: between fork and exec an
+    import can wait forever on a lock another thread of the runner held at the fork."""
+    _prctl(1, signal.SIGKILL)
+
+
 def _start(argv: list[str], log_path: str, lock_fd: int, cwd: str | None,
            alive_fd: int | None = None) -> subprocess.Popen | OSError:
     """The shard's process in a session (and process group) of its own, its output appended to the
@@ -291,7 +301,8 @@ def _start(argv: list[str], log_path: str, lock_fd: int, cwd: str | None,
     try:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 pass_fds=(lock_fd,) if alive_fd is None else (lock_fd, alive_fd), cwd=cwd,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=_die_with_parent if _prctl is not None else None)
     except OSError as e:
         return e
     finally:
@@ -354,22 +365,23 @@ def _stop_words(events: str, launch_n: int) -> str:
     return f" after a {intent.why} stop" + (f" ({intent.reason})" if intent.reason else "")
 
 
-GPU_REPORT_S = 2.0             # how often a Slurm task rewrites its GPU reading
+GPU_REPORT_S = 2.0             # how often an engine's task rewrites its GPU reading
 
 
-def _report_gpus(path: str, launch_n: int, node: str, stop: threading.Event) -> None:
-    """A Slurm task's own GPUs (NVML inside its allocation), rewritten into the shard's folder for
-    the agent on the login node; never raises (telemetry must not take a shard down)."""
-    from . import slurm
+def _report_gpus(path: str, launch_n: int, node: str, allocated: list[int] | None,
+                 stop: threading.Event) -> None:
+    """An engine task's own GPUs (NVML inside its allocation), rewritten into the shard's folder
+    for the agent on the login node; never raises (telemetry must not take a shard down)."""
+    from .engine.tasks import own_gpus
     from .gpu import GpuReader
     try:
         reader = GpuReader()
     except Exception:
         return
-    allocated, visible = slurm.allocated_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     while True:
         try:
-            gpus = slurm.own_gpus(reader.read(), allocated, visible)
+            gpus = own_gpus(reader.read(), allocated, visible)
             reading = protocol.TaskGpus(launch=launch_n, node=node, source=reader.source, gpus=gpus,
                                         error=reader.error)
             write_atomic(path, reading.to_json())
@@ -379,17 +391,19 @@ def _report_gpus(path: str, launch_n: int, node: str, stop: threading.Event) -> 
             return
 
 
-def task(submission_path: str) -> int:
-    """Inside a Slurm array task: run shard SLURM_ARRAY_TASK_ID of the submission as `run` does.
-    Its launch was written at submission; a task whose launch is no longer the shard's newest (it
-    was resubmitted meanwhile) or already ended (cancelled) runs nothing."""
-    from . import slurm
-    index = os.environ.get("SLURM_ARRAY_TASK_ID", "")
+def task(submission_path: str, engine_name: str, index: str | None = None) -> int:
+    """Inside an engine's task: run its shard of the submission as `run` does (which shard, node and
+    GPUs: the engine says, worker/engine/). Its launch was written at submission; a task whose
+    launch is no longer the shard's newest (it was resubmitted meanwhile) or already ended
+    (cancelled) runs nothing."""
+    from .engine import load
+    place = load(engine_name).task_place(index)
+    index = place.index
     with open(submission_path) as f:
         submission = json.load(f)
     entry = submission["tasks"].get(index)
     if entry is None:
-        print(f"fleet: array index {index!r} is not in {submission_path}", file=sys.stderr)
+        print(f"fleet: task {index!r} is not in {submission_path}", file=sys.stderr)
         return 2
     spec = protocol.LaunchSpec.from_dict(entry)
     shard_dir = protocol.shard_dir(submission["run_dir"], int(index))
@@ -406,19 +420,20 @@ def task(submission_path: str) -> int:
         print(f"fleet: launch {n} of shard {index} is not live (newest {state.n}, ended {state.ended}): "
               f"nothing to run", file=sys.stderr)
         return 0
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', os.environ.get('SLURM_JOB_ID', '?'))}_{index}"
     os.environ.update(spec.env)
+    global _prctl
+    import ctypes
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
     os.environ[protocol.LAUNCH_ENV] = str(n)
     os.environ[SHARD_ENV] = os.path.abspath(shard_dir)
     _write_int(p["runner"], os.getpid())
     stop = threading.Event()
     reporter = threading.Thread(target=_report_gpus, daemon=True,
-                                args=(os.path.join(shard_dir, protocol.GPUS_FILE), n, node, stop))
+                                args=(os.path.join(shard_dir, protocol.GPUS_FILE), n, place.node, place.gpus, stop))
     reporter.start()
     try:
         return run(shard_dir, fd, list(spec.argv), spec.cwd, n, log_size(p["log"]),
-                   spec.sentinels, started={"node": node, "job": job, "gpus": slurm.allocated_gpus()},
+                   spec.sentinels, started={"node": place.node, "job": place.job, "gpus": place.gpus},
                    rows=spec.rows)
     finally:
         stop.set()
@@ -687,7 +702,7 @@ def stop_all(run_dir: str, timeout: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One subcommand: the runner, a Slurm task and the finisher return their exit code; the others
+    """One subcommand: the runner, an engine's task and the finisher return their exit code; the others
     print their result as one JSON object (act: one a line)."""
     ap = _parser()
     args = ap.parse_args(argv)
@@ -707,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args.shard_dir, args.lock_fd, command, args.cwd, args.launch, args.log_offset,
                    sentinels, rows=rows)
     elif args.cmd == "task":
-        return task(args.submission)
+        return task(args.submission, args.engine, args.index)
     elif args.cmd == "stop-all":
         result = stop_all(args.run_dir, args.timeout)
     elif args.cmd == "reopen":
@@ -773,8 +788,10 @@ def _parser() -> argparse.ArgumentParser:
     sa = sub.add_parser("stop-all")
     sa.add_argument("--run-dir", required=True)
     sa.add_argument("--timeout", type=float, default=10.0)
-    ta = sub.add_parser("task", help="inside a Slurm array task (worker.slurm submits it)")
+    ta = sub.add_parser("task", help="inside an engine's task (worker/engine/ submits it)")
     ta.add_argument("--submission", required=True)
+    ta.add_argument("--engine", required=True, help="the engine that runs the task (worker/engine/)")
+    ta.add_argument("--index", default=None, help="the shard, where the engine does not say it itself")
     return ap
 
 

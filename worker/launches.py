@@ -1,6 +1,6 @@
 """A shard's record as the host-side tools need it: the newest launch (its number, whether it
-ended, its Slurm task) and the stops recorded for each launch. One fold of `events.jsonl` for the
-runner, `hostctl act`, the agent and Slurm's submitter and watcher (the supervisor folds the same
+ended, its engine's task) and the stops recorded for each launch. One fold of `events.jsonl` for the
+runner, `hostctl act`, the agent and an engine's submitter and watcher (the supervisor folds the same
 events into its richer `fleet.record.ShardRecord`). Stdlib only.
 """
 
@@ -17,9 +17,9 @@ class LaunchState:
     t: float = 0.0
     by: str | None = None              # who asked for it: manual (a person) | auto (the policy)
     ended: bool = True
-    slurm: bool = False
+    queued: bool = False               # an engine queued it as a task (worker/engine/), not hostctl
     job: str | None = None
-    slurm_ended: bool = False
+    task_ended: bool = False           # the engine's final word on its task is recorded
     last_stop: protocol.StopRequested | None = None          # the newest stop of any launch
     stops: dict[int, protocol.StopRequested] = field(default_factory=dict)   # launch -> its newest stop
     final: set[int] = field(default_factory=set)             # launches a user's or the run's stop ends
@@ -32,13 +32,13 @@ class LaunchState:
                 self.final.add(k)
         elif isinstance(ev, protocol.Launch):
             self.n, self.t, self.ended, self.by = ev.launch, ev.t, False, ev.by
-            self.slurm, self.job, self.slurm_ended = ev.launcher == "slurm", None, False
+            self.queued, self.job, self.task_ended = ev.launcher is not None, None, False
         elif ev.launch is not None and ev.launch != self.n:
             return
         elif isinstance(ev, protocol.Submitted) or (isinstance(ev, protocol.Started) and ev.job):
             self.job = self.job or ev.job
-        elif isinstance(ev, protocol.SlurmEnded):
-            self.slurm_ended = True
+        elif isinstance(ev, protocol.TaskEnded):
+            self.task_ended = True
         elif isinstance(ev, protocol.Exited):
             self.ended = True
 

@@ -9,8 +9,9 @@ never rewritten. Each carries ``launch``, the number of the launch it belongs to
 Who writes what::
 
     hostctl launch   Launch         the lock is taken; the process is about to start
-    slurm submit     Launch (launcher=slurm) before sbatch, then Submitted (the job) or a failure
-    the task runner  Started (node, job, gpus) inside a Slurm array task, then as the runner below
+    engine submit    Launch (launcher=<engine>) before the engine is asked, then Submitted (its
+                     task) or a failure (worker/engine/: an engine that queues tasks)
+    the task runner  Started (node, job, gpus) inside an engine's task, then as the runner below
     the worker       Started Loading Loaded Progress SampleSkipped WarningEvent Done Failed
     the runner       Sentinel, Progress   a [job]'s log lines / output files, as they appear
                      Exited         the process ended (code, or stopped on purpose)
@@ -21,13 +22,15 @@ Who writes what::
                      Reopened       here; a finished shard of the pool that adopted rows has work
     the agent        Exited(vanished=True)   the lock is free and the launch has no end record
                                     (the runner itself was killed); written under the lock
-                     SlurmEnded     Slurm's final state of a launch's task (once, when first seen),
-                                    then Exited(vanished=True) if the task never recorded its end
+                     TaskEnded      the engine's final word on a launch's task (once, when first
+                                    seen), then Exited(vanished=True) if the task never recorded its end
 
 **Agent messages** are the agent's stdout, one per line, tagged by ``type``: Hello (first, with
 PROTOCOL_VERSION), EventMessage, Liveness, GpuReading, DiskReading, Beat, Replayed, End, AgentError;
-under Slurm also SlurmTask (what Slurm says of a live task now), SlurmPoll (whether Slurm answered)
-and TaskGpus (the GPUs a task reported from inside its allocation).
+under an engine that queues tasks also TaskState (what the engine says of a live task now),
+EnginePoll (whether the engine answered) and TaskGpus (the GPUs a task reported from inside its
+allocation). Engines translate their own words into these where they enter (worker/engine/): no
+record names an engine.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, Optional
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # --- remote layout -----------------------------------------------------------------------------
 EVENTS_FILE = "events.jsonl"
@@ -49,7 +52,7 @@ REPLAY_RECENT_S = 120.0      # an agent's replay keeps every progress event this
 LOG_FILE = "log"
 PID_FILE = "pid"
 LOCK_FILE = "lock"
-GPUS_FILE = "gpus.json"      # a Slurm task's latest reading of its own GPUs (replaced, not appended)
+GPUS_FILE = "gpus.json"      # an engine task's latest reading of its own GPUs (replaced, not appended)
 MANIFEST_DIR = "manifest"
 META_FILE = "meta.json"
 SAMPLE_PREFIX = "hs_"
@@ -220,7 +223,7 @@ class Launch(Record):
     gpu: Optional[int] = None
     argv: Optional[list] = None
     runner_pid: Optional[int] = None
-    launcher: Optional[str] = None     # "slurm": submitted as an array task (None: hostctl launch)
+    launcher: Optional[str] = None     # the engine that queued it as a task (None: hostctl launch)
 
 
 @event
@@ -237,9 +240,9 @@ class Started(Record):
     start: Optional[int] = None
     stop: Optional[int] = None
     total: Optional[int] = None
-    node: Optional[str] = None         # Slurm: the node the task runs on (SLURMD_NODENAME)
-    job: Optional[str] = None          # Slurm: "<array job id>_<index>"
-    gpus: Optional[list] = None        # Slurm: the node's GPU indices allocated to the task
+    node: Optional[str] = None         # an engine's task: the node it runs on
+    job: Optional[str] = None          # an engine's task: the engine's name for it
+    gpus: Optional[list] = None        # an engine's task: the node's GPU indices it was given
     total_tokens: Optional[int] = None  # the shard's tokens to extract, when already known
     num_rows: Optional[int] = None     # the dataset's rows (every shard's range follows from it)
 
@@ -247,26 +250,36 @@ class Started(Record):
 @event
 @dataclass
 class Submitted(Record):
-    """Slurm accepted the launch: its array task is `job` ("<array job id>_<index>")."""
+    """The engine accepted the launch: its task is `job`, in the engine's own naming."""
     KIND: ClassVar[str] = "submitted"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
     job: str = ""
 
 
+# How an engine's task ended, in words every engine's host side translates its own into
+# (worker/engine/): the judge reads these, never an engine's state names.
+TASK_ENDS = ("completed", "failed", "cancelled", "time_limit", "preempted", "node_lost", "boot_failed",
+             "deadline", "out_of_memory", "revoked", "unknown")
+# While a task lives: waiting in the engine's queue, running, or being ended by the engine.
+TASK_PHASES = ("queued", "running", "ending")
+
+
 @event
 @dataclass
-class SlurmEnded(Record):
-    """Slurm's final state for the launch's task (COMPLETED, CANCELLED, TIMEOUT, PREEMPTED,
-    NODE_FAIL, OUT_OF_MEMORY, ...; UNKNOWN when Slurm no longer lists it), written once by whoever
-    first sees it (the agent, or a submit/cancel on the login node)."""
-    KIND: ClassVar[str] = "slurm_end"
+class TaskEnded(Record):
+    """The engine's final word on the launch's task, written once by whoever first sees it (the
+    agent, or a submit/cancel on the engine's login node). `end` is one of TASK_ENDS; `state` and
+    `reason` are the engine's own words (NODE_FAIL, NodeDown), `engine` its name for people."""
+    KIND: ClassVar[str] = "task_end"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
     job: str = ""
+    end: str = "unknown"
     state: str = "UNKNOWN"
-    reason: Optional[str] = None       # Slurm's reason field, when it says more than "None"
+    reason: Optional[str] = None
     node: Optional[str] = None
+    engine: str = ""
 
 
 @event
@@ -386,7 +399,7 @@ class Sentinel(Record):
 @event
 @dataclass
 class StopRequested(Record):
-    """An intent, written by `hostctl act` (or `worker.slurm cancel`) before the first signal: the
+    """An intent, written by `hostctl act` (or an engine's `cancel`) before the first signal: the
     launch ends as this says, however it dies. `why`: user (k, :stop: never restarted by itself) |
     run (D, fleet down: the same, for the whole run) | restart (a restart's stop; `then` = "launch":
     the actor launches again once the process group is gone, by = manual for the user's restart,
@@ -629,7 +642,7 @@ class RecordDamage(Message):
 class Liveness(Message):
     """`alive`: the shard's lock is held (its runner or process lives). `acting`: a stop or restart
     is being carried out on the host (`hostctl act` holds the shard's act lock); None where nothing
-    acts on the host (Slurm: the supervisor resubmits). Sent on a change, with `idle_s` while the
+    acts on the host (an engine's task: the supervisor resubmits). Sent on a change, with `idle_s` while the
     shard is alive (its idle time between changes goes in the host's Idle line)."""
     KIND: ClassVar[str] = "shard"
     shard: int = 0
@@ -699,14 +712,15 @@ class Replayed(Message):
 
 @message
 @dataclass
-class SlurmTask(Message):
-    """What Slurm says of a shard's newest launch while it lives: PENDING with its reason (Priority,
-    Resources, JobArrayTaskLimit, ...), RUNNING on a node, COMPLETING. Sent when it changes; the
-    end of a task is recorded as an event (SlurmEnded), not sent as this."""
-    KIND: ClassVar[str] = "slurm"
+class TaskState(Message):
+    """What the engine says of a shard's newest launch while it lives: `phase` one of TASK_PHASES,
+    `state` and `reason` the engine's words (PENDING with Priority; RUNNING on a node). Sent when
+    it changes; the end of a task is recorded as an event (TaskEnded), not sent as this."""
+    KIND: ClassVar[str] = "task"
     shard: int = 0
     launch: Optional[int] = None
     job: str = ""
+    phase: str = "queued"
     state: str = ""
     reason: Optional[str] = None
     node: Optional[str] = None
@@ -715,17 +729,19 @@ class SlurmTask(Message):
 
 @message
 @dataclass
-class SlurmPoll(Message):
-    """Whether the last question to Slurm (squeue) was answered; `error` is its last line."""
-    KIND: ClassVar[str] = "slurm_poll"
+class EnginePoll(Message):
+    """Whether the last question to the engine (its queue, its actors) was answered; `error` is its
+    last line, `engine` the engine's name for people."""
+    KIND: ClassVar[str] = "engine_poll"
     t: float = field(default_factory=now)
     error: Optional[str] = None
+    engine: str = ""
 
 
 @message
 @dataclass
 class TaskGpus(Message):
-    """The GPUs a Slurm task reported from inside its allocation (NVML there), with its node."""
+    """The GPUs an engine's task reported from inside its allocation (NVML there), with its node."""
     KIND: ClassVar[str] = "task_gpus"
     shard: int = 0
     launch: Optional[int] = None
@@ -812,7 +828,7 @@ class RowShare(CompactReply):
 
 @dataclass
 class LaunchSpec(Reply):
-    """What `hostctl launch` takes to start a shard's attempt (and a Slurm task runs): its command
+    """What `hostctl launch` takes to start a shard's attempt (and an engine's task runs): its command
     line, environment and working folder, its first GPU, a [job]'s sentinels and, for a [job]
     taking its rows, its share of them."""
     argv: list[str] = field(default_factory=list)
@@ -1061,7 +1077,7 @@ class PlanShard(Reply):
 class Plan(Reply):
     """The run's plan (`<root>/<run>/plan.json`, worker/plan.py; made by fleet/plan.py): the shard
     layout, the fleet.toml values the work depends on (`spec`), the identity of the work
-    (worker.identity), each host name's machine (`host_ids`), `launcher` "slurm" or None."""
+    (worker.identity), each host name's machine (`host_ids`), `launcher` the engine that queues its tasks, or None."""
     version: int = 0
     run: str = ""
     created: float = 0.0
@@ -1094,11 +1110,11 @@ class Footprint(Reply):
 
 
 @dataclass
-class SlurmCheck(Reply):
-    """`python -m worker.slurm check` on the login node."""
+class EngineCheck(Reply):
+    """`python -m worker.engine.<name> check` on the engine's login node."""
     checks: list[Check] = field(default_factory=list)
-    slurm_version: Optional[str] = None
-    sacct: Optional[bool] = None                 # whether sacct answers (Slurm's accounting)
+    version: Optional[str] = None                # the engine's, as it says it
+    accounting: Optional[bool] = None            # whether it keeps ended tasks' final states
 
 
 @dataclass
@@ -1121,7 +1137,7 @@ class PreflightReport(Reply):
     estimated_bytes: Optional[int] = None        # still to write for the whole run
     uplink_bps: Optional[float] = None           # measured upload to the run's destination
     write_bps: Optional[float] = None            # measured write rate of the output disks (worker.probe)
-    slurm: Optional[SlurmCheck] = None           # with [slurm]: the login node's check (fleet adds it)
+    engine: Optional[EngineCheck] = None         # an engine's check of its login node (fleet adds it)
 
     @property
     def errors(self) -> list[str]:
@@ -1184,8 +1200,8 @@ class ExportSummary(Reply):
 
 
 @dataclass
-class SlurmSubmitted(Reply):
-    """`python -m worker.slurm submit`: status submitted | held (every shard still live) | error;
+class Submission(Reply):
+    """`python -m worker.engine.<name> submit`: status submitted | held (every shard still live) | error;
     `shards`: shard -> submitted | refused (recorded as failed) | held (its task is live)."""
     status: str = "error"
     job: Optional[str] = None
@@ -1195,11 +1211,11 @@ class SlurmSubmitted(Reply):
 
 
 @dataclass
-class SlurmCancelled(Reply):
-    """`python -m worker.slurm cancel` (one shard: `status` not running | stopped | cancelling |
+class Cancellation(Reply):
+    """`python -m worker.engine.<name> cancel` (one shard: `status` not running | stopped | cancelling |
     error) and `cancel-all` (`shards`: shard -> not running | stopped | cancelling)."""
     status: str = "error"
     job: Optional[str] = None
-    state: Optional[str] = None                  # Slurm's state of the task at the end
+    state: Optional[str] = None                  # the engine's state of the task at the end
     error: Optional[str] = None
     shards: dict[str, str] = field(default_factory=dict)

@@ -214,8 +214,8 @@ def test_snapshot_totals_expected_alert_unknown_hosts_and_exit_codes():
     assert t.alert and t.alert_level == "low" and t.by_state == {"RUNNING": 3}
     assert t.eta_s == round((300 - 30) / 3.0)
     snap = build_snapshot("r", views, hosts, now=10, expected=exp)
-    assert snap.schema_ == "fleet.status/2" and status_exit_code(snap) == 0
-    assert '"schema": "fleet.status/2"' in snap.to_json()
+    assert snap.schema_ == "fleet.status/3" and status_exit_code(snap) == 0
+    assert '"schema": "fleet.status/3"' in snap.to_json()
     # An unreachable host: its shards are UNKNOWN, unmeasured, and not expected to produce.
     hosts["b"].reachable, hosts["b"].error = False, "connection refused"
     views[2] = view(2, "b", running, 10, down=hosts["b"].down_reason)        # judged with its host's word

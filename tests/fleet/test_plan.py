@@ -242,7 +242,7 @@ def test_extra_args_are_part_of_the_plan(tmp_path):
     from fleet.config import load_config
     import dataclasses
 
-    from fleet.launcher import HostLauncher
+    from fleet.engine.hosts import HostLauncher
     from fleet.plan import make_plan, plan_differences
 
     def plan_with(extra: str):

@@ -145,7 +145,7 @@ def test_the_tiny_model_runs_as_a_two_task_array_to_done_through_ssh_to_the_logi
         schema = json.loads(fleet("status", "--json-schema").stdout)
         jsonschema.validate({k: v for k, v in st.items() if k != "rc"}, schema)
         assert st["rc"] == 0
-        assert [(s["id"], s["host"], s["state"], s["slurm"]["job"], s["slurm"]["node"]) for s in st["shards"]] == \
+        assert [(s["id"], s["host"], s["state"], s["task"]["job"], s["task"]["node"]) for s in st["shards"]] == \
             [(0, "localhost", "DONE", jobs[0], "localhost"), (1, "localhost", "DONE", jobs[1], "localhost")]
         assert [(h["name"], h["role"]) for h in st["hosts"]] == [("slurm", "login"), ("localhost", "node")]
         assert st["hosts"][0]["address"] == "root@127.0.0.1" and st["totals"]["done"] == 60
@@ -199,14 +199,14 @@ def test_scancel_of_a_task_is_a_failure_with_slurms_reason_and_the_shard_resumes
         if proc.poll() is None:
             proc.kill()
     out.thread.join(5)
-    assert out.has("shard 0", "-> BACKOFF", "Slurm CANCELLED on localhost: cancelled in Slurm, not by fleet "
-                                            "(scancel or an admin); restart in 0.5s"), out.text()
+    assert out.has("shard 0", "-> BACKOFF", "Slurm CANCELLED on localhost: cancelled outside fleet (by an "
+                                            "admin, or the engine's own command); restart in 0.5s"), out.text()
     assert out.has("shard 0", "-> DONE 1500/1500") and out.has("shard 1", "-> DONE 1500/1500")
     evs = events(tmp_path, 0)
     assert [e.by for e in of(protocol.Launch, evs)] == ["manual", "auto"]
     subs = of(protocol.Submitted, evs)
     assert len(subs) == 2 and subs[1].job != first.job and subs[1].job.endswith("_0")
-    assert [(e.launch, e.state) for e in of(protocol.SlurmEnded, evs)] == [(1, "CANCELLED")]
+    assert [(e.launch, e.state) for e in of(protocol.TaskEnded, evs)] == [(1, "CANCELLED")]
     assert sorted(manifest(tmp_path)) == list(range(3000))                # resumed: nothing twice
     st = status(config)
     s0 = st["shards"][0]
@@ -234,8 +234,8 @@ def test_a_task_queued_behind_a_full_node_is_queued_with_slurms_reason_and_fleet
         st = wait_for(queued, 60, interval=0.5, what="both shards QUEUED (Resources)")
         for k, s in enumerate(st["shards"]):
             assert s["host"] == "slurm" and s["faulty"] is False and s["alive"] is True
-            assert s["slurm"]["state"] == "PENDING" and s["slurm"]["reason"] == "Resources"
-            assert slurm.jobs()[s["slurm"]["job"]] == ("PENDING", "Resources")   # Slurm says the same
+            assert s["task"]["state"] == "PENDING" and s["task"]["reason"] == "Resources"
+            assert slurm.jobs()[s["task"]["job"]] == ("PENDING", "Resources")   # Slurm says the same
         assert st["rc"] == 0                                              # waiting is not a fault
         assert st["totals"]["expected_per_s"] is None                     # nor expected to produce
         # Slurm not answering is said, and concludes nothing: the tasks are not taken for ended.
@@ -257,7 +257,7 @@ def test_a_task_queued_behind_a_full_node_is_queued_with_slurms_reason_and_fleet
     for k in (0, 1):
         evs = events(tmp_path, k)
         assert of(protocol.StopRequested, evs)[0].why == "run" and not of(protocol.Started, evs)
-        assert [e.state for e in of(protocol.SlurmEnded, evs)] == ["CANCELLED"]
+        assert [e.state for e in of(protocol.TaskEnded, evs)] == ["CANCELLED"]
         assert of(protocol.Exited, evs)[0].vanished                         # it never ran to record one
     st = status(config)
     assert [(s["state"], s["reason"]) for s in st["shards"]] == [("STOPPED", "stopped")] * 2
@@ -311,7 +311,7 @@ def test_node_failure_and_preemption_are_failures_with_slurms_reason_restarted_u
                                                    "higher priority"), out.text()
         evs = events(tmp_path, k)
         assert [e.by for e in of(protocol.Launch, evs)] == ["manual", "auto", "auto"]
-        assert [e.state for e in of(protocol.SlurmEnded, evs)] == ["NODE_FAIL", "PREEMPTED"]
+        assert [e.state for e in of(protocol.TaskEnded, evs)] == ["NODE_FAIL", "PREEMPTED"]
     assert slurm.jobs()[urgent][0] == "COMPLETED"
     st = status(config)
     assert [(s["state"], s["restarts"], s["failures"]) for s in st["shards"]] == [("DONE", 2, 2)] * 2
@@ -361,7 +361,7 @@ async def test_the_tuis_keys_k_cancels_a_task_for_good_r_resubmits_its_index_and
     assert [e.by for e in of(protocol.Launch, evs0)] == ["manual", "manual"]
     assert [(e.why, e.launch) for e in of(protocol.StopRequested, evs1)] == [("user", 1), ("run", 1)]   # D records the run stop for every shard
     assert len(of(protocol.Launch, evs1)) == 1                               # never restarted
-    assert [e.state for e in of(protocol.SlurmEnded, evs1)] == ["CANCELLED"]
+    assert [e.state for e in of(protocol.TaskEnded, evs1)] == ["CANCELLED"]
 
 
 async def test_a_slow_slurm_controller_never_silences_the_login_node(tmp_path, slurm, monkeypatch):

@@ -10,18 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleet.config import ExpectedSpec, load_config
-from fleet.slurm import SlurmLauncher, slurm_nodes, slurm_task
-from fleet.judge import SLURM_WORD_WAIT_S, Action, Policy, judge
+from fleet.engine.slurm import SlurmLauncher, sbatch_options
+from fleet.engine.tasks import task_nodes, task_status
+from worker.engine.tasks import own_gpus
+from fleet.judge import ENGINE_WORD_WAIT_S, Action, Policy, judge
 from fleet.plan import make_plan, plan_differences
 from fleet.record import fold
-from fleet.slurm import sbatch_options, submission
 from fleet.snapshot import ShardView, build_snapshot
 from fleet.hosts import Host
 from fleet.state import SETTLED, State
 from tests.fleet.test_config import error_of, write
 from tests.fleet.test_judge import World, assert_within_restart_budget
 from worker import protocol as p
-from worker import slurm
+from worker.engine import slurm
 
 RUN = """\
 [run]
@@ -64,7 +65,7 @@ def test_slurm_and_hosts_are_alternatives_and_errors_name_the_line(tmp_path):
     hosts = '\n[[hosts]]\nname = "box1"\naddress = "203.0.113.7"\n'
     path = write(tmp_path, RUN + SLURM + hosts)
     assert error_of(tmp_path, RUN + SLURM + hosts) == (
-        f"{path}:7: [slurm] and [[hosts]] are alternatives: Slurm launches the shards on its nodes, "
+        f"{path}:7: [slurm] and [[hosts]] are alternatives: an engine ([slurm], [ray]) places the shards on its nodes, "
         f"[[hosts]] are SSH boxes fleet launches on; keep one of them")
     assert "hosts: required key missing" in error_of(tmp_path, RUN)
     cases = [
@@ -89,7 +90,7 @@ def test_a_submission_lets_slurm_choose_the_gpus_and_carries_each_shards_command
     c = load_config(write(tmp_path, RUN + SLURM))
     places = SlurmLauncher(c).place({})
     assert len(places) == 128 and {(x.host, x.gpu) for x in places} == {("slurm", 0)}
-    sub = submission(c, c.hosts[0], places[3:5], 128, "auto")
+    sub = SlurmLauncher(c).submission(c.hosts[0], places[3:5], 128, "auto")
     assert (sub["job_name"], sub["by"], sub["max_parallel"]) == ("fleet-qwen-hs", "auto", 64)
     assert sub["pythonpath"].startswith("/shared/fleet/qwen-hs/code/") and sub["python"] == "/shared/venv/bin/python"
     assert sorted(sub["tasks"]) == ["3", "4"]
@@ -129,7 +130,7 @@ def test_a_shard_of_several_gpus_is_a_task_asking_for_them(tmp_path):
     assert "--gres=gpu:2" in sbatch_options(c.slurm, 2)
     [place] = SlurmLauncher(c).place({})[5:6]
     assert (place.shard, place.gpu, place.all_gpus) == (5, 0, (0, 1))
-    sub = submission(c, c.hosts[0], [place], 128, "manual")
+    sub = SlurmLauncher(c).submission(c.hosts[0], [place], 128, "manual")
     assert "--gres=gpu:2" in sub["sbatch"]
     argv = sub["tasks"]["5"]["argv"]
     assert argv[argv.index("--gpus-per-shard") + 1] == "2" and "CUDA_VISIBLE_DEVICES" not in sub["tasks"]["5"]["env"]
@@ -149,14 +150,14 @@ def test_squeue_lines_and_arrays_never_split_out():
         "8_[2-5%2]|PENDING||JobArrayTaskLimit\n"
         "9|CANCELLED||Resources\n"
         "garbage line\n")
-    assert listed["7_0"] == slurm.View("7_0", "RUNNING", None, "node07")
+    assert listed["7_0"] == slurm.View("7_0", "running", "RUNNING", None, "node07")
     assert listed["7_1"].reason == "ReqNodeNotAvail, UnavailableNodes:node[01-02]" and listed["7_1"].live
     views = slurm.task_views(listed, ["7_0", "8_4", "8_6", "9_1", "10_0"])
-    assert views["8_4"] == slurm.View("8_4", "PENDING", "JobArrayTaskLimit", None)
+    assert views["8_4"] == slurm.View("8_4", "queued", "PENDING", "JobArrayTaskLimit", None)
     assert "8_6" not in views and "10_0" not in views                     # not covered, not listed
     assert views["9_1"].state == "CANCELLED" and views["9_1"].terminal       # a whole queued array cancelled
     acct = slurm.parse_sacct("12_3|CANCELLED by 0|node02|None\n12_4|TIMEOUT|node03|TimeLimit\n")
-    assert acct["12_3"] == slurm.View("12_3", "CANCELLED", None, "node02") and acct["12_4"].reason == "TimeLimit"
+    assert acct["12_3"] == slurm.View("12_3", "ended", "CANCELLED", None, "node02", "cancelled") and acct["12_4"].reason == "TimeLimit"
 
 
 def test_array_spec():
@@ -170,10 +171,10 @@ def test_a_task_reports_only_its_own_gpus():
     assert slurm.allocated_gpus({"SLURM_JOB_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0,1"}) == [2, 3]
     assert slurm.allocated_gpus({"CUDA_VISIBLE_DEVICES": "GPU-1"}) is None
     assert slurm.allocated_gpus({}) is None
-    assert [g.index for g in slurm.own_gpus(node, [2, 3], "0,1")] == [2, 3]
-    assert [g.index for g in slurm.own_gpus(node, None, "GPU-1,GPU-3")] == [1, 3]
-    assert [g.index for g in slurm.own_gpus(node[:1], [2], "0")] == [0]    # a cgroup hides the rest
-    assert [g.index for g in slurm.own_gpus(node, None, None)] == [0, 1, 2, 3]   # never a lost one
+    assert [g.index for g in own_gpus(node, [2, 3], "0,1")] == [2, 3]
+    assert [g.index for g in own_gpus(node, None, "GPU-1,GPU-3")] == [1, 3]
+    assert [g.index for g in own_gpus(node[:1], [2], "0")] == [0]    # a cgroup hides the rest
+    assert [g.index for g in own_gpus(node, None, None)] == [0, 1, 2, 3]   # never a lost one
 
 
 # --- the fold and the judge ---------------------------------------------------------------------
@@ -191,7 +192,13 @@ def started(t=5.0, n=1, job="40_3"):
 
 
 def live(state="PENDING", reason="Resources", n=1, node=None, job="40_3"):
-    return p.SlurmTask(shard=3, launch=n, job=job, state=state, reason=reason, node=node)
+    return p.TaskState(shard=3, launch=n, job=job, phase=slurm.view(job, state).phase, state=state, reason=reason,
+                       node=node)
+
+
+def slurm_end(*, state, **kw):
+    """Slurm's final word as worker.engine.slurm records it."""
+    return p.TaskEnded(end=slurm.ENDS[state], state=state, engine="Slurm", **kw)
 
 
 def verdict(events, now, alive=None, view=None, policy=POLICY):
@@ -203,7 +210,7 @@ def test_a_submitted_task_is_queued_with_slurms_reason_until_it_starts():
     v = verdict(evs, 2, True, live())
     assert (v.state, v.reason, v.action) == (State.QUEUED, "Resources", Action.NONE)
     assert verdict(evs, 2, True, live(reason=None)).reason is None
-    assert verdict(evs[:1], 1, True).reason == "submitting to Slurm"
+    assert verdict(evs[:1], 1, True).reason == "submitting to slurm"
     assert verdict(evs, 2, True, live(n=2)).reason is None                # another launch's word: ignored
     assert verdict(evs, 2, True, live("RUNNING", None, node="node07")).state == State.STARTING
     v = verdict(evs + started(), 8, True, live("RUNNING", None, node="node07"))
@@ -223,30 +230,30 @@ def test_what_slurm_ended_is_a_failure_with_its_reason_restarted_under_the_polic
     assert (v.state, v.reason, v.action) == (State.RUNNING, "ending: terminated by signal 15", Action.NONE)
     v = verdict(signalled, 10, False)
     assert (v.state, v.action) == (State.FAILED, Action.NONE)
-    assert v.reason == "ended by Slurm; waiting for Slurm's final state"
+    assert v.reason == "ended by slurm; waiting for slurm's final word"
     killed = run + [p.Exited(t=9.5, launch=1, code=-15, stopped=True)]
-    assert verdict(killed, 10, False).reason == "ended by Slurm (signal 15); waiting for Slurm's final state"
-    late = verdict(signalled, 9.5 + SLURM_WORD_WAIT_S, False)                # Slurm never said: restart anyway
+    assert verdict(killed, 10, False).reason == "ended by slurm (signal 15); waiting for slurm's final word"
+    late = verdict(signalled, 9.5 + ENGINE_WORD_WAIT_S, False)                # Slurm never said: restart anyway
     assert (late.state, late.action) == (State.BACKOFF, Action.RESTART)
     for state, reason, why in (
             ("TIMEOUT", "TimeLimit", "Slurm TIMEOUT on node07: the task reached its time limit (TimeLimit)"),
             ("PREEMPTED", None, "Slurm PREEMPTED on node07: preempted by a job of higher priority"),
-            ("CANCELLED", None, "Slurm CANCELLED on node07: cancelled in Slurm, not by fleet (scancel or an admin)")):
-        evs = signalled + [p.SlurmEnded(t=11, launch=1, job="40_3", state=state, reason=reason, node="node07")]
+            ("CANCELLED", None, "Slurm CANCELLED on node07: cancelled outside fleet (by an admin, or the engine's own command)")):
+        evs = signalled + [slurm_end(t=11, launch=1, job="40_3", state=state, reason=reason, node="node07")]
         v = verdict(evs, 11, False)
         assert (v.state, v.reason, v.action) == (State.BACKOFF, f"{why}; restart in 2s", Action.NONE)
         assert verdict(evs, 11.6, False).action == Action.RESTART        # 2 s after the task's end
         assert fold(evs).last_failure == why and fold(evs).failures == 1
     # A node that died: the agent records Slurm's word and the end the task never wrote.
-    dead = run + [p.SlurmEnded(t=20, launch=1, job="40_3", state="NODE_FAIL", reason="NodeDown", node="node07"),
+    dead = run + [slurm_end(t=20, launch=1, job="40_3", state="NODE_FAIL", reason="NodeDown", node="node07"),
                   p.Exited(t=20, launch=1, vanished=True)]
     assert verdict(dead, 20, False).reason == "Slurm NODE_FAIL on node07: its node failed (NodeDown); restart in 2s"
     # Slurm's own memory limit killed the process (the runner was not signalled).
-    oom = run + [p.Exited(t=9, launch=1, code=-9), p.SlurmEnded(t=10, launch=1, job="40_3", state="OUT_OF_MEMORY",
+    oom = run + [p.Exited(t=9, launch=1, code=-9), slurm_end(t=10, launch=1, job="40_3", state="OUT_OF_MEMORY",
                                                               node="node07")]
     assert verdict(oom, 10, False).reason.startswith("Slurm OUT_OF_MEMORY on node07: out of memory")
     # Gone from Slurm's memory (no sacct) without an end: said so, and restarted.
-    gone = run + [p.SlurmEnded(t=30, launch=1, job="40_3", state="UNKNOWN", reason="Slurm no longer lists the task"),
+    gone = run + [slurm_end(t=30, launch=1, job="40_3", state="UNKNOWN", reason="Slurm no longer lists the task"),
                   p.Exited(t=30, launch=1, vanished=True)]
     assert verdict(gone, 30, False).reason.startswith(
         "the task ended without recording how; Slurm UNKNOWN (Slurm no longer lists the task)")
@@ -255,7 +262,7 @@ def test_what_slurm_ended_is_a_failure_with_its_reason_restarted_under_the_polic
     for n in range(1, 5):
         t += 100
         evs += [p.Exited(t=t, launch=n, code=-15, stopped=True),
-                p.SlurmEnded(t=t, launch=n, job=f"{40 + n}_3", state="PREEMPTED")]
+                slurm_end(t=t, launch=n, job=f"{40 + n}_3", state="PREEMPTED")]
         if n < 4:
             evs += submitted(t + 50, n + 1, "auto", f"{41 + n}_3")
     v = verdict(evs, t + 1000, False)
@@ -267,19 +274,19 @@ def test_fleets_own_stops_and_done_are_not_slurms_failures():
     run = submitted() + started()
     # k: the user's stop, whatever Slurm calls it afterwards (CANCELLED), queued or running.
     for evs in (submitted() + [p.StopRequested(t=3, launch=1, why="user"),
-                               p.SlurmEnded(t=4, launch=1, job="40_3", state="CANCELLED"),
+                               slurm_end(t=4, launch=1, job="40_3", state="CANCELLED"),
                                p.Exited(t=4, launch=1, vanished=True)],
                 run + [p.StopRequested(t=9, launch=1, why="user"), p.Exited(t=9.5, launch=1, code=-15, stopped=True),
-                       p.SlurmEnded(t=10, launch=1, job="40_3", state="CANCELLED")]):
+                       slurm_end(t=10, launch=1, job="40_3", state="CANCELLED")]):
         v = verdict(evs, 10_000, False)
         assert (v.state, v.reason, v.action) == (State.STOPPED, "stopped", Action.NONE)
     # A restart's stop keeps the failure it restarts from.
     evs = run + [p.StopRequested(t=9, launch=1, why="restart", reason="no progress for 130s"),
-                 p.Exited(t=9.5, launch=1, code=-15, stopped=True), p.SlurmEnded(t=10, launch=1, state="CANCELLED")]
+                 p.Exited(t=9.5, launch=1, code=-15, stopped=True), slurm_end(t=10, launch=1, state="CANCELLED")]
     assert verdict(evs, 10, False).reason == "no progress for 130s; restart in 2s"
     # DONE is the task's word; Slurm's COMPLETED (or anything later) changes nothing.
     done = run + [p.Done(t=9, launch=1, done=10, total=10), p.Exited(t=9.1, launch=1, code=0),
-                  p.SlurmEnded(t=10, launch=1, state="COMPLETED")]
+                  slurm_end(t=10, launch=1, state="COMPLETED")]
     assert verdict(done, 10, False).state == State.DONE
     # Off Slurm, a runner told to stop by a signal is still a user's stop.
     ssh = [p.Launch(t=1, launch=1), p.Started(t=2, launch=1, pid=5), p.Exited(t=3, launch=1, code=-15, stopped=True)]
@@ -320,7 +327,7 @@ class SlurmWorld(World):
         if kind == "worker" and arg == "started" and self.running:
             self.add(p.Started(t=self.t, launch=self.n, pid=7, node="n1", job=f"{self.n}_0"))
         elif kind == "slurm":
-            end = p.SlurmEnded(t=self.t, launch=self.n, job=f"{self.n}_0", state=arg)
+            end = slurm_end(t=self.t, launch=self.n, job=f"{self.n}_0", state=arg)
             if not self.running:
                 self.add(end)                                   # a late word: ignored or refining
             elif arg in ("NODE_FAIL", "UNKNOWN"):
@@ -366,19 +373,19 @@ def test_the_snapshot_shows_a_slurm_shard_on_its_node_and_groups_gpus_by_node():
                 ("node07", p.TaskGpus(shard=2, launch=1, node="node07", t=99.0, source="nvml",
                                       gpus=[p.GpuStat(index=0, mem_used=1, mem_total=10)])),
                 ("node09", None)]
-    nodes = slurm_nodes(login, readings)
+    nodes = task_nodes(login, readings)
     assert sorted(nodes) == ["node07", "node09"]
     n7 = nodes["node07"]
     assert [g.index for g in n7.gpus] == [0, 2] and n7.gpu_t == 99.0 and n7.telemetry == "nvml"
     assert nodes["node09"].gpus == [] and nodes["node09"].telemetry is None and n7.role == "node"
     views = [ShardView(0, "slurm", 2, running, judge(running, True, 8, POLICY), True, 99, 3, node="node07",
-                       slurm=slurm_task(running, live("RUNNING", None, node="node07", job="40_0"))),
+                       task=task_status(running, live("RUNNING", None, node="node07", job="40_0"))),
              ShardView(1, "slurm", 0, queued, judge(queued, True, 2, POLICY, (), live(job="41_1")), True, None, 3,
-                       slurm=slurm_task(queued, live(job="41_1")))]
+                       task=task_status(queued, live(job="41_1")))]
     snap = build_snapshot("r", views, {"slurm": login, **nodes}, now=8, expected=ExpectedSpec(samples_per_s_per_gpu=2))
     s0, s1 = snap.shards
-    assert (s0.host, s0.gpu, s0.state, s0.slurm.job, s0.slurm.state) == ("node07", 2, State.RUNNING, "40_0", "RUNNING")
-    assert (s1.host, s1.state, s1.reason, s1.slurm.reason, s1.faulty) == ("slurm", State.QUEUED, "Resources",
+    assert (s0.host, s0.gpu, s0.state, s0.task.job, s0.task.state) == ("node07", 2, State.RUNNING, "40_0", "RUNNING")
+    assert (s1.host, s1.state, s1.reason, s1.task.reason, s1.faulty) == ("slurm", State.QUEUED, "Resources",
                                                                           "Resources", False)
     assert snap.totals.expected_per_s == 2.0                               # the queued shard is not expected
     assert [(h.name, h.role) for h in snap.hosts] == [("slurm", "login"), ("node07", "node"), ("node09", "node")]
@@ -388,12 +395,13 @@ def test_the_snapshot_shows_a_slurm_shard_on_its_node_and_groups_gpus_by_node():
     import dataclasses                                   # the store judges them with the host's word
     views = [dataclasses.replace(v, verdict=judge(v.record, True, 8, POLICY, host_down=login.down_reason))
              for v in views]
-    snap = build_snapshot("r", views, {"slurm": login, **slurm_nodes(login, readings)}, now=8,
+    snap = build_snapshot("r", views, {"slurm": login, **task_nodes(login, readings)}, now=8,
                           expected=ExpectedSpec())
     assert {s.state for s in snap.shards} == {State.UNKNOWN} and snap.host("node07").gpus is None
     # The record's word when Slurm says nothing live: the job and its final state.
     ended = fold(submitted() + started() + [p.Exited(t=9, launch=1, code=-15, stopped=True),
-                                            p.SlurmEnded(t=10, launch=1, job="40_3", state="TIMEOUT", node="node07")])
-    assert slurm_task(ended, None).model_dump() == {"job": "40_3", "state": "TIMEOUT", "reason": None, "node": "node07"}
-    assert slurm_task(fold([p.Launch(t=1, launch=1)]), None) is None
-    assert json.loads(snap.to_json())["shards"][0]["slurm"]["job"] == "40_0"
+                                            slurm_end(t=10, launch=1, job="40_3", state="TIMEOUT", node="node07")])
+    assert task_status(ended, None).model_dump() == {"job": "40_3", "phase": "ended", "state": "TIMEOUT", "reason": None,
+                                                 "node": "node07"}
+    assert task_status(fold([p.Launch(t=1, launch=1)]), None) is None
+    assert json.loads(snap.to_json())["shards"][0]["task"]["job"] == "40_0"

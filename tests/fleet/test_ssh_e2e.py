@@ -73,7 +73,7 @@ def test_up_headless_to_done_then_status_and_verify(tmp_path, sshd, dense_model,
     st = fleet("status", "--json", "-c", config)
     assert st.returncode == 0, st.stderr
     snap = json.loads(st.stdout)
-    assert snap["schema"] == "fleet.status/2"
+    assert snap["schema"] == "fleet.status/3"
     schema = json.loads(fleet("status", "--json-schema").stdout)       # what the README documents
     jsonschema.validate(snap, schema)
     assert [s["state"] for s in snap["shards"]] == ["DONE", "DONE"]

@@ -1,0 +1,160 @@
+"""Ray as the launcher, against a real Ray cluster started as a user starts one (tests/ray_cluster.py:
+`ray start --head`, a second node with `ray start --address`, each advertising logical GPUs that the
+tests' CPU shards take): the tiny model as one actor per shard; an actor killed and a node lost under
+a run whose supervisor was stopped, then a supervisor that joins the run it did not start, restarts
+what was lost and finishes it with every row written once; `fleet status --json` against the schema,
+`fleet logs` reading an actor's log, `fleet verify`. Ray's daemons are stopped after every test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import jsonschema
+import pytest
+
+from tests.conftest import wait_for
+from tests.fleet.conftest import fleet, fleet_popen, stop_supervisor
+from worker import protocol
+
+pytestmark = pytest.mark.ray
+
+ROWS = 600          # two shards of 300: n2's half is far from done when the node is lost, 10 rows in
+
+
+@pytest.fixture
+def ray_cluster():
+    from tests.ray_cluster import RayClusterError, start_ray
+    try:
+        cluster = start_ray(head_gpus=1, head_cpus=1)
+    except RayClusterError as e:
+        pytest.fail(str(e))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def ray_toml(tmp_path, cluster, *, model: str, data: str, shards: int) -> str:
+    shared = tmp_path / "shared"
+    text = f"""
+[run]
+name = "t"
+model = {json.dumps(model)}
+data = {json.dumps(data)}
+layers = "speculators"
+output = {json.dumps(str(shared / 'out'))}
+max_tokens_per_batch = 512
+device = "cpu"
+env = {{ OMP_NUM_THREADS = "1" }}
+
+[supervise]
+stall_timeout = "120s"
+backoff_base = "0.5s"
+backoff_max = "2s"
+
+[ray]
+address = "{cluster.address}"
+num_cpus = 0
+shards = {shards}
+root = {json.dumps(str(shared / 'fleet'))}
+python = {json.dumps(sys.executable)}
+poll_interval = "1s"
+"""
+    path = tmp_path / "fleet.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def events(tmp_path, shard: int) -> list[protocol.Record]:
+    return protocol.read_events(str(tmp_path / "shared" / "fleet" / "t" / "shards" / str(shard) / "events.jsonl"))
+
+
+def of(kind, evs: list) -> list:
+    return [e for e in evs if isinstance(e, kind)]
+
+
+def node_of(tmp_path, shard: int) -> str | None:
+    started = [e for e in of(protocol.Started, events(tmp_path, shard)) if e.node]
+    return started[-1].node if started else None
+
+
+def written(tmp_path, shard: int) -> int:
+    return max([e.done for e in of(protocol.Progress, events(tmp_path, shard))], default=0)
+
+
+def manifest_indices(tmp_path) -> list[int]:
+    out = []
+    folder = tmp_path / "shared" / "out" / "manifest"
+    for name in os.listdir(folder):
+        out += [json.loads(line)["index"] for line in open(folder / name) if line.strip()]
+    return out
+
+
+def test_a_lost_node_and_a_killed_actor_under_a_supervisor_that_joins_later(tmp_path, ray_cluster, dense_model):
+    from worker.demo import make_token_dataset
+    ray_cluster.add_node("n2", gpus=1)
+    data = make_token_dataset(str(tmp_path / "d.jsonl"), ROWS, vocab_size=500, mean_tokens=40, seed=5)
+    config = ray_toml(tmp_path, ray_cluster, model=dense_model, data=data, shards=2)
+    up = fleet_popen("up", "--headless", "-c", config)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(up.stdout), daemon=True)
+    reader.start()
+    try:
+        # Ray places the two actors on both nodes (one GPU each).
+        wait_for(lambda: all(node_of(tmp_path, k) for k in range(2)), 240, 0.5, what="both actors started")
+        nodes = {k: node_of(tmp_path, k) for k in range(2)}
+        on_n2 = [k for k, n in nodes.items() if n.startswith("n2-")]
+        on_head = [k for k, n in nodes.items() if n.startswith("head-")]
+        assert len(on_n2) == 1 and len(on_head) == 1, nodes
+        wait_for(lambda: all(written(tmp_path, k) >= 10 for k in range(2)), 240, 0.5, what="both shards writing")
+        # The supervisor goes; the run goes on without it.
+        up.send_signal(signal.SIGINT)
+        up.wait(60)
+        stop_supervisor(config)
+        # An actor killed (its Ray worker process), and a node lost with both its actors.
+        killed = on_head[0]
+        runner = int(open(tmp_path / "shared" / "fleet" / "t" / "shards" / str(killed) / "runner.pid").read())
+        actor_pid = int(open(f"/proc/{runner}/stat").read().rsplit(")", 1)[1].split()[1])
+        os.kill(actor_pid, signal.SIGKILL)
+        ray_cluster.remove_node("n2")
+        lost_at = {k: written(tmp_path, k) for k in on_n2}
+    finally:
+        if up.poll() is None:
+            up.kill()
+        print("".join(lines))                        # shown when the test fails
+    # A new supervisor joins the run it did not start: it sees what Ray says happened, restarts the
+    # lost shards under the policy, and the rows of the lost node are done by the head's actors.
+    try:
+        r = fleet("up", "--headless", "-c", config, timeout=400)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the joining supervisor did not finish: {e.stdout}{e.stderr}") from None
+    assert r.returncode == 0, r.stdout + r.stderr
+    for k in on_n2:
+        evs = events(tmp_path, k)
+        [end] = [e for e in of(protocol.TaskEnded, evs) if e.launch == 1]
+        assert (end.end, end.state, end.engine) == ("node_lost", "NODE_DIED", "Ray"), end
+        assert of(protocol.Launch, evs)[-1].launch >= 2 and of(protocol.Launch, evs)[-1].launcher == "ray"
+        assert node_of(tmp_path, k).startswith("head-")                # placed again on the live node
+        assert lost_at[k] < ROWS // 2                                  # it was cut off part-way
+    evs = events(tmp_path, killed)
+    assert [e.end for e in of(protocol.TaskEnded, evs) if e.launch == 1] == ["failed"]
+    assert of(protocol.Launch, evs)[-1].launch >= 2
+    assert f"shard {killed}" in r.stdout and "DONE" in r.stdout
+    # Every row once, on the shared output.
+    assert sorted(manifest_indices(tmp_path)) == list(range(ROWS))
+    v = fleet("verify", "-c", config)
+    assert v.returncode == 0 and f"{ROWS} written" in v.stdout, v.stdout + v.stderr
+    st = fleet("status", "--json", "-c", config)
+    snap = json.loads(st.stdout)
+    jsonschema.validate(snap, json.loads(fleet("status", "--json-schema").stdout))
+    assert st.returncode == 0 and {s["state"] for s in snap["shards"]} == {"DONE"}
+    assert snap["hosts"][0]["name"] == "ray" and snap["hosts"][0]["role"] == "login"
+    assert {h["role"] for h in snap["hosts"][1:]} == {"node"}
+    assert all(s["task"]["job"].startswith("fleet-t-") for s in snap["shards"])
+    logs = fleet("logs", str(on_n2[0]), "-c", config)
+    assert logs.returncode == 0 and "done" in logs.stdout, logs.stdout + logs.stderr
