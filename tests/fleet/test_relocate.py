@@ -88,6 +88,9 @@ def test_nothing_moves_without_a_receiver_or_from_a_host_that_had_finished():
 
 # --- two real hosts, one lost and back ---------------------------------------------------------
 
+ROWS = 1200     # b's half (two shards of 300 rows) is far from done when it is cut off, 20 rows in: it was
+                # 2,400 (and 40 rows in), which cost CI 200 s over both cases and proved nothing more
+
 def manifest_counts(out: str) -> dict[int, int]:
     counts: dict[int, int] = {}
     for p in glob.glob(os.path.join(out, "manifest", "*.jsonl")):
@@ -104,7 +107,7 @@ def test_a_lost_hosts_rows_are_finished_by_the_other_and_its_copies_removed_once
     """Also with the output shipped to one store: there too every row is counted once (the
     pools' ledgers shipped beside the manifests say which rows moved), and --repair mends it."""
     from worker.demo import make_token_dataset
-    data = make_token_dataset(str(tmp_path / "d.jsonl"), 2400, vocab_size=500, mean_tokens=40, seed=21)
+    data = make_token_dataset(str(tmp_path / "d.jsonl"), ROWS, vocab_size=500, mean_tokens=40, seed=21)
     store = S3Store(str(tmp_path / "store")).start() if shipped else None
     with two_hosts(tmp_path) as (servers, procs), contextlib.ExitStack() as stack:
         if store is not None:
@@ -117,7 +120,7 @@ def test_a_lost_hosts_rows_are_finished_by_the_other_and_its_copies_removed_once
         out = {name: str(tmp_path / "remote" / f"out-{name}") for name in ("a", "b")}
         up, lines = up_headless(config)
         try:
-            wait_for(lambda: len(manifest_counts(out["b"])) >= 40, 240, what="host b writing")
+            wait_for(lambda: len(manifest_counts(out["b"])) >= 20, 240, what="host b writing")
             lose_host(tmp_path, procs, "b", (2, 3))
             shards_b = tmp_path / "root-b" / "t" / "shards"
             written_on_b = len(manifest_counts(out["b"]))
@@ -126,27 +129,27 @@ def test_a_lost_hosts_rows_are_finished_by_the_other_and_its_copies_removed_once
             if up.poll() is None:
                 up.kill()
         text = "\n".join(lines)
-        assert "rows 1,200–2,400 of b (lost) → a (1,200 rows)" in text, text
+        assert "rows 600–1,200 of b (lost) → a (600 rows)" in text, text
         assert "of b (lost) → a:" in text, text          # a shard of a took them: a line in the log view
         # every row is on a, once; the run finished with b still gone
-        assert manifest_counts(out["a"]) == {i: 1 for i in range(2400)}, text
+        assert manifest_counts(out["a"]) == {i: 1 for i in range(ROWS)}, text
         r = fleet("status", "--json", "-c", config)
         snap = json.loads(r.stdout)
         assert r.returncode == 3 and snap["totals"]["finished"] is True, r.stdout + r.stderr
-        assert snap["totals"]["rows_relocated"] == 1200 and 0 < snap["totals"]["rows_redone"] <= written_on_b
+        assert snap["totals"]["rows_relocated"] == ROWS // 2 and 0 < snap["totals"]["rows_redone"] <= written_on_b
         shards = {s["id"]: s for s in snap["shards"]}
         assert all(shards[k]["state"] == "UNKNOWN" and not shards[k]["holds_rows"] and "went to a" in shards[k]["lease"]
                    for k in (2, 3))
-        assert sum(shards[k]["rows_moved_in"] for k in (0, 1)) >= 1200
+        assert sum(shards[k]["rows_moved_in"] for k in (0, 1)) >= ROWS // 2
 
         procs["b"] = serve(servers["b"])              # b is back, with what it wrote before
         r = fleet("up", "--headless", "-c", config, timeout=400)
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "b: back; its rows 1,200–2,400 went to a" in r.stderr + r.stdout
+        assert "b: back; its rows 600–1,200 went to a" in r.stderr + r.stdout
         for k in (2, 3):                               # told on each of its shards, and holding nothing
             events = read_events(str(shards_b / str(k)))
             assert [(e["start"], e["stop"], e["to_host"]) for e in events if e["event"] == "relocated"] == \
-                [(1200, 2400, "a")]
+                [(ROWS // 2, ROWS, "a")]
         snap = json.loads(fleet("status", "--json", "-c", config).stdout)
         assert [s["state"] for s in snap["shards"]] == ["DONE"] * 4 and snap["totals"]["finished"]
         v = fleet("verify", "-c", config)
@@ -154,10 +157,10 @@ def test_a_lost_hosts_rows_are_finished_by_the_other_and_its_copies_removed_once
         v = fleet("verify", "--repair", "-c", config)
         assert "copies of rows another host holds now" in v.stdout, v.stdout + v.stderr
         v = fleet("verify", "-c", config)
-        assert v.returncode == 0 and "2400 written" in v.stdout, v.stdout + v.stderr
+        assert v.returncode == 0 and f"{ROWS} written" in v.stdout, v.stdout + v.stderr
         assert manifest_counts(out["b"]) == {}
         assert not [p for p in glob.glob(os.path.join(out["b"], "**", "*.safetensors"), recursive=True)]
         if store is not None:                          # one copy of each row at the store, as a recorded
             at = store.files("run")
-            assert len([k for k in at if k.startswith("hs_")]) == 2400
-            assert manifest_counts(store.bucket_dir("run")) == {i: 1 for i in range(2400)}
+            assert len([k for k in at if k.startswith("hs_")]) == ROWS
+            assert manifest_counts(store.bucket_dir("run")) == {i: 1 for i in range(ROWS)}

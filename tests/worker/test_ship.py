@@ -23,7 +23,8 @@ from tests.s3_store import S3Store
 from worker.ship import ShipError, destination
 
 ROWS = 240
-SFTP_ROWS = 80                    # sftp:// ships over ssh sessions: the same checks on fewer rows
+SFTP_ROWS = 40                    # sftp:// ships over ssh sessions: the same checks on fewer rows (80 cost CI a
+                                  # minute: a session a batch)
 KEEP = 600_000                    # bytes; a batch of 512 tokens here is ~280 kB, so the bound bites
 
 
@@ -222,7 +223,7 @@ def test_sftp_through_the_hosts_own_ssh(dense_model, rows, sshd, tmp_path):
     """sftp://: rclone over the host's ssh (here told its key and known_hosts through
     RCLONE_SFTP_SSH, as ~/.ssh/config would): every file lands, none stays."""
     out, state, dest = str(tmp_path / "out"), str(tmp_path / "state"), str(tmp_path / "dest")
-    few = tmp_path / "few.jsonl"                  # a third of the rows: each batch's transfer is an ssh session
+    few = tmp_path / "few.jsonl"                  # a sixth of the rows: each batch's transfer is an ssh session
     few.write_text("".join(open(rows).readlines()[:SFTP_ROWS]))
     rows = str(few)
     ssh = (f"ssh -i {sshd.client_key} -o UserKnownHostsFile={sshd.known_hosts} -o BatchMode=yes "

@@ -18,9 +18,11 @@ def loaded(state: str) -> dict:
     return next(e for e in read_events(state) if e["event"] == "loaded")
 
 
-def test_compiled_layers_agree_with_eager_and_the_compile_is_cached(tmp_path, dense_model, token_data):
-    """In fp32 the compiled path computes the same function as eager (fused kernels round
-    differently, far below bf16's resolution); the files are bf16 either way."""
+@pytest.fixture(scope="module")
+def compile_runs(tmp_path_factory, dense_model, token_data) -> dict:
+    """name -> (out, state): a worker run eager, one compiled into a fresh cache, one compiled again
+    from that cache, in fp32. Read by two tests (each was a compile of its own)."""
+    tmp_path = tmp_path_factory.mktemp("compile-runs")
     cache = str(tmp_path / "cache")
     runs = {}
     for name, extra in (("eager", ("--compile", "off")), ("compiled", ("--compile", "on", "--cache-dir", cache)),
@@ -29,7 +31,16 @@ def test_compiled_layers_agree_with_eager_and_the_compile_is_cached(tmp_path, de
         r = run_worker("--model", dense_model, "--data", token_data, "--out", out, "--state", state,
                        "--model-dtype", "fp32", *extra)
         assert r.returncode == 0, r.stderr
-        runs[name] = (out, loaded(state)["path"])
+        runs[name] = (out, state)
+    return {"cache": cache, **runs}
+
+
+def test_compiled_layers_agree_with_eager_and_the_compile_is_cached(compile_runs):
+    """In fp32 the compiled path computes the same function as eager (fused kernels round
+    differently, far below bf16's resolution); the files are bf16 either way."""
+    cache = compile_runs["cache"]
+    runs = {name: (compile_runs[name][0], loaded(compile_runs[name][1])["path"])
+            for name in ("eager", "compiled", "again")}
     assert runs["eager"][1] == "eager (--compile off)"
     assert runs["compiled"][1].startswith("compiled (") and f"cache {cache}/inductor" in runs["compiled"][1]
     assert runs["again"][1].startswith("compiled (")
@@ -57,15 +68,13 @@ def test_a_host_that_cannot_compile_runs_eager_and_says_why(tmp_path, dense_mode
     assert len(glob.glob(str(tmp_path / "out" / "hs_*.safetensors"))) == 60
 
 
-def test_compiling_shows_as_loading_with_its_detail(tmp_path, dense_model, token_data):
+def test_compiling_shows_as_loading_with_its_detail(compile_runs):
+    """The compile into a fresh cache (compile_runs' "compiled") is a LOADING step with its detail."""
     from fleet.judge import Policy, judge
     from fleet.record import fold
     from fleet.state import State
     from worker import protocol
-    state = str(tmp_path / "state")
-    r = run_worker("--model", dense_model, "--data", token_data, "--out", str(tmp_path / "out"), "--state", state,
-                   "--compile", "on", "--cache-dir", str(tmp_path / "cache"))
-    assert r.returncode == 0, r.stderr
+    state = compile_runs["compiled"][1]
     events = protocol.read_events(os.path.join(state, "events.jsonl"))
     at = next(i for i, e in enumerate(events) if getattr(e, "detail", None) == "compiling the decoder layers")
     launch = [protocol.Launch(t=events[0].t - 1, launch=1)]
