@@ -107,6 +107,13 @@ def make_config(shape: str, vocab: int, tiny: bool = False):
         from bench.gpu_fleet import HYBRID27
         return AutoConfig.for_model(**{**{k: v for k, v in HYBRID27.items() if k != "architectures"},
                                        "vocab_size": vocab})
+    if shape == "moe30b":                          # Qwen3-30B-A3B's shape (bench/gpu_fleet.py's MOE30B)
+        from bench.gpu_fleet import MOE30B
+        moe = {**{k: v for k, v in MOE30B.items() if k != "architectures"}, "vocab_size": vocab}
+        if tiny:
+            moe.update(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32)
+        return AutoConfig.for_model(**moe)
     types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(common["num_hidden_layers"])]
     return AutoConfig.for_model("qwen3_5_text", layer_types=types, linear_num_key_heads=16,
                                 linear_num_value_heads=32, linear_key_head_dim=128,
@@ -391,8 +398,9 @@ def rate(r: dict, params: int, peak: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=("dense", "hybrid", "hybrid27"), default="dense",
-                   help="the 7B dense or 7.8B hybrid bench shapes, or the 27B hybrid (64 layers, hidden 5,120)")
+    p.add_argument("--shape", choices=("dense", "hybrid", "hybrid27", "moe30b"), default="dense",
+                   help="the 7B dense or 7.8B hybrid bench shapes, the 27B hybrid (64 layers, hidden 5,120), or "
+                        "Qwen3-30B-A3B's MoE shape (MFU then counts the active parameters)")
     p.add_argument("--naive-samples", type=int, default=120)
     p.add_argument("--samples", type=int, default=1200)
     p.add_argument("--budget", type=int, default=16384)
@@ -463,7 +471,8 @@ def main() -> None:
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     init_s = time.perf_counter() - t0
     base = lm.model
-    params = sum(p.numel() for p in base.parameters()) - base.get_input_embeddings().weight.numel()
+    from worker.model import active_parameters
+    params = active_parameters(base)[1]          # an MoE: the k of E experts a token meets
     plan = resolve_layers("speculators", config.num_hidden_layers)
     pad = int(args.pads.split(",")[0])
     samples = make_samples(args.samples, vocab, 1, args.max_len, args.window, args.budget, pad)
@@ -519,7 +528,7 @@ def main() -> None:
         result["compile_s"] = round(time.perf_counter() - t1, 1)
         result["ref_rel_err_regions"] = reference_error(lm, base, warm, plan)
     if args.profile:
-        if args.shape == "dense" and args.compile in ("on", "both"):    # the worker's dense path
+        if args.shape in ("dense", "moe30b") and args.compile in ("on", "both"):    # the worker's path
             compile_layers(base)
         result["profile"] = profile_forward(base, args.profile, vocab)
         if args.profile_long:                             # the longest rows' batches: 2 x 8,192
