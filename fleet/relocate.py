@@ -155,7 +155,8 @@ def planned_rows(shards: dict[int, tuple[int, int] | None], num_rows: int | None
         if r is None and num_rows is not None:
             r = shard_range(num_rows, num_shards, k)
         if r is not None:
-            runs.append(tuple(r))
+            a, b = r
+            runs.append((a, b))
     return merge(runs)
 
 
@@ -193,31 +194,57 @@ def orders(hosts: list[HostFacts], moves: Moves) -> list[Order]:
     """What is due now: every lost host that had work has its rows adopted by the usable ones,
     an idle host its unfinished rows (counted first), and every host that is back (or idle) is
     told of the moves away from it before anything more is done there."""
-    out = []
+    out = [order for h in hosts for order in _revokes(h, moves)]
+    receivers = _receivers(hosts, moves)
+    if not receivers:
+        return out
     for h in hosts:
-        if h.usable and (untold := moves.untold(h.name)):
-            by_target: dict[tuple, list] = {}
-            for m in untold:
-                by_target.setdefault((m.to_host, m.why), []).append((m.start, m.stop))
-            out += [Order("revoke", h.name, tuple(merge(r)), h.name, to, why=why)
-                    for (to, why), r in sorted(by_target.items())]
-    receivers = {h.name: len(h.shards) for h in hosts
-                 if h.usable and not h.lost and not h.idle and h.shards and not moves.untold(h.name)}
-    for h in hosts:
-        if not receivers or not ((h.lost and h.had_work) or (h.idle and not h.lost)):
+        if not _gives_rows(h):
             continue
         if h.idle and h.unfinished is None:
             out.append(Order("count", h.name, (), h.name, h.name, why="idle"))
             continue
-        if h.idle:
-            runs, finished, why = subtract(list(h.unfinished), [(m.start, m.stop) for m in moves.away_from(h.name)]), 0, "idle"
-        else:
-            runs, finished, why = rows_of(h, moves), h.finished_rows, "removed" if h.removed else "lost"
-        rows = sum(b - a for a, b in runs)
-        for to, part in split(runs, receivers).items():
-            share = sum(b - a for a, b in part)
-            out.append(Order("adopt", to, tuple(part), h.name, to, redone=finished * share // rows if rows else 0,
-                             why=why))
+        out += _adoptions(h, moves, receivers)
+    return out
+
+
+def _revokes(h: HostFacts, moves: Moves) -> list[Order]:
+    """A usable host told of the moves away from it it has not been told of, one order per
+    receiver and reason."""
+    untold = moves.untold(h.name) if h.usable else []
+    by_target: dict[tuple[str, str], Runs] = {}
+    for m in untold:
+        by_target.setdefault((m.to_host, m.why), []).append((m.start, m.stop))
+    return [Order("revoke", h.name, tuple(merge(r)), h.name, to, why=why) for (to, why), r in sorted(by_target.items())]
+
+
+def _receivers(hosts: list[HostFacts], moves: Moves) -> dict[str, int]:
+    """The hosts that may take rows now, by their shard count: usable, neither lost nor idle, with
+    shards, and told of every move away from them."""
+    return {h.name: len(h.shards) for h in hosts
+            if h.usable and not h.lost and not h.idle and h.shards and not moves.untold(h.name)}
+
+
+def _gives_rows(h: HostFacts) -> bool:
+    """Whether `h`'s rows go to the others: lost while it had work, or idle and reachable."""
+    return (h.lost and h.had_work) or (h.idle and not h.lost)
+
+
+def _adoptions(h: HostFacts, moves: Moves, receivers: dict[str, int]) -> list[Order]:
+    """The rows `h` gives away, split among the receivers: an idle host's unfinished rows (none
+    of its finished ones redone), a lost or removed host's every row (its finished ones redone,
+    each receiver its share of them)."""
+    if h.unfinished is not None and h.idle:
+        runs = subtract(list(h.unfinished), [(m.start, m.stop) for m in moves.away_from(h.name)])
+        finished, why = 0, "idle"
+    else:
+        runs, finished, why = rows_of(h, moves), h.finished_rows, "removed" if h.removed else "lost"
+    rows = sum(b - a for a, b in runs)
+    out = []
+    for to, part in split(runs, receivers).items():
+        share = sum(b - a for a, b in part)
+        out.append(Order("adopt", to, tuple(part), h.name, to, redone=finished * share // rows if rows else 0,
+                         why=why))
     return out
 
 

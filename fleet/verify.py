@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Callable
 
 from worker import protocol
 from worker.ranges import expand, shard_of, to_runs
 from worker.text import runs_text
 
 from . import deploy
-from .config import Config
+from .config import Config, HostSpec
 from .jobs import shard_dir
 from .transport import HostError, Transport
 
@@ -148,33 +149,78 @@ def moved_copies(reports: dict[str, protocol.VerifyReport]) -> MovedCopies:
     is said to live, and a copy is removed only where another is whole; of several copies nobody
     else holds, one counts (the first whole one, by host name)."""
     held = {h: set(expand(r.written)) - set(expand(r.broken)) for h, r in reports.items()}
-    away = {h: {i: to for to, runs in r.away.items() for i in expand(runs)} for h, r in reports.items()}
-    whole_away = {h: {i for i in rows if i not in set(expand(reports[h].broken))} for h, rows in away.items()}
+    away = {h: _moved_rows(r) for h, r in reports.items()}
+    whole_away = {h: set(rows) - set(expand(reports[h].broken)) for h, rows in away.items()}
+    owner = _counting_copies(whole_away, held)
     out = MovedCopies({h: set() for h in reports}, {h: set() for h in reports}, {h: set() for h in reports})
-    owner: dict[int, str] = {}
     for h in sorted(reports):
-        for i in sorted(whole_away[h]):
-            if not any(i in rows for rows in held.values()):
-                owner.setdefault(i, h)                  # the first whole copy nobody else holds counts
-    for h in sorted(reports):
-        out.extra[h] |= {i for i in expand(reports[h].strays)            # unrecorded files of moved rows
-                         if any(i in rows for other, rows in held.items() if other != h)}
+        out.extra[h] |= _strays_held_elsewhere(h, reports[h], held)
         for i, to in sorted(away[h].items()):
-            if any(i in rows for rows in held.values()) or owner.get(i, h) != h:
+            elsewhere = _held_whole(i, held)
+            if elsewhere or owner.get(i, h) != h:
                 out.extra[h].add(i)
             elif i in whole_away[h]:
                 out.counted[h].add(i)
-            if (to not in reports or to == h) and not any(i in rows for rows in held.values()):
+            if not elsewhere and _never_taken(h, to, reports):
                 out.restore[h].add(i)
-        for to in sorted({to for i, to in away[h].items() if i in out.counted[h] | out.restore[h]}):
-            rows = sorted(i for i, t in away[h].items() if t == to and i in out.counted[h] | out.restore[h])
-            why = "this host itself" if to == h else f"{to}, which holds none of them whole" if to in reports else \
-                f"{to}, which is not a host of the run (or could not be read)"
-            keeps = "this copy counts" if set(rows) & out.counted[h] else "no copy is whole"
-            out.problems.append(f"{h}: {len(rows)} sample(s) here ({runs_text(to_runs(rows))}) are marked moved to "
-                                f"{why}: {keeps}; --repair keeps it" + (" and lifts that ledger line"
-                                                                        if set(rows) & out.restore[h] else ""))
+        out.problems += _kept_moves(h, away[h], out.counted[h], out.restore[h], reports)
     return out
+
+
+def _moved_rows(report: protocol.VerifyReport) -> dict[int, str]:
+    """row -> the host a host's ledger says it moved to, for every copy of it there."""
+    return {i: to for to, runs in report.away.items() for i in expand(runs)}
+
+
+def _held_whole(i: int, held: dict[str, set[int]]) -> bool:
+    """Whether some host's folder holds row `i` whole as its own (not as a copy of a moved row)."""
+    return any(i in rows for rows in held.values())
+
+
+def _counting_copies(whole_away: dict[str, set[int]], held: dict[str, set[int]]) -> dict[int, str]:
+    """row -> the host whose whole copy of it counts, for the moved rows no host holds as its own:
+    the first such copy by host name."""
+    owner: dict[int, str] = {}
+    for h in sorted(whole_away):
+        for i in sorted(whole_away[h]):
+            if not _held_whole(i, held):
+                owner.setdefault(i, h)
+    return owner
+
+
+def _strays_held_elsewhere(h: str, report: protocol.VerifyReport, held: dict[str, set[int]]) -> set[int]:
+    """Files on `h` no manifest records, of moved rows another host holds whole: extra copies."""
+    return {i for i in expand(report.strays) if any(i in rows for other, rows in held.items() if other != h)}
+
+
+def _never_taken(h: str, to: str, reports: dict[str, protocol.VerifyReport]) -> bool:
+    """Whether a ledger line on `h` gave rows to a host that cannot have taken them: one the run
+    does not have (or that could not be read), or `h` itself."""
+    return to not in reports or to == h
+
+
+def _kept_moves(h: str, away: dict[int, str], counted: set[int], restore: set[int],
+                reports: dict[str, protocol.VerifyReport]) -> list[str]:
+    """One problem per host that `h`'s ledger says rows moved to while their copy on `h` is kept
+    (it counts, or no copy is whole and the ledger line is lifted)."""
+    kept = counted | restore
+    problems = []
+    for to in sorted({to for i, to in away.items() if i in kept}):
+        rows = sorted(i for i, t in away.items() if t == to and i in kept)
+        keeps = "this copy counts" if set(rows) & counted else "no copy is whole"
+        problems.append(f"{h}: {len(rows)} sample(s) here ({runs_text(to_runs(rows))}) are marked moved to "
+                        f"{_taker_words(h, to, reports)}: {keeps}; --repair keeps it"
+                        + (" and lifts that ledger line" if set(rows) & restore else ""))
+    return problems
+
+
+def _taker_words(h: str, to: str, reports: dict[str, protocol.VerifyReport]) -> str:
+    """How a problem names the host rows were marked moved to, and why its copy does not count."""
+    if to == h:
+        return "this host itself"
+    if to in reports:
+        return f"{to}, which holds none of them whole"
+    return f"{to}, which is not a host of the run (or could not be read)"
 
 
 def _add_moved(result: VerifyResult, owner: dict[int, str], reports: list[tuple[str, protocol.VerifyReport]]) -> None:
@@ -196,7 +242,8 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
     if config.spec.job is not None:
         raise HostError("verify checks the built-in worker's output; this run uses a custom [job]")
 
-    async def one(host, *where: str, repair: bool = repair, confirmed: set | None = None, restore: set | None = None):
+    async def one(host: HostSpec, *where: str, repair: bool = repair, confirmed: set[int] | None = None,
+                  restore: set[int] | None = None) -> protocol.VerifyReport:
         t = transports[host.name]
         await t.connect()
         await deploy.upload_worker(t, config, host)      # a newer fleet's checks, not the old ones
@@ -206,7 +253,8 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
         return await deploy.run_worker_module(t, config, host, "verify", *args, reply=protocol.VerifyReport,
                                               timeout=None, env=config.run.env)
 
-    async def each(hosts, where, repair: bool = repair):
+    async def each(hosts: list[HostSpec], where: Callable[[HostSpec], list[str]],
+                   repair: bool = repair) -> tuple[dict[str, protocol.VerifyReport], dict[str, str]]:
         """host name -> its report, and host name -> why it could not be asked. A repair first
         checks every host as it is, so that what moved is removed only where the other host is
         found to hold it whole (`confirmed_moves`)."""
@@ -217,7 +265,8 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
         results = await asyncio.gather(*(one(h, *where(h), repair=repair, confirmed=moved.extra.get(h.name),
                                              restore=moved.restore.get(h.name)) for h in hosts),
                                        return_exceptions=True)
-        reports, failures = {}, {}
+        reports: dict[str, protocol.VerifyReport] = {}
+        failures: dict[str, str] = {}
         for host, r in zip(hosts, results):
             if isinstance(r, HostError):
                 failures[host.name] = str(r)
@@ -235,13 +284,19 @@ async def verify_fleet(config: Config, transports: dict[str, Transport], deep: b
     # With a destination the output is in one place: each host mends its own part there first
     # (--repair: its manifests are the ones its shards write), then the whole is checked once,
     # from the first host (its credentials, as the shards' own), named by the destination.
-    mended, failures = {}, {}
+    def at(h: HostSpec) -> str:
+        """[run] destination as `h` gives it to rclone (this run has one)."""
+        where = config.destination(h)
+        assert where is not None
+        return where
+
+    mended: dict[str, protocol.VerifyReport] = {}
+    failures = {}
     if repair:
-        mended, failures = await each(config.hosts, lambda h: ["--out", config.output_dir(h),
-                                                               "--destination", config.destination(h)])
-    reports, more = await each(config.hosts[:1], lambda h: ["--destination", config.destination(h)], repair=False)
+        mended, failures = await each(config.hosts, lambda h: ["--out", config.output_dir(h), "--destination", at(h)])
+    reports, more = await each(config.hosts[:1], lambda h: ["--destination", at(h)], repair=False)
     failures.update(more)
-    whole = {config.destination(h): r for h in config.hosts[:1] if (r := reports.get(h.name))}
+    whole = {at(h): r for h in config.hosts[:1] if (r := reports.get(h.name))}
     result = merge_reports(whole)
     owned_by(result, whole, config.run.name)
     if result.num_samples is None and whole:             # the hosts keep theirs: it can be shipped again
@@ -276,7 +331,8 @@ async def reopen_repaired(sup, result: VerifyResult) -> list[str]:
     """What --repair did, and a `reopened` record on every shard that has samples to redo (files
     dropped here, and every index no manifest records: lines a DONE shard's manifest lost), so
     the next `fleet up` relaunches exactly those shards (their plan says which rows they own)."""
-    lines, per_shard = [], {}
+    lines: list[str] = []
+    per_shard: dict[int, int] = {}
     await sup.read_once()
     plan = sup.plan
     dropped = {i for rep in result.repaired.values() for i in rep.dropped}

@@ -54,38 +54,68 @@ def check_mask(messages: list[dict], ids: np.ndarray, mask: np.ndarray, tokenize
     text = _render(tokenizer, messages, False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     now = np.asarray(enc["input_ids"], dtype=np.int64)
-    if len(ids) > len(now) or not np.array_equal(now[:len(ids)], ids):
-        at = next((t for t in range(min(len(ids), len(now))) if now[t] != ids[t]), min(len(ids), len(now)))
-        return MaskCheck(supervised, 0, 0, f"its tokens are not the chat template's rendering of the row "
-                                           f"(they differ from token {at}): the template or tokenizer changed?")
+    if problem := _not_the_rendering(ids, now):
+        return MaskCheck(supervised, 0, 0, problem)
     offsets = [tuple(o) for o in enc["offset_mapping"][:len(ids)]]
     if mode == "all":
         return MaskCheck(supervised, len(ids), len(ids),
                          None if supervised == len(ids) else f"loss_mask = \"all\" but {len(ids) - supervised} "
                                                              f"of its {len(ids)} tokens are not supervised")
+    content, problem = _judge_texts(messages, text, tokenizer, mode, offsets, mask)
+    most = _most(messages, tokenizer) if mode == "assistant" else content
+    turns = sum(1 for m in messages if m["role"] == "assistant")
+    problem = problem or _count_problem(supervised, content, most, turns, truncated=len(ids) < len(now))
+    return MaskCheck(supervised, content, most, problem)
+
+
+def _not_the_rendering(ids: np.ndarray, now: np.ndarray) -> str | None:
+    """Why the written tokens are not the template's rendering of the row now (or its first
+    tokens, for a truncated row); None when they are."""
+    if len(ids) <= len(now) and np.array_equal(now[:len(ids)], ids):
+        return None
+    at = next((t for t in range(min(len(ids), len(now))) if now[t] != ids[t]), min(len(ids), len(now)))
+    return (f"its tokens are not the chat template's rendering of the row (they differ from token {at}): "
+            f"the template or tokenizer changed?")
+
+
+def _judge_texts(messages: list[dict], text: str, tokenizer: Any, mode: str, offsets: list[tuple],
+                 mask: np.ndarray) -> tuple[int, str | None]:
+    """The tokens of the assistant texts found in the rendering, and the first message whose text
+    is on the wrong side of the mask (`_text_problem`), of those long enough to judge."""
     content, problem = 0, None
     for role, n, (a, b) in _spans(messages, text, tokenizer, split_thinking=mode == "assistant"):
         inside = [t for t, (s, e) in enumerate(offsets) if _mostly_within(s, e, a, b)]
         if not inside:
             continue                                    # cut off by truncation, or all whitespace
-        held, judged = int(mask[inside].sum()), len(inside) >= JUDGED and problem is None
         if role == "assistant":
             content += len(inside)
-            if held * 2 < len(inside) and judged:
-                problem = (f"assistant turn {n}'s text is not supervised ({held} of its {len(inside)} tokens, "
-                           f"from token {inside[0]}) in the chat template's rendering")
-        elif held * 2 > len(inside) and judged:
-            problem = (f"{role} turn {n}'s text is supervised ({held} of its {len(inside)} tokens, from token "
-                       f"{inside[0]}): the mask is not on the assistant turns of the template's rendering")
-    most = _most(messages, tokenizer) if mode == "assistant" else content
-    turns = sum(1 for m in messages if m["role"] == "assistant")
-    truncated = len(ids) < len(now)
-    if problem is None and supervised > most + SLACK * turns and not truncated:
-        problem = (f"{supervised} tokens supervised, more than its {turns} assistant turn(s) make as the "
-                   f"template renders them ({most})")
-    if problem is None and content and supervised < content // 2:
-        problem = f"{supervised} tokens supervised, fewer than its assistant turns' text ({content})"
-    return MaskCheck(supervised, content, most, problem)
+        if len(inside) >= JUDGED and problem is None:
+            problem = _text_problem(role, n, int(mask[inside].sum()), inside)
+    return content, problem
+
+
+def _text_problem(role: str, n: int, held: int, inside: list[int]) -> str | None:
+    """Turn n's text (its tokens `inside`, `held` of them supervised) on the wrong side of the
+    mask, by majority: an assistant's not supervised, or anyone else's supervised."""
+    if role == "assistant" and held * 2 < len(inside):
+        return (f"assistant turn {n}'s text is not supervised ({held} of its {len(inside)} tokens, "
+                f"from token {inside[0]}) in the chat template's rendering")
+    if role != "assistant" and held * 2 > len(inside):
+        return (f"{role} turn {n}'s text is supervised ({held} of its {len(inside)} tokens, from token "
+                f"{inside[0]}): the mask is not on the assistant turns of the template's rendering")
+    return None
+
+
+def _count_problem(supervised: int, content: int, most: int, turns: int, truncated: bool) -> str | None:
+    """The supervised count outside its bounds: more than the `turns` assistant turns make as the
+    template renders them (`most`, give or take SLACK a turn; a truncated row is not judged so),
+    or fewer than half the assistant texts' tokens (`content`)."""
+    if supervised > most + SLACK * turns and not truncated:
+        return (f"{supervised} tokens supervised, more than its {turns} assistant turn(s) make as the "
+                f"template renders them ({most})")
+    if content and supervised < content // 2:
+        return f"{supervised} tokens supervised, fewer than its assistant turns' text ({content})"
+    return None
 
 
 def _spans(messages: list[dict], text: str, tokenizer: Any,

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AbstractSet, cast
 
 from . import protocol
 from .files import OWNER_PATH, fatal_notes, file_md5, folder_owner, manifest_entries, remove_sample, retryable
@@ -23,6 +24,9 @@ from .layers import LayerPlan
 from .leases import gone_to, ledger_files, moved_away
 from .ranges import to_runs
 from .text import parse_runs_text, ranges_text
+
+if TYPE_CHECKING:
+    from .ship import Destination
 
 
 def layout_of(meta: dict) -> Layout:
@@ -75,7 +79,8 @@ def verify(out: str, deep: bool = True, threads: int = 8, repair: bool = False) 
 
 
 def check_folder(out: str, deep: bool = True, threads: int = 8, repair: bool = False,
-                 confirmed: set[int] = frozenset(), restore: set[int] = frozenset()) -> protocol.VerifyReport:
+                 confirmed: AbstractSet[int] = frozenset(),
+                 restore: AbstractSet[int] = frozenset()) -> protocol.VerifyReport:
     """The folder's report; with `repair`, manifest entries whose files are missing or broken are
     dropped (and the broken files removed), so the next launch of their shard redoes exactly those,
     and the copies here of rows this host's ledger says moved to another host are removed where
@@ -129,7 +134,8 @@ def _whole_truth(out: str, meta: dict, found: "_Findings", report: protocol.Veri
         report.problems.append(f"{len(found.skipped)} of {n} rows skipped ({len(found.skipped) / n:.2%} > "
                                f"max_skip_fraction {limit:g})")
     from .reference import CHECKS_DIR
-    rows, worst = 0, []
+    rows = 0
+    worst: list[float] = []
     for rec in manifest_records_in(os.path.join(out, CHECKS_DIR)):
         cos = rec.get("cosine")
         if isinstance(cos, list):
@@ -147,14 +153,14 @@ def manifest_records_in(folder: str):
 
 
 def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | None = None,
-                      repair: bool = False, confirmed: set[int] = frozenset(),
-                      restore: set[int] = frozenset()) -> protocol.VerifyReport:
+                      repair: bool = False, confirmed: AbstractSet[int] = frozenset(),
+                      restore: AbstractSet[int] = frozenset()) -> protocol.VerifyReport:
     """The run's destination ([run] destination) checked from here. Alone: the whole run there —
     a path as an output folder, every file opened; a store (s3://, sftp://) by its manifests, meta
     and ledgers read back, and its listing: every recorded file there with the size and (deep) the
     MD5 the writer recorded. With `out` (a host's output folder): that host's own manifests against
     the destination, and with `repair` what is wrong there mended (`_repair_at`)."""
-    from .ship import ShipError, destination, download_hint, rclone
+    from .ship import ShipError, destination
     try:
         dest = destination(url)
     except ShipError as e:
@@ -164,50 +170,88 @@ def check_destination(url: str, deep: bool = True, threads: int = 8, out: str | 
         report.folder_id = url
         return report
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            if out is None:
-                got = rclone(dest, "copy", dest.remote, tmp, "--include", f"/{protocol.META_FILE}",
-                             "--include", f"/{protocol.MANIFEST_DIR}/*.jsonl", "--include", "/.fleet/leases-*.json",
-                             "--include", f"/{OWNER_PATH}", timeout=600)
-                if got.returncode != 0:
-                    return _unreachable(url, got)
-            listing = _listing(dest, deep)
-        except (ShipError, OSError, subprocess.TimeoutExpired) as e:
-            return protocol.VerifyReport(folder_id=url, problems=[f"destination {url}: {e}"])
-        if isinstance(listing, subprocess.CompletedProcess):
-            return _unreachable(url, listing)
-        here = tmp if out is None else out
-        meta = _read_meta(here)
-        layout = layout_of(meta)
-        found = _read_manifests(here, meta.get("num_samples"))
-        found.broken = _landed_wrong(layout, here, found.written, listing, url)
-        _odd_states(found, layout)
-        report = protocol.VerifyReport(num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
-                                       checked=len(found.written), folder_id=url)
-        report.broken = to_runs(found.broken)
-        if out is not None and repair:
-            report.repaired = _repair_at(dest, out, layout, found, confirmed, restore)
-        if out is not None:              # files here no manifest records, of rows that moved away
-            unrecorded = _unrecorded(out, layout, found)
-            report.strays = to_runs(i for i in unrecorded if _gone(found, i))
-        found.problems += found.broken.values()
-        found.problems += away_problems(found.away)
-        report.away = away_runs(found.away)
-        report.owner = folder_owner(here) if out is None else None
-        recorded = {os.path.relpath(layout.path(here, r["index"]), here) for r in found.written}
-        samples = {p for p in listing if os.path.basename(p).startswith(protocol.SAMPLE_PREFIX)}
-        from .trainers import training_command
-        report.written = to_runs(r["index"] for r in found.written)
-        report.skipped = {str(i): why for i, why in sorted(found.skipped.items())}
-        report.unrecorded_files = len(samples - recorded) if out is None else 0
-        report.problems = found.problems
-        report.command = training_command(meta, "DIR") if meta and out is None else None
+        listing = _read_back(dest, url, deep, tmp if out is None else None)
+        if isinstance(listing, protocol.VerifyReport):
+            return listing
+        return _landed(dest, url, tmp if out is None else out, listing, out, repair, confirmed, restore)
+
+
+# Every file at a destination: relative path -> (bytes, MD5 where the store keeps one).
+Listing = dict[str, tuple[int, str | None]]
+
+
+def _read_back(dest: Destination, url: str, deep: bool, into: str | None) -> Listing | protocol.VerifyReport:
+    """The destination's listing, and with `into` its meta, manifests, ledgers and owner record
+    copied there (a check of the whole run); where it cannot be read, the report that says so."""
+    from .ship import ShipError, rclone
+    try:
+        if into is not None:
+            got = rclone(dest, "copy", dest.remote, into, "--include", f"/{protocol.META_FILE}",
+                         "--include", f"/{protocol.MANIFEST_DIR}/*.jsonl", "--include", "/.fleet/leases-*.json",
+                         "--include", f"/{OWNER_PATH}", timeout=600)
+            if got.returncode != 0:
+                return _unreachable(url, got)
+        listing = _listing(dest, deep)
+    except (ShipError, OSError, subprocess.TimeoutExpired) as e:
+        return protocol.VerifyReport(folder_id=url, problems=[f"destination {url}: {e}"])
+    if isinstance(listing, subprocess.CompletedProcess):
+        return _unreachable(url, listing)
+    return listing
+
+
+def _landed(dest: Destination, url: str, here: str, listing: Listing, out: str | None, repair: bool,
+            confirmed: AbstractSet[int], restore: AbstractSet[int]) -> protocol.VerifyReport:
+    """The report on what landed at the destination, read by the records in `here` (the whole
+    run's, read back; or a host's own folder `out`, its part mended with `repair`)."""
+    meta = _read_meta(here)
+    layout = layout_of(meta)
+    found = _read_manifests(here, meta.get("num_samples"))
+    found.broken = _landed_wrong(layout, here, found.written, listing, url)
+    _odd_states(found, layout)
+    report = protocol.VerifyReport(num_samples=meta.get("num_samples"), format=layout.format, dtype=layout.dtype,
+                                   checked=len(found.written), folder_id=url)
+    report.broken = to_runs(found.broken)
+    if out is not None:
+        _hosts_part(report, dest, out, layout, found, repair, confirmed, restore)
+    found.problems += found.broken.values()
+    found.problems += away_problems(found.away)
+    report.away = away_runs(found.away)
+    report.written = to_runs(r["index"] for r in found.written)
+    report.skipped = {str(i): why for i, why in sorted(found.skipped.items())}
+    report.problems = found.problems
+    if out is None:
+        _whole_run(report, dest, url, here, meta, layout, found, listing)
+    return report
+
+
+def _hosts_part(report: protocol.VerifyReport, dest: Destination, out: str, layout: Layout, found: "_Findings",
+                repair: bool, confirmed: AbstractSet[int], restore: AbstractSet[int]) -> None:
+    """A host's part of the destination: mended with `repair` (`_repair_at`), and the files in its
+    folder no manifest records, of rows that moved away (`strays`)."""
+    if repair:
+        report.repaired = _repair_at(dest, out, layout, found, confirmed, restore)
+    unrecorded = _unrecorded(out, layout, found)
+    report.strays = to_runs(i for i in unrecorded if _gone(found, i))
+
+
+def _whole_run(report: protocol.VerifyReport, dest: Destination, url: str, here: str, meta: dict,
+               layout: Layout, found: "_Findings", listing: Listing) -> None:
+    """What a check of the whole run at the destination adds: its owner record, the sample files
+    there no manifest records, and the trainer's command on a local copy (and how to make one)."""
+    from .ship import download_hint
+    from .trainers import training_command
+    report.owner = folder_owner(here)
+    recorded = {os.path.relpath(layout.path(here, r["index"]), here) for r in found.written}
+    samples = {p for p in listing if os.path.basename(p).startswith(protocol.SAMPLE_PREFIX)}
+    report.unrecorded_files = len(samples - recorded)
+    report.command = training_command(meta, "DIR") if meta else None
+    if dest.is_store:
+        speculators = layout.format == "speculators"
         report.notes = ["the trainer reads a local folder DIR: `fleet download DIR` copies it there"
-                        + (" with speculators' prepared/ index" if layout.format == "speculators" else "")
+                        + (" with speculators' prepared/ index" if speculators else "")
                         + f" (or `{download_hint(url)}`"
-                        + (", then `python -m worker.prepared DIR`" if layout.format == "speculators" else "")
-                        + ")"] if out is None and dest.is_store else []
-        return report
+                        + (", then `python -m worker.prepared DIR`" if speculators else "")
+                        + ")"]
 
 
 def _odd_states(found: "_Findings", layout: Layout) -> None:
@@ -225,7 +269,7 @@ def _unreachable(url: str, failed: subprocess.CompletedProcess) -> protocol.Veri
         f"destination {url}: {rclone_error(failed.stderr or failed.stdout)}"])
 
 
-def _listing(dest, deep: bool) -> dict[str, tuple[int, str | None]] | subprocess.CompletedProcess:
+def _listing(dest: Destination, deep: bool) -> Listing | subprocess.CompletedProcess:
     """Every file at the destination: relative path -> (bytes, MD5 when `deep` and the store
     keeps one); rclone's failed call where it could not list."""
     from .ship import rclone
@@ -237,7 +281,7 @@ def _listing(dest, deep: bool) -> dict[str, tuple[int, str | None]] | subprocess
             for e in json.loads(listed.stdout or "[]")}
 
 
-def _landed_wrong(layout: Layout, here: str, written: list[dict], listing: dict, url: str) -> dict[int, str]:
+def _landed_wrong(layout: Layout, here: str, written: list[dict], listing: Listing, url: str) -> dict[int, str]:
     """index -> what is wrong with its copy at the destination: missing, or not the size or MD5
     its writer recorded (a store that keeps no MD5 for a file is checked by size)."""
     wrong = {}
@@ -254,8 +298,8 @@ def _landed_wrong(layout: Layout, here: str, written: list[dict], listing: dict,
     return wrong
 
 
-def _repair_at(dest, out: str, layout: Layout, found: "_Findings", confirmed: set[int],
-               restore: set[int]) -> protocol.Repair | None:
+def _repair_at(dest: Destination, out: str, layout: Layout, found: "_Findings", confirmed: AbstractSet[int],
+               restore: AbstractSet[int]) -> protocol.Repair | None:
     """Mend this host's part of the destination: a sample whose copy there is missing or wrong is
     shipped again by the next launch where its file is still here and whole (its wrong copy
     removed); else its manifest entry is dropped (and the copy there removed), so the next launch
@@ -376,16 +420,14 @@ def _check_files(layout: Layout, out: str, written: list[dict], hidden: int | No
     return broken
 
 
-def _repair(out: str, layout: Layout, found: _Findings, confirmed: set[int] = frozenset(),
-            restore: set[int] = frozenset()) -> protocol.Repair | None:
+def _repair(out: str, layout: Layout, found: _Findings, confirmed: AbstractSet[int] = frozenset(),
+            restore: AbstractSet[int] = frozenset()) -> protocol.Repair | None:
     """Drop the broken and twice-recorded entries, the retryable skips and the copies of rows that
     moved to another host whose copy there is `confirmed` (repair_folder); lift the ledger's lines
     for the `restore` rows (`restore_rows`); and take all that out of the findings: what is dropped
     is no longer a problem but work for the next launch; a move nobody confirmed stays, said."""
     if found.outside:              # not this run's lines: nothing is changed until a person looks
-        i, name = next(iter(found.outside.items()))
-        found.problems.append(f"--repair refused: {protocol.MANIFEST_DIR}/{name} holds index {i}, outside the "
-                              f"dataset: a line no run of this data wrote; remove it (or the manifest) first")
+        _refuse_outside(found)
         return None
     retry = {i for i, why in found.skipped.items() if retryable(why)}
     moved = {i for i in found.away if i in confirmed}
@@ -396,16 +438,37 @@ def _repair(out: str, layout: Layout, found: _Findings, confirmed: set[int] = fr
         restore_rows(out, found, restored)
     folder = os.path.join(out, protocol.MANIFEST_DIR)
     repaired = repair_folder(out, layout, found.broken, found.twice, folder, retry, found.gone, moved)
+    _forget_repaired(found, retry, moved, restored)
+    repaired.restored = sorted(restored)
+    return repaired
+
+
+def _refuse_outside(found: _Findings) -> None:
+    """A manifest line of an index outside the dataset refuses the repair, said as a problem: no
+    run of this data wrote it, so a person looks before anything is changed."""
+    i, name = next(iter(found.outside.items()))
+    found.problems.append(f"--repair refused: {protocol.MANIFEST_DIR}/{name} holds index {i}, outside the "
+                          f"dataset: a line no run of this data wrote; remove it (or the manifest) first")
+
+
+def _forget_repaired(found: _Findings, retry: set[int], moved: set[int], restored: set[int]) -> None:
+    """The findings as the repair left the folder: the dropped entries' problems and the retried
+    skips gone (work for the next launch), the restored rows this host's own again (written or
+    skipped, as their entries here say), the moved and restored rows no longer away, and the broken
+    entries no longer written."""
     dropped = set(found.broken) | found.twice
     found.skipped = {i: why for i, why in found.skipped.items() if i not in retry}
     found.problems = [p for p in found.problems if not any(p.startswith(f"sample {i}:") for i in dropped)]
-    found.written += [found.away_recs[i] for i in sorted(restored) if i not in found.broken
-                      and "skipped" not in found.away_recs[i]]
-    found.skipped.update({i: found.away_recs[i]["skipped"] for i in restored if "skipped" in found.away_recs[i]})
+    _take_back(found, restored)
     found.away = {i: to for i, to in found.away.items() if i not in moved | restored}   # (moved: the other copy counts)
     found.written = [r for r in found.written if r["index"] not in found.broken]
-    repaired.restored = sorted(restored)
-    return repaired
+
+
+def _take_back(found: _Findings, restored: set[int]) -> None:
+    """The restored rows' entries here counted as this host's: written (unless broken) or skipped."""
+    records = {i: found.away_recs[i] for i in sorted(restored)}
+    found.written += [rec for i, rec in records.items() if i not in found.broken and "skipped" not in rec]
+    found.skipped.update({i: rec["skipped"] for i, rec in records.items() if "skipped" in rec})
 
 
 def ledger_problems(out: str, num_samples: int | None) -> list[str]:
@@ -429,10 +492,11 @@ def restore_rows(out: str, found: _Findings, rows: set[int]) -> None:
     pool's again, free (a launch takes free rows and skips those its manifests record: a whole copy
     here is kept, a missing one redone)."""
     from .leases import Ledger, merge, open_ledger, subtract
-    runs = [tuple(r) for r in to_runs(rows)]
+    runs = [(a, b) for a, b in to_runs(rows)]
     for path in ledger_files(out):
         try:
-            ranges = {int(k): tuple(v) for k, v in Ledger.from_json(open(path).read()).ranges.items()}
+            ranges = {int(k): cast("tuple[int, int]", tuple(v))    # (a plan's range: a start and a stop)
+                      for k, v in Ledger.from_json(open(path).read()).ranges.items()}
         except (OSError, ValueError, KeyError, TypeError):
             continue
         with open_ledger(path, ranges, check=False) as ledger:
@@ -454,7 +518,7 @@ def _unrecorded(out: str, layout: Layout, found: "_Findings") -> set[int]:
 
 
 def _moved_strays(out: str, layout: Layout, unrecorded: set[int], found: _Findings,
-                  confirmed: set[int] = frozenset()) -> set[int]:
+                  confirmed: AbstractSet[int] = frozenset()) -> set[int]:
     """Files no manifest records, of rows that moved to another host that holds them whole
     (`confirmed`; a file written as the host was lost, before its manifest line): nobody here will
     ever finish them. Removed; returned."""
@@ -470,8 +534,8 @@ def _gone(found: _Findings, i: int) -> bool:
 
 
 def repair_folder(out: str, layout: Layout, broken: dict[int, str], twice: set[int], folder: str,
-                  retry: set[int] = frozenset(), gone: dict[str, list[list]] | None = None,
-                  away: set[int] = frozenset()) -> protocol.Repair:
+                  retry: AbstractSet[int] = frozenset(), gone: dict[str, list[list]] | None = None,
+                  away: AbstractSet[int] = frozenset()) -> protocol.Repair:
     """Rewrite each manifest without the broken entries, the retryable skips and the entries of
     rows that moved to another host that holds them (`away`, within the ledger's `gone`: manifest
     name -> its pool's moved rows), with one entry per index, atomically; remove the broken files
