@@ -77,7 +77,7 @@ class Attempt:
         return self.launcher is not None
 
 
-# Ends (protocol.TASK_ENDS) in which the engine, not the shard, ended the task: why the shard failed.
+# Ends in which the engine, not the shard, ended the task (protocol.ENGINE_ENDED): why the shard failed.
 ENGINE_ENDS = {
     "cancelled": "cancelled outside fleet (by an admin, or the engine's own command)",
     "time_limit": "the task reached its time limit",

@@ -44,10 +44,15 @@ class RayCluster:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def _start(self, *args: str) -> None:
+    def _start(self, *args: str, hide: str | None = None) -> None:
+        """`ray start`; `hide`: a folder this node sees empty (a tmpfs over it in a mount namespace of
+        the node's own), as a node whose disk is its own sees another node's local folder."""
         low = self.next_worker_port
         self.next_worker_port += 400
-        r = subprocess.run([ray_bin(), "start", *args, "--disable-usage-stats",
+        wrap = [] if hide is None else ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                        'mkdir -p "$0" && mount -t tmpfs fleet-hidden "$0" && shift && exec "$@"',
+                                        hide, "--"]
+        r = subprocess.run([*wrap, ray_bin(), "start", *args, "--disable-usage-stats",
                             f"--object-store-memory={STORE_BYTES}", f"--min-worker-port={low}",
                             f"--max-worker-port={low + 399}", f"--dashboard-agent-listen-port={free_port()}",
                             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"],
@@ -55,9 +60,10 @@ class RayCluster:
         if r.returncode != 0:
             raise RayClusterError(f"ray start {' '.join(args)}: exit {r.returncode}: {r.stderr.strip()[-2000:]}")
 
-    def add_node(self, name: str, gpus: int, cpus: int = 1) -> None:
-        self._start(f"--address={self.address}", "--node-ip-address=127.0.0.1", f"--node-name={name}", f"--num-gpus={gpus}",
-                    f"--num-cpus={cpus}", f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}")
+    def add_node(self, name: str, gpus: int, cpus: int = 1, hide: str | None = None) -> None:
+        self._start(f"--address={self.address}", "--node-ip-address=127.0.0.1", f"--node-name={name}",
+                    f"--num-gpus={gpus}", f"--num-cpus={cpus}", f"--node-manager-port={free_port()}",
+                    f"--object-manager-port={free_port()}", hide=hide)
         self.nodes.append(name)
         self.wait_nodes()
 

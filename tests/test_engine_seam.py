@@ -43,3 +43,11 @@ def test_the_check_sees_an_engine_named():
     """The word check is not vacuous: it finds the names it is meant to."""
     assert ENGINE_WORDS.search("squeue -h") and ENGINE_WORDS.search("Ray's actors") and \
         not ENGINE_WORDS.search("an array of tasks, a tray")
+
+
+def test_the_ends_an_engine_is_blamed_for_are_one_set_on_both_sides():
+    """The agent records an engine's final word after the task's own end only for these; the
+    record gives each its words: the two must be the same set."""
+    from fleet.record import ENGINE_ENDS
+    from worker import protocol
+    assert set(ENGINE_ENDS) == protocol.ENGINE_ENDED and protocol.ENGINE_ENDED < set(protocol.TASK_ENDS)

@@ -259,8 +259,8 @@ class Agent:
         if state.queued and not f.ended and state.job is None and answered:
             return self._settle_submission(f)
         if view is not None and view.terminal and fresh and (not f.ended or not f.final_checked):
-            if f.ended and view.end in ("completed", "unknown"):
-                f.final_checked = True            # nothing to add to the task's own end
+            if f.ended and view.end not in protocol.ENGINE_ENDED:
+                f.final_checked = True            # the task's own end says it all
             elif self._under_run_lock(lambda: record_end(f.dir, view, watch.engine.label)):
                 f.final_checked = True
                 return f.read()

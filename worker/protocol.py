@@ -261,6 +261,10 @@ class Submitted(Record):
 # (worker/engine/): the judge reads these, never an engine's state names.
 TASK_ENDS = ("completed", "failed", "cancelled", "time_limit", "preempted", "node_lost", "boot_failed",
              "deadline", "out_of_memory", "revoked", "unknown")
+# The ends in which the engine, not the shard, ended the task: the only ones worth recording after
+# the task recorded its own end (then they say why it failed).
+ENGINE_ENDED = frozenset({"cancelled", "time_limit", "preempted", "node_lost", "boot_failed", "deadline",
+                          "out_of_memory", "revoked"})
 # While a task lives: waiting in the engine's queue, running, or being ended by the engine.
 TASK_PHASES = ("queued", "running", "ending")
 

@@ -94,7 +94,9 @@ class TaskLauncher(Engine):
         report = result.report
         report.engine = await deploy.run_worker_module(
             t, self.config, host, self.module, *self.options(), "check", "--shards", str(self.spec.shards),
-            reply=protocol.EngineCheck, timeout=120)
+            "--run-dir", self.config.run_dir(host), "--output", self.config.output_dir(host),
+            *(["--shipped"] if self.config.run.destination is not None else []),
+            reply=protocol.EngineCheck, timeout=180)
         report.checks = report.checks + report.engine.checks
         return f"{self.label} allocates the GPUs"
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -21,16 +23,20 @@ from tests.conftest import wait_for
 from tests.fleet.conftest import fleet, fleet_popen, stop_supervisor
 from worker import protocol
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 pytestmark = pytest.mark.ray
 
 ROWS = 600          # two shards of 300: n2's half is far from done when the node is lost, 10 rows in
 
 
 @pytest.fixture
-def ray_cluster():
+def ray_cluster(request):
+    """A head node with one GPU (`indirect` parametrization: another count)."""
     from tests.ray_cluster import RayClusterError, start_ray
+    gpus = getattr(request, "param", 1)
     try:
-        cluster = start_ray(head_gpus=1, head_cpus=1)
+        cluster = start_ray(head_gpus=gpus, head_cpus=max(1, gpus))
     except RayClusterError as e:
         pytest.fail(str(e))
     try:
@@ -39,15 +45,30 @@ def ray_cluster():
         cluster.stop()
 
 
-def ray_toml(tmp_path, cluster, *, model: str, data: str, shards: int) -> str:
+SCRIPTED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "scripted_job.py")
+
+
+def ray_toml(tmp_path, cluster, *, model: str | None = None, data: str | None = None, shards: int,
+             script: dict | None = None) -> str:
+    """A [ray] run on `cluster` whose root and output are under tmp_path/shared; `script`: a [job]
+    of tests/jobs/scripted_job.py instead of the built-in worker."""
     shared = tmp_path / "shared"
+    run, job = "", ""
+    if model:
+        run = f'model = {json.dumps(model)}\ndata = {json.dumps(data)}\nlayers = "speculators"\n'
+    if script is not None:
+        (tmp_path / "script.json").write_text(json.dumps(script))
+        job = f"""
+[job]
+command = "{{python}} {SCRIPTED} {tmp_path / 'script.json'} {{shard}}"
+done = "ALL DONE"
+fail = "FAIL|ERROR"
+progress = "processed (?P<done>\\\\d+)/(?P<total>\\\\d+)"
+"""
     text = f"""
 [run]
 name = "t"
-model = {json.dumps(model)}
-data = {json.dumps(data)}
-layers = "speculators"
-output = {json.dumps(str(shared / 'out'))}
+{run}output = {json.dumps(str(shared / 'out'))}
 max_tokens_per_batch = 512
 device = "cpu"
 env = {{ OMP_NUM_THREADS = "1" }}
@@ -56,7 +77,7 @@ env = {{ OMP_NUM_THREADS = "1" }}
 stall_timeout = "120s"
 backoff_base = "0.5s"
 backoff_max = "2s"
-
+{job}
 [ray]
 address = "{cluster.address}"
 num_cpus = 0
@@ -158,3 +179,71 @@ def test_a_lost_node_and_a_killed_actor_under_a_supervisor_that_joins_later(tmp_
     assert all(s["task"]["job"].startswith("fleet-t-") for s in snap["shards"])
     logs = fleet("logs", str(on_n2[0]), "-c", config)
     assert logs.returncode == 0 and "done" in logs.stdout, logs.stdout + logs.stderr
+
+
+def test_preflight_refuses_an_output_a_node_does_not_see(tmp_path, ray_cluster, dense_model, token_data):
+    """A second node whose output folder is its own disk (a tmpfs over it in its mount namespace):
+    with more than one node every actor writes the output, so preflight refuses and says why."""
+    config = ray_toml(tmp_path, ray_cluster, model=dense_model, data=token_data, shards=2)
+    out = tmp_path / "shared" / "out"
+    ray_cluster.add_node("n2", gpus=1, hide=str(out))
+    r = fleet("up", "--headless", "-c", config, timeout=300)
+    assert r.returncode != 0
+    assert f"output {out} is not seen from Ray node(s) n2-" in r.stderr, r.stdout + r.stderr
+    assert "root" not in r.stderr.split("preflight refused:")[-1].split("output")[0]   # the root is shared
+    assert not (tmp_path / "shared" / "fleet" / "t" / "shards").exists() or \
+        not any((tmp_path / "shared" / "fleet" / "t" / "shards").iterdir())            # nothing launched
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by scripts/test.sh")
+@pytest.mark.parametrize("ray_cluster", [2], indirect=True, ids=["two-gpus"])
+def test_r_x_and_D_in_the_live_view_restart_and_stop_ray_actors(tmp_path, ray_cluster):
+    """The keys mean what they mean for the other engines, in a real terminal: `r` stops the shard's
+    actor and creates a new one, `x` stops one (STOPPED, its actor gone), `D` the run."""
+    from tests.fleet.test_tui import Tmux
+    ticks = [[["ticks", 100000, 0.5]]]
+    config = ray_toml(tmp_path, ray_cluster, shards=2, script={"0": ticks, "1": ticks})
+    tmux = Tmux("fleet-ray")
+    tmux.start(f"cd {REPO} && {sys.executable} -m fleet.cli up -c {config}; sleep 60", 120, 30)
+
+    def wait_screen(pred, what, timeout=180):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = tmux.screen()
+            if pred(text):
+                return text
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}; screen:\n{tmux.screen()}")
+    keys = lambda *k: tmux("send-keys", "-t", tmux.session, *k, check=True)    # noqa: E731
+    launches = lambda k: [e for e in of(protocol.Launch, events(tmp_path, k))]  # noqa: E731
+    try:
+        wait_screen(lambda t: t.count("▶ RUNNING") >= 2 and "head-" in t, "two actors running on the head node")
+        keys("r")
+        wait_screen(lambda t: "Restart shard(s) 0?" in t, "the restart question")
+        keys("y")
+        wait_for(lambda: len(launches(0)) == 2 and node_of(tmp_path, 0) and
+                 [e for e in of(protocol.Started, events(tmp_path, 0)) if e.launch == 2], 120, 0.3,
+                 what="shard 0's new actor started")
+        wait_screen(lambda t: t.count("▶ RUNNING") >= 2, "both running again")
+        assert [(e.launch, e.by, e.launcher) for e in launches(0)] == [(1, "manual", "ray"), (2, "manual", "ray")]
+        [stop] = [e for e in of(protocol.StopRequested, events(tmp_path, 0))]
+        assert (stop.launch, stop.why) == (1, "restart")
+        assert not of(protocol.TaskEnded, events(tmp_path, 0))      # its own end said it all: nothing of Ray's
+        keys("j", "x")
+        wait_screen(lambda t: "Stop shard(s) 1?" in t, "the stop question")
+        keys("y")
+        wait_screen(lambda t: "■ STOPPED" in t, "shard 1 stopped")
+        assert any(e.why == "user" for e in of(protocol.StopRequested, events(tmp_path, 1)))
+        assert len(launches(1)) == 1
+        keys("D")
+        wait_screen(lambda t: "Stop the WHOLE run" in t, "the run's stop question")
+        keys("D")                                                      # the run's own key confirms it
+        wait_screen(lambda t: t.count("■ STOPPED") >= 2, "every shard stopped")
+        from worker.engine.ray import Ray
+        jobs = [e.job for k in (0, 1) for e in of(protocol.Submitted, events(tmp_path, k))]
+        ray = Ray({"address": ray_cluster.address})
+        wait_for(lambda: all(v.terminal for v in ray.views_of(jobs).values()), 60, 0.5,
+                 what="every actor gone in Ray's word (none left holding a GPU)")
+    finally:
+        tmux.stop()
+        fleet("down", "--yes", "-c", config)

@@ -236,8 +236,13 @@ class Ray(Engine):
             report.checks.append(protocol.Check("error", "Ray's state API (the dashboard) does not answer: "
                                                 f"{str(e).strip().splitlines()[0][:200]}; start the head with "
                                                 "ray[default] installed, or give [ray] dashboard"))
-        if not any(n.get("Alive") for n in ray.nodes()):
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        if not alive:
             report.checks.append(protocol.Check("error", f"the Ray cluster at {self.address} has no live node"))
+        elif len(alive) > 1 and args.run_dir:
+            folders = [("root", args.run_dir)] + ([] if args.shipped or not args.output else [("output", args.output)])
+            for line in unshared(ray, alive, folders):
+                report.checks.append(protocol.Check("error", line))
         return report
 
     def task_place(self, index: str | None) -> TaskPlace:
@@ -245,6 +250,46 @@ class Ray(Engine):
             raise EngineError("a Ray task is told its shard (--index)")
         node = os.environ.get(NODE_ENV) or socket.gethostname().split(".")[0]
         return TaskPlace(index, node, os.environ.get(JOB_ENV, "?"), gpu_indices(os.environ.get(GPUS_ENV)))
+
+
+def unshared(ray, nodes: list[dict], folders: list[tuple[str, str]]) -> list[str]:
+    """What of `folders` (what, path) some node does not see: a marker written here, looked for by
+    one task on each node. With more than one node the run's records and leases (root) and its
+    output (unless shipped to a destination) must be on storage every node mounts."""
+    import secrets
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    name = f".fleet-shared-{secrets.token_hex(6)}"
+    markers = []
+    for _, path in folders:
+        os.makedirs(path, exist_ok=True)
+        markers.append(os.path.join(path, name))
+        with open(markers[-1], "w") as f:
+            f.write("fleet: seen from every node?\n")
+
+    def sees(paths: list[str]) -> list[bool]:
+        return [os.path.exists(p) for p in paths]
+    try:
+        probe = ray.remote(num_cpus=0)(sees)
+        refs = {node_name(n): probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            n["NodeID"], soft=False)).remote(markers) for n in nodes}
+        answers = {node: ray.get(ref, timeout=120) for node, ref in refs.items()}
+    except Exception as e:
+        return [f"could not ask every Ray node whether it sees the run's folders: {first_sentence(str(e))}"]
+    finally:
+        for m in markers:
+            try:
+                os.unlink(m)
+            except OSError:
+                pass
+    out = []
+    for i, (what, path) in enumerate(folders):
+        blind = sorted(node for node, seen in answers.items() if not seen[i])
+        if blind:
+            fix = "give [run] destination, or " if what == "output" else ""
+            out.append(f"{what} {path} is not seen from Ray node(s) {', '.join(blind)}: with more than one "
+                       f"node every actor reads and writes it, so it must be on storage every node mounts "
+                       f"({fix}put it on NFS, CephFS, Lustre or a shared volume)")
+    return out
 
 
 def make(options: dict) -> Ray:

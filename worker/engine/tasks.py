@@ -113,7 +113,9 @@ def record_end(shard_dir: str, view: View, label: str) -> list[protocol.Record]:
     if not state.n or state.job != view.job:
         return []
     written: list[protocol.Record] = []
-    if not state.task_ended:           # a task that never ran keeps its queue reason: not why it ended
+    # Once: and after the task's own end only when the engine ended it (then it says why it failed).
+    if not state.task_ended and (not state.ended or view.end in protocol.ENGINE_ENDED):
+        # (a task that never ran keeps its queue reason: not why it ended)
         written.append(protocol.TaskEnded(
             launch=state.n, job=view.job, end=view.end or "unknown", state=view.state, engine=label,
             reason=view.reason if view.node or view.end == "unknown" else None, node=view.node))
@@ -355,6 +357,10 @@ def main(name: str, make, argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check")
     c.add_argument("--shards", type=int, default=None)
+    c.add_argument("--run-dir", default=None, help="the run's folder, which every node must see")
+    c.add_argument("--output", default=None, help="the output folder, which every node must see "
+                   "unless the output is shipped (--shipped)")
+    c.add_argument("--shipped", action="store_true", help="[run] destination is set")
     s = sub.add_parser("submit")
     s.add_argument("--run-dir", required=True)
     k = sub.add_parser("cancel")
