@@ -203,7 +203,7 @@ def main() -> None:
         print(json.dumps({"gemm": res["gemm"], "sdpa": res["sdpa"]}), flush=True)
     import contextlib
 
-    import worker.extract as wx
+    import worker.extractor as wx          # the GPU loop lives there (worker/extract.py split)
     from worker.model import unpacked_rows
     compile_layers(base)
     t0 = time.perf_counter()
