@@ -10,7 +10,7 @@ two shards need two of them, so with 4 nodes two are idle (Ray places the actors
                     the actors placed and the model loaded)
   run_s             from `fleet serve` until the run is DONE
   supervisor_cpu_pct  the supervisor's CPU over the run, % of one core
-  lost_node         (--lose, on 2 nodes) the node of shard 1 removed (its raylet SIGKILLed) once
+  lost_node         (--lose, on 2 nodes) the node of the shard not on the head removed (its raylet SIGKILLed) once
                     half the rows are done: run_s then, against the same run without the loss
                     (the mean slot's end is half the work done by each of two slots at the
                     same rate: the loss costs the restart, the reload and the rows redone)
@@ -128,10 +128,10 @@ def ray_run(nodes: int, lose: bool) -> dict:
         def lose_half(snap: dict) -> bool:
             nonlocal victim
             done = sum(s.get("done", 0) for s in snap.get("shards", []))
-            shard1 = next((s for s in snap.get("shards", []) if s["id"] == 1), None)
-            if shard1 is None or done < 300 or not shard1["host"].startswith("n"):
+            away = next((s for s in snap.get("shards", []) if not s["host"].startswith(("head-", "ray"))), None)
+            if away is None or done < 300:
                 return False
-            victim = shard1["host"].rsplit("-", 1)[0]
+            victim = away["host"].rsplit("-", 1)[0]              # the node of a shard not on the head
             cluster.remove_node(victim)
             return True
         out = {"engine": "ray", "nodes": nodes, **one_run(engine, tmp, lose_half if lose else None)}
