@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 from pydantic import BaseModel
 
@@ -46,18 +46,34 @@ class RequestFailed(Exception):
         self.code = code
 
 
+class Reader(Protocol):
+    """What a Client reads the supervisor from: a unix socket's StreamReader, or an SSH bridge's stdout."""
+
+    async def readline(self) -> bytes: ...
+
+
+class Writer(Protocol):
+    """What a Client writes its requests to: a unix socket's StreamWriter, or an SSH bridge's stdin."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+    async def wait_closed(self) -> None: ...
+
+
 class Client:
     """One connection to the run's supervisor. Replies reach the request that asked (by id);
     everything else the supervisor sends (setup's lines, notes, pictures, transitions) goes to
     `pushes`, in order, or to `on_push` once one is set."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, reader: Reader, writer: Writer):
         self.reader, self.writer = reader, writer
         self.ids = itertools.count(1)
         self.waiting: dict[int, asyncio.Future] = {}
         self.lines: dict[int, asyncio.Queue] = {}
         self.pushes: asyncio.Queue = asyncio.Queue()
-        self.on_push: Callable[[BaseModel], None] | None = None
+        self.on_push: Callable[[BaseModel | None], None] | None = None     # None: the connection closed
         self.gone: str | None = None
         self.task = asyncio.ensure_future(self._read())
 
@@ -376,7 +392,7 @@ class RemoteSource:
             if (msg := client.pushes.get_nowait()) is not None:
                 self._push(msg)
 
-    def _push(self, msg) -> None:
+    def _push(self, msg: BaseModel | None) -> None:
         if msg is None:
             self.on_gone(self.client.gone or "gone")
         elif isinstance(msg, control.Snap):

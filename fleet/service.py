@@ -23,7 +23,8 @@ import socket
 import sys
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, TextIO
+from wsgiref.simple_server import WSGIServer
 
 from pydantic import BaseModel
 
@@ -117,12 +118,19 @@ class Service:
         self.ready = asyncio.Event()                      # setup is over (supervising, or failed)
         self.newest: FleetSnapshot | None = None
         self.fresh: FleetSnapshot | None = None       # the picture a decide pass's changes just pushed
-        self.metrics_server = None
+        self.metrics_server: WSGIServer | None = None
         self.t0 = time.monotonic()
-        self.log_file = None
+        self.log_file: TextIO | None = None
         self.sup: Supervisor | None = None
         self.source: SupervisorSource | None = None
         self.info: SupervisorInfo | None = None
+
+    @property
+    def supervisor(self) -> Supervisor:
+        """The run's supervisor: made in _run before the control socket serves a client or a
+        decide pass can run, so every caller below finds it."""
+        assert self.sup is not None, "the supervisor is made in _run before anything asks for it"
+        return self.sup
 
     # --- what it says ---------------------------------------------------------------------------
     def log(self, line: str) -> None:
@@ -157,7 +165,7 @@ class Service:
 
     def changed(self, changes: list[Transition]) -> None:
         """A decide pass's transitions: the picture after them, then the lines `--headless` prints."""
-        snap = self.newest = self.fresh = self.sup.snapshot()
+        snap = self.newest = self.fresh = self.supervisor.snapshot()
         lines = render.transition_lines(changes, snap)
         for line in lines:
             self.log(line)
@@ -168,7 +176,7 @@ class Service:
             self.broadcast(self.snap_record(snap), "snap")
 
     def snap_record(self, snap: FleetSnapshot, request_id: int = 0) -> bytes:
-        ended = self.phase == "supervising" and self.sup.run_ended(snap)
+        ended = self.phase == "supervising" and self.supervisor.run_ended(snap)
         return control.encode(control.Snap(id=request_id, phase=self.phase, ended=ended,
                                            snapshot=snap.model_copy(update={"supervisor": self.where()})))
 
@@ -192,7 +200,7 @@ class Service:
 
     async def _run(self) -> int:
         home, config = self.home, self.config
-        self.log_file = open(home.log, "a", buffering=1)
+        log_file = self.log_file = open(home.log, "a", buffering=1)
         started = round(time.time(), 3)
         self.info = SupervisorInfo(run=config.run.name, pid=os.getpid(), machine=socket.gethostname(),
                                    user=user_name(), started=started, config=config.path,
@@ -201,8 +209,8 @@ class Service:
         claim = protocol.SupervisorClaim(id=self.info.id, run=config.run.name, machine=self.info.machine,
                                          user=self.info.user, pid=self.info.pid, started=started,
                                          config=config.path, socket=home.socket)
-        self.sup = Supervisor(config, claim=claim, take_over=self.take_over, allow_partial=self.allow_partial)
-        self.source = SupervisorSource(self.sup, on_log=self.note)
+        sup = self.sup = Supervisor(config, claim=claim, take_over=self.take_over, allow_partial=self.allow_partial)
+        self.source = SupervisorSource(sup, on_log=self.note)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -229,13 +237,13 @@ class Service:
             if self.metrics_server is not None:
                 self.metrics_server.shutdown()
                 self.metrics_server.server_close()
-            await self.sup.close()
+            await sup.close()
             self.log(f"stopped supervising (exit {code}); the workers keep running")
-            self.log_file.close()
+            log_file.close()
         return code
 
     async def _supervise(self) -> int:
-        sup = self.sup
+        sup = self.supervisor
         try:
             await sup.prepare(self.say, self.step, self.replan, self.width)
         except SetupRefused as e:
@@ -260,7 +268,7 @@ class Service:
 
     async def _watch(self) -> int:
         """Push pictures to the watchers; go once the run has ended and no client is left."""
-        sup = self.sup
+        sup = self.supervisor
         ended_since = None
         while not self.stopping.is_set():
             if sup.claimed is not None:
@@ -357,9 +365,9 @@ class Service:
             peer.send(control.Reply(id=req.id, error=f"supervisor error: {type(e).__name__}: {e}", code=EXIT_FAULT))
 
     async def _answer(self, peer: Peer, req: control.Request) -> None:
-        sup = self.sup
+        sup, source, info = self.supervisor, self.source, self.info
+        assert source is not None and info is not None, "both are made in _run before the socket serves"
         if isinstance(req, control.Hello):
-            info = self.info
             peer.send(control.Welcome(id=req.id, run=info.run, phase=self.phase, pid=info.pid, machine=info.machine,
                                       user=info.user, started=info.started, config=info.config,
                                       config_digest=info.config_digest, bundle=info.bundle, log=info.log,
@@ -380,7 +388,7 @@ class Service:
         elif isinstance(req, control.SnapshotRequest):
             peer.send(self.snap_record(sup.snapshot(), req.id), "snap")
         elif isinstance(req, control.HistoryRequest):
-            peer.send(control.Reply(id=req.id, history=self.source.history_now(req.step, max(1, min(req.points, 4000)))))
+            peer.send(control.Reply(id=req.id, history=source.history_now(req.step, max(1, min(req.points, 4000)))))
         elif isinstance(req, control.Shutdown):
             peer.send(control.Reply(id=req.id, data="stopping"))
             self.stopping.set()
@@ -416,7 +424,7 @@ class Service:
         return True
 
     async def _log(self, peer: Peer, req: control.Log) -> None:
-        sup = self.sup
+        sup = self.supervisor
         try:
             k = sup.resolve_shard(req.shard)
         except KeyError as e:

@@ -13,11 +13,14 @@ import os
 import shlex
 import warnings
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from worker.text import printable
 
 from .config import HostSpec, SuperviseSpec
+
+if TYPE_CHECKING:
+    from asyncssh import SSHClientConnection
 
 # asyncssh's import warns that the `cryptography` it uses deprecates DSA, on every fleet command's
 # stderr; fleet never offers DSA keys of its own, and a person's one-line error must stay last.
@@ -297,7 +300,7 @@ class SSHTransport(Transport):
         super().__init__(host)
         self.supervise = supervise
         self.slots = connect_slots
-        self.conn = None
+        self.conn: SSHClientConnection | None = None
         self.resolved: Resolved | None = None
 
     @property
@@ -341,9 +344,9 @@ class SSHTransport(Transport):
             try:
                 if r.jump:
                     jump = kwargs["tunnel"] = await self._open_jumps(r)
-                self.conn = await self._open(known_hosts, kwargs)
+                conn = self.conn = await self._open(known_hosts, kwargs)
                 if jump is not None:
-                    self.conn.set_tunnel(jump)          # closing the connection closes its hops
+                    conn.set_tunnel(jump)          # closing the connection closes its hops
             except asyncssh.KeyImportError as e:
                 raise HostError(f"{self.where}: identity_file {h.identity_file} cannot be used: {e} "
                                 f"(an encrypted key: add it to the SSH agent with ssh-add and leave "
@@ -388,13 +391,15 @@ class SSHTransport(Transport):
                     f"firewall or proxy in the way, or sshd refusing under load: MaxStartups)")
         if isinstance(e, asyncssh.Error):
             return f"SSH error: {e.reason}"
+        assert isinstance(e, OSError), "connect() catches asyncssh.Error, OSError and timeouts alone"
         return str(e.strerror or e)                           # another OSError
 
-    async def _open_jumps(self, r: Resolved):
+    async def _open_jumps(self, r: Resolved) -> SSHClientConnection:
         """Open the ProxyJump hops in turn, each through the one before (as asyncssh and ssh do);
         each hop is resolved through the same config file. Returns the last hop's connection."""
         import asyncssh
-        conn = None
+        assert r.jump, "connect() opens jumps only where ProxyJump is set"
+        conn: SSHClientConnection | None = None
         for hop in r.jump.split(","):
             user, _, rest = hop.rpartition("@")
             alias, _, port = rest.partition(":")
@@ -416,14 +421,16 @@ class SSHTransport(Transport):
             if conn is not None:
                 nxt.set_tunnel(conn)
             conn = nxt
+        assert conn is not None, "a non-empty ProxyJump has a hop"
         return conn
 
-    async def _open(self, known_hosts: str, kwargs: dict):
+    async def _open(self, known_hosts: str, kwargs: dict) -> SSHClientConnection:
         """Connect, checking the host key against known_hosts. A key never seen is trusted only
         with accept_new; otherwise the host is reached once for its key alone (no login), so a
         dead host reads as unreachable and a live one names the key to trust."""
         import asyncssh
         h, r = self.host, self.resolved
+        assert r is not None, "connect() resolves the host before it opens"
         if os.path.exists(known_hosts):
             try:
                 return await asyncssh.connect(h.address, known_hosts=known_hosts, **kwargs)
@@ -454,27 +461,32 @@ class SSHTransport(Transport):
         import asyncssh
         if not os.path.exists(known_hosts):
             return False
+        r = self.resolved
+        assert r is not None, "connect() resolves the host before it opens"
         try:
-            trusted = asyncssh.read_known_hosts(known_hosts).match(self.resolved.host, "", self.resolved.port)
+            trusted = asyncssh.read_known_hosts(known_hosts).match(r.host, "", r.port)
         except Exception:
             return False
         return bool(trusted[0] or trusted[1])
 
-    async def _connect_accept_new(self, known_hosts: str, kwargs: dict):
+    async def _connect_accept_new(self, known_hosts: str, kwargs: dict) -> SSHClientConnection:
         """ssh's accept-new: trust and record a host never seen before (never a changed one)."""
         import asyncssh
         conn = await asyncssh.connect(self.host.address, known_hosts=None, **kwargs)
         key = conn.get_server_host_key()
+        assert key is not None, "an SSH connection has received its server's host key"
         r = self.resolved
+        assert r is not None, "connect() resolves the host before it opens"
         entry = r.host if r.port == 22 else f"[{r.host}]:{r.port}"
         os.makedirs(os.path.dirname(known_hosts) or ".", exist_ok=True)
         with open(known_hosts, "a") as f:
             f.write(f"{entry} {key.export_public_key('openssh').decode().strip()}\n")
         return conn
 
-    async def _ensure(self):
+    async def _ensure(self) -> SSHClientConnection:
         if not self.connected:
             await self.connect()
+        assert self.conn is not None, "connect() connects or raises HostError"
         return self.conn
 
     async def run(self, argv: list[str], timeout: float | None = 120, input: bytes | None = None) -> Completed:
@@ -489,8 +501,7 @@ class SSHTransport(Transport):
             self.conn = None
             raise HostError(f"{self.where}: connection lost: {getattr(e, 'reason', e)}") from None
         rc = r.exit_status if r.exit_status is not None else 255
-        return Completed(rc, (r.stdout or b"").decode("utf-8", "replace"),
-                         (r.stderr or b"").decode("utf-8", "replace"))
+        return Completed(rc, _decoded(r.stdout), _decoded(r.stderr))
 
     async def stream(self, argv: list[str]) -> Stream:
         import asyncssh
@@ -511,6 +522,11 @@ class SSHTransport(Transport):
             except Exception:
                 pass
             self.conn = None
+
+
+def _decoded(out: bytes | str | None) -> str:
+    """A remote command's output: bytes with encoding=None (asyncssh types it bytes or str either way)."""
+    return out.decode("utf-8", "replace") if isinstance(out, bytes) else out or ""
 
 
 def make_transport(host: HostSpec, supervise: SuperviseSpec, slots: asyncio.Semaphore) -> Transport:
