@@ -88,9 +88,13 @@ def one_run(engine: str, tmp: str, lose=None, timeout: float = 900) -> dict:
     serve = subprocess.Popen([sys.executable, "-m", "fleet", "serve", "-c", cfg], cwd=REPO, env=env,
                              stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "serve.log"), "w"))
     out: dict = {}
-    cpu0 = proc_usage(serve.pid)[0]
-    try:
+    cpu = 0.0                                   # the supervisor's CPU seconds as last read (it exits when
+    try:                                        # the run ends, so read each second)
         while time.monotonic() - t0 < timeout:
+            try:
+                cpu = proc_usage(serve.pid)[0]
+            except (OSError, StopIteration):    # gone, or a zombie: the last reading stands
+                pass
             snap = snapshot(env, cfg)
             states = [s["state"] for s in snap.get("shards", [])]
             if "all_running_s" not in out and len(states) == 2 and all(s == "RUNNING" for s in states):
@@ -99,7 +103,7 @@ def one_run(engine: str, tmp: str, lose=None, timeout: float = 900) -> dict:
                 out["lost_at_s"] = round(time.monotonic() - t0, 1)
             if len(states) == 2 and all(s == "DONE" for s in states):
                 out["run_s"] = round(time.monotonic() - t0, 1)
-                out["supervisor_cpu_pct"] = round(100 * (proc_usage(serve.pid)[0] - cpu0) / out["run_s"], 1)
+                out["supervisor_cpu_pct"] = round(100 * cpu / out["run_s"], 1)
                 out["done"] = snap["totals"].get("done")
                 break
             time.sleep(1.0)
