@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 
 def padded_length(length: int, multiple: int) -> int:
@@ -37,8 +38,10 @@ def make_batches(samples: Sequence, max_tokens: int, pad_multiple: int = 1,
     return batches
 
 
-class Row(NamedTuple):
-    """A row known only by its length (row i of a list of lengths has index i)."""
+@dataclass(frozen=True, slots=True)
+class Row:
+    """A row known only by its length (row i of a list of lengths has index i). (Not a NamedTuple:
+    its `index` would hide tuple.index.)"""
     index: int
     length: int
 

@@ -59,7 +59,7 @@ def take(run_dir: str, claim: protocol.SupervisorClaim, take_over: bool = False)
             pass
         other = holder(run_dir)
         mine = other is not None and (other.id == claim.id or take_over)
-        if mine and other.agent_pid and other.agent_pid != signalled and _is_agent(other.agent_pid):
+        if other is not None and mine and other.agent_pid and other.agent_pid != signalled and _is_agent(other.agent_pid):
             try:
                 os.kill(other.agent_pid, signal.SIGTERM)
             except OSError:
@@ -69,9 +69,9 @@ def take(run_dir: str, claim: protocol.SupervisorClaim, take_over: bool = False)
             os.close(fd)
             return other or protocol.SupervisorClaim(id="?", run="", machine="?")
         time.sleep(0.1)
-    mine = protocol.SupervisorClaim(**{**claim.to_dict(), "agent_pid": os.getpid()})
+    held = protocol.SupervisorClaim(**{**claim.to_dict(), "agent_pid": os.getpid()})
     tmp = os.path.join(run_dir, f"{protocol.CLAIM_FILE}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
-        f.write(mine.to_json())
+        f.write(held.to_json())
     os.replace(tmp, os.path.join(run_dir, protocol.CLAIM_FILE))
     return fd

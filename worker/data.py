@@ -252,8 +252,8 @@ def common_prefix(a: str, b: str, tokenizer: Any) -> int:
     at = len(os.path.commonprefix([a, b]))
     pattern, longest = _added_tokens(tuple(getattr(t, "content", "") for t in
                                            getattr(tokenizer, "added_tokens_decoder", {}).values()))
-    moved = pattern is not None
-    while moved:
+    moved = True
+    while pattern is not None and moved:
         moved = False
         for p in range(max(0, at - longest + 1), at):
             if any((m := pattern.match(s, p)) and m.end() > at for s in (a, b)):

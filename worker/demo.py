@@ -22,7 +22,7 @@ _WORDS = ("the a model layer hidden state token batch shard fleet worker specula
 
 
 def synthetic_text(rng: random.Random, words: int) -> str:
-    out = []
+    out: list[str] = []
     for i in range(words):
         w = rng.choice(_WORDS)
         out.append(w.capitalize() if i == 0 or out[-1].endswith(".") else w)

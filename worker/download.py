@@ -34,6 +34,7 @@ def download(url: str, folder: str, say: Callable[[str], None] = print) -> str:
     say(f"downloading {url} to {folder} (rclone; what is here already is skipped)")
     copy = rclone_streaming(dest, "copy", dest.remote, folder, *PROGRESS)
     said: list[str] = []
+    assert copy.stderr is not None, "rclone_streaming pipes its stderr"
     for line in copy.stderr:                     # its stats every 10 s, and its errors
         said = (said + [line.rstrip()])[-50:]
         if "Transferred:" in line:

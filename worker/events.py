@@ -31,8 +31,8 @@ class EventLog:
     def emit(self, event: protocol.Record) -> protocol.Record:
         """Stamp the event with this process's launch (and a progress event with the shard's
         total tokens, once known) and append it (a single write)."""
-        if getattr(event, "launch", None) is None and self.launch is not None:
-            event.launch = self.launch
+        if hasattr(event, "launch") and event.launch is None and self.launch is not None:
+            event.launch = self.launch                # (every event record has the field; to_dict writes fields alone)
         if isinstance(event, protocol.Progress) and event.total_tokens is None:
             event.total_tokens = self.total_tokens
         if isinstance(event, protocol.Progress):

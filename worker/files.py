@@ -200,7 +200,8 @@ def retry_skips(out_dir: str, shard: int | str) -> list[int]:
     path = manifest_path(out_dir, shard)
     if not os.path.exists(path):
         return []
-    kept, dropped = [], []
+    kept: list[str] = []
+    dropped: list[int] = []
     with open(path) as f:
         for line in f:
             try:
@@ -209,7 +210,7 @@ def retry_skips(out_dir: str, shard: int | str) -> list[int]:
                 kept.append(line)
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("skipped"), str) and retryable(rec["skipped"]):
-                dropped.append(rec.get("index"))
+                dropped.append(rec["index"])          # (every manifest record has its index)
             else:
                 kept.append(line)
     if dropped:

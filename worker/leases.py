@@ -287,7 +287,7 @@ class Ledger:
         for (a0, b0, w0), (a1, b1, w1) in zip(spans, spans[1:]):
             if a1 < b0:
                 return f"{w1}: rows {a1}–{min(b0, b1)} are also in {w0}"
-        planned = merge([tuple(r) for r in self.ranges.values()])
+        planned = merge([(a, b) for a, b in self.ranges.values()])
         if lost := subtract(planned, merge([(a, b) for a, b, _ in spans])):
             return f"rows {lost[0][0]}–{lost[0][1]} of the pool's plan are in no entry (held, done, free or gone)"
         return None

@@ -60,13 +60,16 @@ def run_rows(share: protocol.RowShare, shard_dir: str, launch: int, argv: list[s
                             start=start, stop=stop, total=stop - start, num_rows=share.num_rows,
                             **(started or {})))
     try:
-        lease, move = pool.own(), None
+        lease: Lease | None = pool.own()
+        move: Move | None = None
 
         def waiting() -> None:                     # a progress tick while it waits for a lease
             done, total = pool.counts()
             append(protocol.Progress(launch=launch, done=done, total=total))
-        while lease is not None or (got := pool.next(stopping, waiting)) is not None:
+        while True:
             if lease is None:
+                if (got := pool.next(stopping, waiting)) is None:     # no member holds rows any more
+                    break
                 lease, move = got
                 if move.how == "dead":            # what counts for it now: the chunks it finished
                     done = sum(b - a for a, b in pool.counted_for(move.source))

@@ -105,7 +105,7 @@ def pending(out_dir: str, num_shards: int, pool: list[int], num_rows: int | None
     with open_ledger(ledger_path(out_dir, ranges), ranges, dataset_rows(out_dir, num_rows)) as ledger:
         rows = merge([(l.start, l.stop) for l in ledger.held.values()] + [(a, b) for a, b, _ in ledger.free])
     finished = to_runs(sorted({rec["index"] for rec in manifest_records(out_dir)}))
-    return protocol.Unfinished(runs=[list(r) for r in subtract(rows, [tuple(r) for r in finished])])
+    return protocol.Unfinished(runs=[list(r) for r in subtract(rows, [(a, b) for a, b in finished])])
 
 
 WHY = ("lost", "idle", "removed")    # why rows move: the host is unreachable, has no GPU left that
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--why", choices=WHY, default="lost", help="why the rows move")
     args = ap.parse_args(argv)
     pool = sorted(int(k) for k in args.pool.split(",") if k.strip())
+    result: protocol.Unfinished | protocol.Status
     try:
         runs = parse_runs_text(args.rows)
         if args.cmd == "pending":

@@ -7,7 +7,7 @@ apply the same rules."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import AbstractSet, Callable, Iterator
 
 from . import inject
 from .data import BadRow, Sample, row_to_sample
@@ -41,7 +41,7 @@ class Later:
 
 
 def iter_shard(dataset, start: int, stop: int, finished: set[int], vocab_size: int,
-               tokenizer: Callable, options: Options, later: set[int] = frozenset(),
+               tokenizer: Callable, options: Options, later: AbstractSet[int] = frozenset(),
                cell: Cell | None = None) -> Iterator[list[Sample] | BadRow | Later]:
     """Unfinished rows of [start, stop): valid samples in chunks of at most `sort_window`, and a
     BadRow for each row that will not be extracted (malformed, too long); the valid samples of

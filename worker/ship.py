@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from . import protocol
@@ -69,7 +69,7 @@ class Destination:
         return f"{self.remote.rstrip('/')}/{rel}"
 
 
-def destination(url: str, environ: dict | None = None) -> Destination:
+def destination(url: str, environ: Mapping[str, str] | None = None) -> Destination:
     """The rclone remote for `url`: s3://bucket/prefix (endpoint, region and keys from the AWS
     variables), sftp://[user@]host[:port]/path (the host's ssh and its config) or a path."""
     environ = os.environ if environ is None else environ
@@ -109,6 +109,7 @@ def rclone_binary() -> str:
     return found
 
 
+_prctl: Callable[..., int] | None
 try:
     _prctl = ctypes.CDLL(None, use_errno=True).prctl     # Linux: looked up once, not in the child
 except (OSError, AttributeError):
@@ -136,7 +137,7 @@ def rclone(dest: Destination, *args: str, timeout: float | None = None) -> subpr
                           preexec_fn=_ends_with_parent(os.getpid()))
 
 
-def rclone_streaming(dest: Destination, *args: str) -> subprocess.Popen:
+def rclone_streaming(dest: Destination, *args: str) -> subprocess.Popen[str]:
     """`rclone` started, not waited for, and not quiet: its stderr (stats, errors) is the caller's
     to read line by line (a long download shows its progress). The caller's flags come after the
     common ones, so they win (rclone takes a flag's last value)."""

@@ -30,7 +30,7 @@ from typing import Callable
 
 from .data import BadRow
 from .events import EventLog
-from .rows import iter_shard
+from .rows import Later, iter_shard
 
 
 def shard_work(dataset, start: int, stop: int, vocab_size: int, tokenizer, options) -> tuple[int, int, int]:
@@ -40,6 +40,7 @@ def shard_work(dataset, start: int, stop: int, vocab_size: int, tokenizer, optio
     rows = tokens = sq = 0
     for item in iter_shard(dataset, start, stop, set(), vocab_size, tokenizer, one_by_one):
         if not isinstance(item, BadRow):
+            assert not isinstance(item, Later), "no rows are held back: `later` is empty"
             for s in item:
                 rows, tokens, sq = rows + 1, tokens + s.length, sq + s.length * s.length
     return rows, tokens, sq
@@ -129,7 +130,8 @@ class Sizer:
             if longer is None:
                 self._sized[a, b] = self._read(a, b)
             else:
-                self._sized[a, b] = tuple(p - q for p, q in zip(self._sized[a, longer], self._read(b, longer)))
+                (rows, tokens, sq), (cut_rows, cut_tokens, cut_sq) = self._sized[a, longer], self._read(b, longer)
+                self._sized[a, b] = (rows - cut_rows, tokens - cut_tokens, sq - cut_sq)
         return self._sized[a, b]
 
     def _read(self, a: int, b: int) -> tuple[int, int, int]:

@@ -70,12 +70,15 @@ def batch_stats(hidden: torch.Tensor, lengths: torch.Tensor, scales: torch.Tenso
     return out
 
 
-def file_stats(hidden: torch.Tensor, values: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> list:
+def file_stats(hidden: torch.Tensor | None, values: torch.Tensor | None = None,
+               scales: torch.Tensor | None = None) -> list:
     """One sample's statistics, [n][4], from what its file holds: `hidden` [T, n, H] as read (bf16),
     or for fp8 its stored `values` and `scales` ([T, n, 1]) — the formulas of batch_stats."""
     if values is not None:
+        assert scales is not None, "fp8 values are read with their scales"
         stats = batch_stats(values[None], torch.tensor([values.shape[0]]), scales[None])
     else:
+        assert hidden is not None, "a bf16 file's states are read"
         stats = batch_stats(hidden[None], torch.tensor([hidden.shape[0]]))
     return rounded(stats[0])
 
