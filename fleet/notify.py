@@ -138,10 +138,10 @@ class Notifier:
         self._snapshot: Callable[[], FleetSnapshot] | None = None
         self._sends: set[asyncio.Task] = set()
 
-    def told(self, changes: list[Transition]) -> list[Notice]:
-        """Send the chosen notices of one decide pass's transitions."""
+    def told(self, changes: list[Transition]) -> None:
+        """Send the chosen notices of one decide pass's transitions (a Supervisor.subscribe listener)."""
         assert self._snapshot is not None, "the supervisor starts the notifier before it subscribes told"
-        return self._send([n for n in notices(changes, self._snapshot())])
+        self._send([n for n in notices(changes, self._snapshot())])
 
     def _send(self, new: list[Notice]) -> list[Notice]:
         chosen = [n for n in new if n.event in self.spec.on]

@@ -79,9 +79,11 @@ def model_shape(model: str) -> ModelShape | None:
         raw = raw if isinstance(raw, dict) else {}
         values = {name: next((raw[k] for k in keys if raw.get(k) is not None), None)
                   for name, keys in SHAPE_KEYS.items()}
+    hidden, layers, positions = values["hidden_size"], values["num_layers"], values["max_positions"]
+    if hidden is None or layers is None:
+        return None
     try:
-        return ModelShape(int(values["hidden_size"]), int(values["num_layers"]),
-                          int(values["max_positions"]) if values["max_positions"] else None)
+        return ModelShape(int(hidden), int(layers), int(positions) if positions else None)
     except (TypeError, ValueError):
         return None
 
@@ -136,9 +138,9 @@ def meta_mismatch(meta: dict | None, identity: WorkIdentity) -> list[str]:
     if not isinstance(held, dict):
         held = {k: meta[k] for k in ("layer_ids", "last_layer_norm", "format", "loss_mask")
                 if isinstance(meta, dict) and k in meta}
-    held, identity = upgraded(held), identity.to_dict()
-    return differences({k: v for k, v in held.items() if k in identity},
-                       {k: v for k, v in identity.items() if k in held})
+    held, ours = upgraded(held), identity.to_dict()
+    return differences({k: v for k, v in held.items() if k in ours},
+                       {k: v for k, v in ours.items() if k in held})
 
 
 def model_identity(path: str) -> dict:

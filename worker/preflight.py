@@ -68,8 +68,9 @@ def jsonl_lengths(path: str, budget_s: float = SCAN_BUDGET_S) -> tuple[list[floa
             ids = _jsonl_ids_length(line)
             if ids is None:
                 chats += 1
-                ids = len(line.strip()) / CHARS_PER_TOKEN
-            lengths.append(ids)
+                lengths.append(len(line.strip()) / CHARS_PER_TOKEN)
+            else:
+                lengths.append(ids)
     if cut:
         from .datafiles import jsonl_row_count
         rows = jsonl_row_count(path)
@@ -525,7 +526,8 @@ def _measure_output(args: argparse.Namespace, shape, layers: LayerPlan | None,
     """Free space and the folder's id at the output, whether it is writable, and (built-in worker)
     the output's projected size and, with rows still to write, the disks' write rate; a projection
     that fails must not stop the run: it says why."""
-    checks, devices = [], {}
+    checks: list[protocol.Check] = []
+    devices: dict[int, int] = {}
     for folder in (args.output, *args.spill):        # several disks: their free space summed
         space = disk_space(folder)
         devices.setdefault(os.stat(space.probe).st_dev, space.free)

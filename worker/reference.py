@@ -27,7 +27,7 @@ import os
 import sys
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -84,7 +84,9 @@ class ReferenceChecks:
         self.device = model_devices(model, next(model.parameters()).device)[0]
         self.pending: list[tuple[int, dict, list | None]] = []
         self.lock = threading.Lock()
-        self.count, self.masks, self.worst_cos, self.worst_rel, self.seconds = 0, 0, None, None, 0.0
+        self.count, self.masks, self.seconds = 0, 0, 0.0
+        self.worst_cos: list[float] = []          # per saved layer, over the rows checked so far
+        self.worst_rel: list[float] = []
         for rec in protocol.iter_jsonl(self.file):         # an earlier launch's checks count on
             if isinstance(rec.get("cosine"), list) and isinstance(rec.get("rel_err"), list):
                 self._count(rec["cosine"], rec["rel_err"])
@@ -106,19 +108,21 @@ class ReferenceChecks:
         for index, tensors, chat in todo:
             t0 = time.perf_counter()
             mask = None
+            compared: tuple[list[float], list[float], list[int]] | None = None
             try:
                 hidden, ids, written = self.layout.unpack(tensors)     # (fp8 dequantised once)
-                cos, rel, silent = self.compare(hidden, ids)
+                compared = self.compare(hidden, ids)
                 if chat is not None and self.tokenizer is not None:
                     mask = check_mask(chat, ids.numpy(), written.numpy(), self.tokenizer(), self.loss_mask)
             except Exception as e:                     # the check could not run (out of memory alone with
-                cos = rel = None                       # every layer kept, say): said, never the data's fault
+                compared = None                        # every layer kept, say): said, never the data's fault
                 self.not_run(index, e)
             finally:
                 if capture is not None:                # its hooks fired: their tensors are not a batch's
                     capture.slots = [None] * len(capture.slots)
                 self.seconds += time.perf_counter() - t0
-            if cos is not None:
+            if compared is not None:
+                cos, rel, silent = compared
                 self._record(index, cos, rel, mask, silent)
 
     def not_run(self, index: int, e: Exception) -> None:
@@ -159,7 +163,7 @@ class ReferenceChecks:
         self.worst_cos = [min(a, b) for a, b in zip(self.worst_cos, cos)] if self.worst_cos else list(cos)
         self.worst_rel = [max(a, b) for a, b in zip(self.worst_rel, rel)] if self.worst_rel else list(rel)
 
-    def _record(self, index: int, cos: list[float], rel: list[float], mask=None, silent: list[int] = ()) -> None:
+    def _record(self, index: int, cos: list[float], rel: list[float], mask=None, silent: Sequence[int] = ()) -> None:
         tol = TOLERANCE[self.layout.dtype]
         self._count(cos, rel)
         line = {"index": index, "cosine": [round(c, 6) for c in cos], "rel_err": [round(r, 6) for r in rel]}

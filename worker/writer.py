@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -326,8 +326,8 @@ class BackgroundWriter:
         statistics per layer (worker/stats.py) are taken on the device from the values as stored
         and cross with them."""
         self.raise_if_failed()
-        shape = tuple(hidden.shape)
-        n, H = shape[2], shape[3]
+        B, S, n, H = hidden.shape
+        shape = (B, S, n, H)
         scales = None
         if lengths is None:
             lengths = torch.tensor([s.length for s in samples], device=hidden.device)
@@ -342,8 +342,12 @@ class BackgroundWriter:
         with self.stats.lock:
             self.stats.writer_wait_s += waited
         target, target_scales = host_views(buf, shape, self.dtype)
-        sources = [(target, hidden)] + ([(target_scales, scales)] if scales is not None else [])
+        sources = [(target, hidden)]
+        if scales is not None:
+            assert target_scales is not None, "host_views lays out fp8's scales"
+            sources.append((target_scales, scales))
         if self.cuda:
+            assert self.copy_stream is not None, "made where the device is CUDA"
             self.copy_stream.wait_stream(torch.cuda.current_stream(hidden.device))
             with torch.cuda.stream(self.copy_stream):
                 for dst, src in sources:
@@ -442,11 +446,11 @@ class BackgroundWriter:
             n, H = job.hidden.shape[2:]
             if self.shipper is not None:      # keep_local: wait for room before the disk grows
                 self.shipper.room(sum(file_bytes_at_most(job, row, s.length) for row, s in enumerate(job.samples)))
-            futures = []
+            futures: list[tuple[Any, Future[dict] | str]] = []      # a row's write, or why it is skipped
             for row, sample in enumerate(job.samples):
                 if not bool(job.finite[row]):
                     if job.final:
-                        futures.append((sample, None, "non-finite hidden states (alone, after the rest)"))
+                        futures.append((sample, "non-finite hidden states (alone, after the rest)"))
                     else:
                         with self._retries_lock:
                             self._retries.append(sample)
@@ -455,15 +459,16 @@ class BackgroundWriter:
                 hidden = job.hidden[row, :T]
                 scales = job.scales[row, :T] if job.scales is not None else None
                 if hidden.shape != (T, n, H) or sample.loss_mask.shape != (T,):
-                    futures.append((sample, None, "shape mismatch"))
+                    futures.append((sample, "shape mismatch"))
                     continue
                 meta = dict(self.metadata, sample_index=str(sample.index))
                 row_stats = job.stats[row] if job.stats is not None else None
-                futures.append((sample, self.files.submit(self._write, sample, hidden, scales, meta, row_stats), None))
-            records, first_error = [], None
-            for sample, fut, problem in futures:
-                if problem is not None:
-                    self._record_skip(sample.index, problem)
+                futures.append((sample, self.files.submit(self._write, sample, hidden, scales, meta, row_stats)))
+            records: list[dict] = []
+            first_error: BaseException | None = None
+            for sample, fut in futures:
+                if isinstance(fut, str):
+                    self._record_skip(sample.index, fut)
                     continue
                 try:
                     records.append(fut.result())
