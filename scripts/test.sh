@@ -27,7 +27,9 @@ lock="${PYENV_ROOT:-$HOME/.pyenv}/shims/.pyenv-shim"
 # The interpreter itself, not a version manager's shim (pyenv's runs a rehash after every pip install).
 PY="$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)')"
 export PATH="$(dirname "$PY"):$PATH"
-# torch is pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build.
+# torch is pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build. The test
+# extra brings ray[default]: tests/ray_cluster.py starts its own Ray nodes with `ray start` (and stops
+# them), as it starts sshd and Slurm; mypy and its stubs for tests/test_types.py.
 "$PY" -m pip install -q --disable-pip-version-check -e '.[worker,test]' torch==2.13.0
 # The trainers whose readers the format tests run, without their pins (torch 2.11, sglang, ...):
 # only their reader modules are imported, and those need nothing beyond the test extra.

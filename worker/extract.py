@@ -146,7 +146,7 @@ def run_shard(args: argparse.Namespace, log: EventLog, device: torch.device, dev
         return pool_done(args, log, pool, shipper, shard.layout)
     ready = load(shard, lease or Lease(shard.start, shard.stop, 0, shard.start), set(finished))
     write_run_meta(args, ready.config, shard.dtype, shard.layout, shard.dataset.num_rows, identity)
-    options = make_options(args, shard.shape, ready.pad)
+    options = make_options(args, shard.shape, ready.pad, ready.config)
     tokenizer = chat_tokenizer(args.model)
     counted = pool.counted()
     sizer = sizing.Sizer(log, shard.dataset, ready.vocab_size, args.model, options, ready.config, ready.weight)

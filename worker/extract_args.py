@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from .formats import FORMATS, LOSS_MASKS
 from .layers import choices, yaml_max_length
+from .model import experts_budget
 from .identity import ModelShape
 from .reference import EVERY, MIN_ROWS
 from .rows import Options
@@ -148,10 +150,13 @@ def _checked_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
     return args
 
 
-def make_options(args: argparse.Namespace, shape: ModelShape, pad: int) -> Options:
+def make_options(args: argparse.Namespace, shape: ModelShape, pad: int, config: Any = None) -> Options:
     """The extraction's Options from the command line, with the model's longest position and the
-    batch width's multiple (`pad`, chosen once the model is loaded)."""
-    return Options(args.max_tokens_per_batch, args.max_length, args.too_long,
+    batch width's multiple (`pad`, chosen once the model is loaded). With the model's `config`, an
+    MoE's batches hold enough tokens for each expert (model.experts_budget; a dense model's budget
+    is the command line's)."""
+    budget = args.max_tokens_per_batch if config is None else experts_budget(args.max_tokens_per_batch, config)
+    return Options(budget, args.max_length, args.too_long,
                    args.writer_queue, args.writer_threads, args.sort_window,
                    pad_multiple=pad, loss_mask=args.loss_mask, format=args.format,
                    max_positions=shape.max_positions, dtype=args.dtype,

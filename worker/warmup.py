@@ -20,6 +20,7 @@ from .data import Dataset
 from .events import EventLog
 from .extract_args import make_options
 from .identity import ModelShape
+from .kernels import use_fast_kernels
 from .model import (HYBRID_MODEL_TYPES, compile_layers, is_hybrid, missing_fast_kernels, uncompile_layers,
                     use_fla_conv)
 from .rows import iter_shard
@@ -108,12 +109,14 @@ def choose_path(model: torch.nn.Module, device: torch.device, args: argparse.Nam
         return f"eager (torch {torch.__version__} has no torch.compile)"
     log.emit(protocol.Loading(model=args.model, detail="compiling the decoder layers"))
     t0 = time.perf_counter()
+    fast = use_fast_kernels(model, device)            # the [fast] kernels, where they run (worker/kernels.py)
     compile_layers(model)
     if why := try_compiled(model, device, log, [(2, 2 * pad), (1, pad)]):   # a batch, and one row
         return why
     seconds = time.perf_counter() - t0
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return f"compiled ({seconds:.0f} s to compile{f', cache {cache}' if cache else ''})"
+    return (f"compiled ({seconds:.0f} s to compile{f', cache {cache}' if cache else ''})"
+            + (f"; {fast}" if fast else ""))
 
 
 def try_compiled(model: torch.nn.Module, device: torch.device, log: EventLog,

@@ -157,11 +157,3 @@ def test_a_swap_that_disagrees_is_not_kept(moe):
     assert swapped == 0 and error > 0.5
     assert not any("forward" in m.__dict__ for m in experts_modules(moe))
 
-
-def test_the_bench_hook_edits_only_the_choose_path_it_expects():
-    from bench.fast_hook import ANCHOR, HOOK, RETURN, RETURN_FAST, patched
-    source = "def choose_path():\n" + ANCHOR + RETURN
-    new = patched(source)
-    assert new == "def choose_path():\n" + HOOK + ANCHOR + RETURN_FAST
-    assert patched(new) == new
-    assert patched("def choose_path():\n    pass\n") is None
