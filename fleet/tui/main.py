@@ -10,7 +10,7 @@ arrive on the app's timer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -33,9 +33,18 @@ from .panes.topbar import TopBar
 from .screens import ConfirmScreen, LogScreen, pass_to_input
 
 if TYPE_CHECKING:
-    from textual import getters
+    from ..source import FleetSource
 
-    from .app import FleetApp
+
+class ViewApp(Protocol):
+    """What this screen asks of its app beyond Textual's App (fleet/tui/app.py's FleetApp), typed
+    without importing it: the app imports this screen."""
+    source: FleetSource
+    no_color: bool
+
+    def action_help(self) -> Any: ...
+    def action_quit_fleet(self) -> Any: ...
+    def run_action_job(self, job) -> Any: ...     # a Textual @work: calling it starts it
 
 def gpus_of(s) -> tuple[str, tuple[int, ...]] | None:
     """The host and GPUs of a shard, for the GPU pane to highlight."""
@@ -49,8 +58,6 @@ SHORT_LOG_MIN = 3            # lines of log worth showing on a terminal under 30
 
 
 class MainScreen(Screen):
-    if TYPE_CHECKING:
-        app = getters.app(FleetApp)          # (for the type checker: this screen's app is the FleetApp)
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (140, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall"), (50, "-taller")]
     BINDINGS = [
@@ -74,6 +81,12 @@ class MainScreen(Screen):
         Binding("escape", "clear", "clear", show=False, tooltip="clear filters and marks, close the input"),
     ]
 
+
+    @property
+    def fleet(self) -> ViewApp:
+        """The app, as this screen uses it (the FleetApp)."""
+        return cast(ViewApp, self.app)
+
     def __init__(self):
         super().__init__()
         self.view = View()
@@ -82,7 +95,7 @@ class MainScreen(Screen):
 
     @property
     def no_color(self) -> bool:
-        return self.app.no_color
+        return self.fleet.no_color
 
     FIRST_KEYS = ("help", "quit_fleet")       # the footer cuts what does not fit: these never
 
@@ -136,7 +149,7 @@ class MainScreen(Screen):
         """The chart's past from the records (the source rebuilds it: a remote supervisor answers
         over its socket), at the resolution the chart will draw it: a run shorter than the chart's
         width in 10 s columns is rebuilt in finer steps (and no longer)."""
-        history = getattr(self.app.source, "history", None)
+        history = getattr(self.fleet.source, "history", None)
         chart = self.query_one(ThroughputChart)
         if history is None or chart.rebuilt:
             return
@@ -177,8 +190,8 @@ class MainScreen(Screen):
                 f"shards ({table.row_count}/{len(snap.shards)})  " + " · ".join([sort] + self.view.describe()))
         self.fit_middle()
         log = self.query_one("#log", LogView)
-        log.follow(self.app.source, table.selected_shard)
-        messages = getattr(self.app.source, "messages", None)
+        log.follow(self.fleet.source, table.selected_shard)
+        messages = getattr(self.fleet.source, "messages", None)
         last = f" · supervisor: {messages[-1]}" if messages else ""
         show_text(self.query_one("#log-title", Static),
             f"log of shard {table.selected_shard} ({log.status}){last}" if table.selected_shard is not None
@@ -250,7 +263,7 @@ class MainScreen(Screen):
             self._show_detail(selected)
             self.query_one(GpuPane).show(self.snap, gpus_of(selected),
                                          self.no_color)
-            self.query_one("#log", LogView).follow(self.app.source, self.query_one(ShardTable).selected_shard)
+            self.query_one("#log", LogView).follow(self.fleet.source, self.query_one(ShardTable).selected_shard)
 
     @on(GpuTable.Toggled)
     def _gpus_toggled(self) -> None:
@@ -291,12 +304,12 @@ class MainScreen(Screen):
     def _confirm_then(self, question: str, job, verb: str, key: str = "y") -> None:
         def answered(yes: bool | None) -> None:
             if yes:
-                self.app.run_action_job(job)
+                self.fleet.run_action_job(job)
         self.app.push_screen(ConfirmScreen(question, verb, key), answered)
 
     def _allowed(self, ids: list[int], kind: str) -> list[int]:
         """The shards `kind` may apply to, by the one rule every caller uses; the rest are told."""
-        refused = {k: self.app.source.refusal(k, kind) for k in ids}
+        refused = {k: self.fleet.source.refusal(k, kind) for k in ids}
         told = [why for why in refused.values() if why]
         if told:
             self.app.notify("\n".join(told[:5]) + (f"\n… and {len(told) - 5} more" if len(told) > 5 else ""),
@@ -307,14 +320,14 @@ class MainScreen(Screen):
         ids = self._allowed(ids, "restart")
         if ids:
             self._confirm_then(f"Restart shard(s) {', '.join(map(str, ids))}? They resume where they stopped.",
-                               lambda: self.app.source.restart(ids), "Restart")
+                               lambda: self.fleet.source.restart(ids), "Restart")
 
     def stop(self, ids: list[int]) -> None:
         ids = self._allowed(ids, "stop")
         if ids:
             self._confirm_then(f"Stop shard(s) {', '.join(map(str, ids))}? They show STOPPED and are not "
                                f"restarted until you say so. Output already written stays.",
-                               lambda: self.app.source.stop(ids), "Stop")
+                               lambda: self.fleet.source.stop(ids), "Stop")
 
     def action_restart(self) -> None:
         self.restart(self._targets())
@@ -323,7 +336,7 @@ class MainScreen(Screen):
         ids = self._restartable()
         if ids:
             self._confirm_then(f"Restart {len(ids)} FAILED/BACKOFF/FATAL shard(s): {', '.join(map(str, ids))}?",
-                               lambda: self.app.source.restart(ids), "Restart")
+                               lambda: self.fleet.source.restart(ids), "Restart")
         else:
             self.notify("nothing to restart: no shard is FAILED, BACKOFF or FATAL")
 
@@ -332,7 +345,7 @@ class MainScreen(Screen):
 
     def action_stop_all(self) -> None:
         self._confirm_then("Stop the WHOLE run (every shard on every host)? Starting them again costs a model load each.",
-                           self.app.source.stop_all, "Stop the run", key="D")
+                           self.fleet.source.stop_all, "Stop the run", key="D")
 
     def action_mark(self) -> None:
         """Mark or unmark the selected shard: the one the detail line shows, whichever pane has
@@ -346,7 +359,7 @@ class MainScreen(Screen):
     def action_log(self, shard: int | None = None) -> None:
         k = self.query_one(ShardTable).selected_shard if shard is None else shard
         if k is not None:
-            self.app.push_screen(LogScreen(self.app.source, k))
+            self.app.push_screen(LogScreen(self.fleet.source, k))
 
     def action_filter(self) -> None:
         pass_to_input(self)
@@ -415,9 +428,9 @@ class MainScreen(Screen):
         elif cmd.name == "clear":
             self.action_clear()
         elif cmd.name == "help":
-            self.app.action_help()
+            self.fleet.action_help()
         elif cmd.name == "quit":
-            self.app.action_quit_fleet()
+            self.fleet.action_quit_fleet()
         self.redraw()
 
     def action_clear(self) -> None:
