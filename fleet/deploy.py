@@ -58,7 +58,7 @@ async def run_worker_module(t: Transport, config: Config, host: HostSpec, module
                             reply: type[R], timeout: float | None = 300, input: bytes | None = None,
                             env: dict[str, str] | None = None) -> R:
     """Run a worker module that prints one JSON object, parsed here as `reply` (its one typed
-    form: worker/protocol.py); its errors, and a reply that is not one, become a HostUnusable."""
+    form: worker/protocol/replies.py); its errors, and a reply that is not one, become a HostUnusable."""
     r = await t.run(await worker_argv(t, config, host, module, *args, env=env), timeout=timeout, input=input)
     if r.rc != 0:
         why = _python_missing(config, host, r.stderr) or \
@@ -103,7 +103,7 @@ except OSError:  # a concurrent deploy got there first: same content
 async def upload_worker(t: Transport, config: Config, host: HostSpec) -> bool:
     """Upload the worker unless this exact content is already there; True when uploaded."""
     target = code_dir(config, host)
-    probe = await t.run(["test", "-f", os.path.join(target, "worker", "protocol.py")], timeout=60)
+    probe = await t.run(["test", "-f", os.path.join(target, "worker", "protocol", "__init__.py")], timeout=60)
     if probe.rc == 0:
         t.worker_at = target
         return False

@@ -13,7 +13,9 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ["fleet/store.py", "fleet/record.py", "fleet/judge.py", "fleet/hosts.py", "fleet/snapshot.py",
         "fleet/schema.py", "fleet/state.py", "fleet/supervisor.py", "worker/agent.py", "worker/hostctl.py",
-        "worker/launches.py", "worker/protocol.py"]
+        "worker/launches.py", "worker/protocol/__init__.py", "worker/protocol/layout.py",
+        "worker/protocol/records.py", "worker/protocol/events.py", "worker/protocol/jsonl.py",
+        "worker/protocol/messages.py", "worker/protocol/actions.py", "worker/protocol/replies.py"]
 # An engine's name, or a command only one engine has.
 ENGINE_WORDS = re.compile(r"\b(slurm|ray|sbatch|squeue|scancel|sacct|kuberay)\b", re.IGNORECASE)
 

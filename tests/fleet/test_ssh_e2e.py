@@ -107,7 +107,7 @@ def test_up_headless_to_done_then_status_and_verify(tmp_path, sshd, dense_model,
         os.rename(code, os.path.join(os.path.dirname(code), "0ld0ld0ld0ld0ld0"))
         r = fleet(*command, "-c", config)
         assert r.returncode == 0 and said[command[0]](r.stdout), (command, r.stdout + r.stderr)
-        assert os.path.isfile(os.path.join(code, "worker", "protocol.py")), command
+        assert os.path.isfile(os.path.join(code, "worker", "protocol", "__init__.py")), command
 
 
 def test_sigkilled_worker_fails_restarts_resumes_and_completes(tmp_path, sshd, dense_model, token_rows):
@@ -352,7 +352,7 @@ def test_an_agent_that_fails_or_speaks_another_protocol_says_why(tmp_path, sshd)
     os.rmdir(events)
     os.rename(events + ".bak", events)
     # The deployed worker speaks another protocol version: refused, with what to do.
-    [code] = glob.glob(os.path.join(run_dir, "code", "*", "worker", "protocol.py"))
+    [code] = glob.glob(os.path.join(run_dir, "code", "*", "worker", "protocol", "layout.py"))
     text = open(code).read()
     current = f"PROTOCOL_VERSION = {protocol.PROTOCOL_VERSION}"
     assert current in text
