@@ -1,6 +1,6 @@
 """What runs on the GPU hosts: the extraction worker, the host agent and the process runner.
 
-Needs torch, transformers and safetensors for extraction; the agent, the runner and protocol.py use
+Needs torch, transformers and safetensors for extraction; the agent, the runner and worker/protocol/ use
 the standard library only (pynvml when present). Nothing here imports `fleet`.
 """
 

@@ -1,5 +1,5 @@
 """The host side of the engines that queue shards as tasks (Slurm, Ray): one module each, found by
-name in ENGINES. An engine translates its own states into the neutral words of worker/protocol.py
+name in ENGINES. An engine translates its own states into the neutral words of worker/protocol/
 (`TaskState.phase`, `TaskEnded.end`) inside its module, so the agent, the runner and every record
 above them name no engine. SSH hosts need no module here: `worker.hostctl` starts their shards.
 
