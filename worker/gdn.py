@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,25 @@ SWITCH = "FLEET_SPLIT_PROJECTIONS"
 # Keyword arguments whose presence means a forward split_forward does not run (a decoding cache,
 # packed sequences).
 OWN_FORWARD_KWARGS = ("cache_params", "past_key_values", "cu_seq_lens_q", "seq_idx")
+
+
+class GatedDeltaNetParts(Protocol):
+    """The parts split_forward reads (PARTS) as transformers' Qwen3.5 layer has them: the type
+    checker's view of a layer that `splittable` passed (it checks each is there, conv1d a Conv1d)."""
+    in_proj_qkv: torch.nn.Linear
+    in_proj_z: torch.nn.Module
+    in_proj_b: torch.nn.Module
+    in_proj_a: torch.nn.Module
+    conv1d: torch.nn.Conv1d
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: torch.nn.Module
+    out_proj: torch.nn.Module
+    key_dim: int
+    value_dim: int
+    head_k_dim: int
+    head_v_dim: int
+    activation: str | None
 
 
 def enabled() -> bool:
@@ -101,9 +120,11 @@ def kernels(layer: torch.nn.Module) -> tuple[Callable, Callable] | None:
 
 def split_forward(layer: torch.nn.Module, conv: Callable, core: Callable) -> Callable:
     """The layer's forward with q, k and v projected and convolved apart (see the module's doc)."""
+    parts = cast(GatedDeltaNetParts, layer)      # one that `kernels` found splittable
+
     def own(*args, **kwargs):                    # looked up at the call: the class's forward now
         return type(layer).forward(layer, *args, **kwargs)
-    kd, vd = layer.key_dim, layer.value_dim
+    kd, vd = parts.key_dim, parts.value_dim
     bounds = ((0, kd), (kd, 2 * kd), (2 * kd, 2 * kd + vd))
 
     def forward(hidden_states: torch.Tensor, cache: Any = None, attention_mask: torch.Tensor | None = None,
@@ -114,21 +135,21 @@ def split_forward(layer: torch.nn.Module, conv: Callable, core: Callable) -> Cal
         if attention_mask is not None:            # padding zeroed, as the layer's own does
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         rows, width, _ = hidden_states.shape
-        weight, bias = layer.in_proj_qkv.weight, layer.in_proj_qkv.bias
-        filters, shift = layer.conv1d.weight.squeeze(1), layer.conv1d.bias
+        weight, bias = parts.in_proj_qkv.weight, parts.in_proj_qkv.bias
+        filters, shift = parts.conv1d.weight.squeeze(1), parts.conv1d.bias
         q, k, v = (conv(F.linear(hidden_states, weight[a:b], None if bias is None else bias[a:b]),
-                        filters[a:b], None if shift is None else shift[a:b], layer.activation)
+                        filters[a:b], None if shift is None else shift[a:b], parts.activation)
                    for a, b in bounds)
-        q = q.reshape(rows, width, -1, layer.head_k_dim)
-        k = k.reshape(rows, width, -1, layer.head_k_dim)
-        v = v.reshape(rows, width, -1, layer.head_v_dim)
-        z = layer.in_proj_z(hidden_states)
-        beta = layer.in_proj_b(hidden_states).sigmoid()
-        g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(hidden_states).float() + layer.dt_bias)
+        q = q.reshape(rows, width, -1, parts.head_k_dim)
+        k = k.reshape(rows, width, -1, parts.head_k_dim)
+        v = v.reshape(rows, width, -1, parts.head_v_dim)
+        z = parts.in_proj_z(hidden_states)
+        beta = parts.in_proj_b(hidden_states).sigmoid()
+        g = -parts.A_log.float().exp() * F.softplus(parts.in_proj_a(hidden_states).float() + parts.dt_bias)
         out, _ = core(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                       use_qk_l2norm_in_kernel=True)
-        out = layer.norm(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
-        return layer.out_proj(out.reshape(rows, width, -1))
+        out = parts.norm(out.reshape(-1, parts.head_v_dim), z.reshape(-1, parts.head_v_dim))
+        return parts.out_proj(out.reshape(rows, width, -1))
     return forward
 
 
@@ -145,7 +166,8 @@ def disagreement(layer: torch.nn.Module, width: int = 64, seed: int = 0) -> floa
         return None
     param = next(layer.parameters())
     g = torch.Generator(device=param.device).manual_seed(seed)
-    x = torch.randn((1, width, layer.in_proj_qkv.in_features), generator=g, device=param.device, dtype=param.dtype)
+    width_in = cast(GatedDeltaNetParts, layer).in_proj_qkv.in_features     # kernels found it splittable
+    x = torch.randn((1, width, width_in), generator=g, device=param.device, dtype=param.dtype)
     with torch.inference_mode():
         own = type(layer).forward(layer, x).float()
         split = split_forward(layer, *found)(x).float()
@@ -161,7 +183,7 @@ def use_split_projections(layers: list[torch.nn.Module]) -> int:
         if found is None or "forward" in layer.__dict__:
             continue
         layer.forward = split_forward(layer, *found)
-        layer._fleet_compiled = True              # the worker's: reference checks set it aside
+        setattr(layer, "_fleet_compiled", True)   # the worker's: reference checks set it aside (a plain attribute)
         took += 1
     return took
 

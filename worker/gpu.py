@@ -44,6 +44,7 @@ class GpuReader:
 
     def _read_nvml(self) -> list[GpuStat]:
         nv = self._nvml
+        assert nv is not None, "read() comes here only where __init__ set source 'nvml' with the module"
         gpus = []
         count = _na(nv.nvmlDeviceGetCount) or 0
         for i in range(count):

@@ -153,6 +153,7 @@ def quack_gemms() -> tuple[GemmSwiglu, GemmPlain]:
 def agreement(module: torch.nn.Module, forward, tokens: int = PROBE_TOKENS, seed: int = 0) -> float:
     """Relative difference of `forward` against the module's own forward on random routed tokens."""
     up = module.gate_up_proj
+    assert isinstance(up, torch.Tensor), "experts_modules keeps only blocks whose gate_up_proj is a tensor"
     experts, _, hidden = up.shape
     k = max(1, min(8, int(getattr(getattr(module, "config", None), "num_experts_per_tok", 2) or 2), experts))
     g = torch.Generator(device=up.device).manual_seed(seed)
@@ -183,8 +184,9 @@ def use_grouped_experts(model: torch.nn.Module, gemms: tuple[GemmSwiglu, GemmPla
         return 0, error
     for module in modules:
         module.forward = forward.__get__(module)
-        module._fleet_compiled = True          # reference checks set it aside (worker.reference.eager)
-        module._fleet_fast = label
+        # plain attributes, not parameters or submodules (nn.Module's __setattr__ is typed for those)
+        setattr(module, "_fleet_compiled", True)   # reference checks set it aside (worker.reference.eager)
+        setattr(module, "_fleet_fast", label)
     return len(modules), error
 
 

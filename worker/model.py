@@ -132,9 +132,10 @@ class Capture:
     def take(self, device: torch.device | None = None) -> torch.Tensor:
         """[B, S, n_layers, H] in bf16 on `device` (default: where the layers ran; a model spread
         over several GPUs hands in the last one); releases the references the hooks held."""
-        if any(s is None for s in self.slots):
+        ran = [s for s in self.slots if s is not None]
+        if len(ran) != len(self.slots):
             raise RuntimeError("a hooked layer did not run")
-        stacked = torch.stack([move(s.to(torch.bfloat16), device or s.device) for s in self.slots], dim=2)
+        stacked = torch.stack([move(s.to(torch.bfloat16), device or s.device) for s in ran], dim=2)
         self.slots = [None] * len(self.slots)
         return stacked
 
@@ -224,8 +225,9 @@ def _load(path: str, device: str, dtype: torch.dtype, random_weights: bool) -> t
             # straight to the GPU as each tensor is read, not the whole model in host memory first
             # and then copied (0.68 GB/s cold against the disk's 1.75: issue 38)
             direct = device != "cpu" and _placed_as_read()
+            placement: dict[str, Any] = {"device_map": {"": device}} if direct else {}
             model, info = AutoModel.from_pretrained(path, output_loading_info=True, **_dtype_kwarg(dtype),
-                                                    **({"device_map": {"": device}} if direct else {}))
+                                                    **placement)
             if problem := weights_problem(info, getattr(model, "base_model_prefix", "model")):
                 raise WeightsError(f"{path}: {problem}")
             model.to(device)
@@ -307,7 +309,7 @@ def spread(model: torch.nn.Module, devices: list[str]) -> None:
         for name, b in list(module._buffers.items()):
             if b is not None and id(b) not in placed:
                 module._buffers[name] = b.to(targets[0])
-    model.devices = targets
+    setattr(model, "devices", targets)             # a plain attribute: nn.Module's __setattr__ is typed for modules
 
 
 def compile_layers(model: torch.nn.Module) -> None:
@@ -451,7 +453,8 @@ def use_fla_conv_on(layers: list[torch.nn.Module]) -> bool:
             layer.causal_conv1d_fn, took = conv, True
     module = inspect.getmodule(type(layers[0]))
     if module is not None and hasattr(module, "causal_conv1d_fn"):
-        module.causal_conv1d_fn, took = conv, True
+        setattr(module, "causal_conv1d_fn", conv)
+        took = True
     return took
 
 
@@ -501,9 +504,10 @@ def use_fla_norms(model: torch.nn.Module, kernels=None, min_width: int = NORM_WI
             continue
         if kind not in chosen:
             chosen[kind] = _norm_offset(module, plain, gated, is_gated, float(eps))
-        if chosen[kind] is None:
+        offset = chosen[kind]
+        if offset is None:
             continue
-        module.forward = _fused_norm(module, plain, gated, is_gated, float(eps), chosen[kind])
+        module.forward = _fused_norm(module, plain, gated, is_gated, float(eps), offset)
         took += 1
     return took
 
@@ -571,7 +575,9 @@ def active_parameters(model: torch.nn.Module) -> tuple[int, int]:
     weighs a token by. Input embeddings are left out (a lookup); an LM head is not built here."""
     config = text_config(model) if hasattr(model, "config") else None
     moe = moe_shape(config) if config is not None else None
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    # transformers' PreTrainedModel method, where the model has one (nn.Module types attributes as tensors/modules)
+    embeddings: torch.nn.Module | None = (getattr(model, "get_input_embeddings")()
+                                          if hasattr(model, "get_input_embeddings") else None)
     skip = {id(p) for p in embeddings.parameters()} if embeddings is not None else set()
     total = sum(p.numel() for p in model.parameters() if id(p) not in skip)
     if moe is None:
@@ -582,8 +588,8 @@ def active_parameters(model: torch.nn.Module) -> tuple[int, int]:
         if type(module).__name__.endswith("Experts") or isinstance(getattr(module, "gate_up_proj", None), torch.Tensor):
             params = [p for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] == experts]
             inactive += sum(p.numel() for p in params) * (experts - top_k) // experts
-        elif isinstance(getattr(module, "experts", None), torch.nn.ModuleList) and len(module.experts) == experts:
-            inactive += sum(p.numel() for p in module.experts.parameters()) * (experts - top_k) // experts
+        elif isinstance(listed := getattr(module, "experts", None), torch.nn.ModuleList) and len(listed) == experts:
+            inactive += sum(p.numel() for p in listed.parameters()) * (experts - top_k) // experts
     return total, total - inactive
 
 

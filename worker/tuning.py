@@ -32,13 +32,16 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, cast
 
 import torch
 
 from .batching import length_batches, padded_length
 
-STATS = Counter()            # tuned: keys timed (or read from disk); reused: took a similar key's winner
+if TYPE_CHECKING:
+    from .gdn import GatedDeltaNetParts
+
+STATS: Counter[str] = Counter()   # tuned: keys timed (or read from disk); reused: took a similar key's winner
 
 
 # Autotune key names that hold a size (a row count, a token count or bucket), not a shape of
@@ -235,7 +238,7 @@ def reuse_prune(prune: Callable) -> Callable:
         except Exception:
             pass
         return configs
-    prune_configs._fleet_reuse = True
+    setattr(prune_configs, "_fleet_reuse", True)     # install's mark: this one is ours
     return prune_configs
 
 
@@ -255,7 +258,7 @@ def brief_bench(bench: Callable, warmup_ms: int = 5, rep_ms: int = 20) -> Callab
             for k in ("do_bench", "num_warmups", "num_reps"):
                 self.__dict__.pop(k, None)
             self.__dict__.update(saved)
-    _bench._fleet_brief = True
+    setattr(_bench, "_fleet_brief", True)
     return _bench
 
 
@@ -269,8 +272,9 @@ def timed_run(run: Callable) -> Callable:
             return run(self, *args, **kwargs)
         finally:
             if STATS["tuned"] > tuned:
-                SECONDS[kernel_name(self, "?")] += time.perf_counter() - t0
-    run_and_time._fleet_timed = True
+                # typeshed types a Counter's counts as int; Python's docs allow floats (and `+=` on them)
+                SECONDS[kernel_name(self, "?")] += time.perf_counter() - t0  # type: ignore[assignment]
+    setattr(run_and_time, "_fleet_timed", True)
     return run_and_time
 
 
@@ -302,15 +306,18 @@ def install(autotuner: type | None = None, gpu_name: str | None = None) -> bool:
         load_presets(path)
     if autotuner is None:
         try:
-            from triton.runtime.autotuner import Autotuner as autotuner
+            from triton.runtime.autotuner import Autotuner
         except Exception:
             return False
-    if not getattr(autotuner.prune_configs, "_fleet_reuse", False):
-        autotuner.prune_configs = reuse_prune(autotuner.prune_configs)
-    if hasattr(autotuner, "_bench") and not getattr(autotuner._bench, "_fleet_brief", False):
-        autotuner._bench = brief_bench(autotuner._bench)
-    if not getattr(autotuner.run, "_fleet_timed", False):
-        autotuner.run = timed_run(autotuner.run)
+        autotuner = Autotuner
+    # patched by its attributes' names: Triton's class is untyped, and a stand-in declares none
+    patched: Any = autotuner
+    if not getattr(patched.prune_configs, "_fleet_reuse", False):
+        patched.prune_configs = reuse_prune(patched.prune_configs)
+    if hasattr(patched, "_bench") and not getattr(patched._bench, "_fleet_brief", False):
+        patched._bench = brief_bench(patched._bench)
+    if not getattr(patched.run, "_fleet_timed", False):
+        patched.run = timed_run(patched.run)
     return True
 
 
@@ -362,7 +369,7 @@ def run_block(block: torch.nn.Module, shapes: Sequence[tuple[int, int]], device:
               step: Callable[[int], None] | None = None) -> float:
     """The block once per (rows, width): fla's kernels tune at the first shape and compile their
     specialisations at the others. Seconds."""
-    hidden = getattr(block, "hidden_size", None) or block.in_proj_qkv.in_features
+    hidden = getattr(block, "hidden_size", None) or cast("GatedDeltaNetParts", block).in_proj_qkv.in_features
     dtype = next(block.parameters()).dtype
     g = torch.Generator(device=device).manual_seed(0)
     t0 = time.perf_counter()
@@ -439,8 +446,8 @@ class Tuner:
             from .model import use_fla_conv_on
             use_fla_conv_on([block])
             use_split_projections([block])      # the kernels the model's layers will run
-            n = len(self.shapes)
-            run_block(block, self.shapes, self.device, (lambda i: self.report(i, n)) if self.report else None)
+            n, report = len(self.shapes), self.report      # set once, in __init__
+            run_block(block, self.shapes, self.device, (lambda i: report(i, n)) if report else None)
             self.ran = True
             del block
         except BaseException as e:              # reported by join(); the load goes on without it
