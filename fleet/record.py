@@ -206,7 +206,7 @@ class ShardRecord:
     shipping: protocol.Shipping | None = None   # its files against the destination, as last told
     checked: protocol.Checked | None = None     # its reference checks so far (worker/reference.py)
 
-    def apply(self, ev: protocol.Record) -> None:
+    def apply(self, ev: protocol.Event) -> None:
         """Fold one event of the shard's record, in file order."""
         a = self._attempt_of(ev)
         if a is None:
@@ -223,7 +223,7 @@ class ShardRecord:
         else:
             self._running(a, ev)
 
-    def _attempt_of(self, ev: protocol.Record) -> Attempt | None:
+    def _attempt_of(self, ev: protocol.Event) -> Attempt | None:
         """The current attempt when `ev` is about it; None when `ev` is about the shard itself (a
         launch, a reopening, a stop before the first launch: folded here) or about nothing now
         (before any launch, or another launch's leftover)."""

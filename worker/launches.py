@@ -24,7 +24,7 @@ class LaunchState:
     stops: dict[int, protocol.StopRequested] = field(default_factory=dict)   # launch -> its newest stop
     final: set[int] = field(default_factory=set)             # launches a user's or the run's stop ends
 
-    def apply(self, ev: protocol.Record) -> None:
+    def apply(self, ev: protocol.Event) -> None:
         if isinstance(ev, protocol.StopRequested):      # a stop names its launch (0: before the first)
             k = ev.launch or 0
             self.last_stop, self.stops[k] = ev, ev

@@ -30,9 +30,16 @@ from typing import Any, ClassVar, Optional
 from .records import EVENT_TYPES, Record, event, now
 
 
+class Event(Record):
+    """Any event of a shard's record: each one has the host's time it was observed and the launch
+    it belongs to (declared here for the readers; each event's dataclass holds its own fields)."""
+    t: float
+    launch: Optional[int]
+
+
 @event
 @dataclass
-class Launch(Record):
+class Launch(Event):
     KIND: ClassVar[str] = "launch"
     t: float = field(default_factory=now)
     launch: int = 1
@@ -45,7 +52,7 @@ class Launch(Record):
 
 @event
 @dataclass
-class Started(Record):
+class Started(Event):
     KIND: ClassVar[str] = "started"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
@@ -66,7 +73,7 @@ class Started(Record):
 
 @event
 @dataclass
-class Submitted(Record):
+class Submitted(Event):
     """The engine accepted the launch: its task is `job`, in the engine's own naming."""
     KIND: ClassVar[str] = "submitted"
     t: float = field(default_factory=now)
@@ -88,7 +95,7 @@ TASK_PHASES = ("queued", "running", "ending")
 
 @event
 @dataclass
-class TaskEnded(Record):
+class TaskEnded(Event):
     """The engine's final word on the launch's task, written once by whoever first sees it (the
     agent, or a submit/cancel on the engine's login node). `end` is one of TASK_ENDS; `state` and
     `reason` are the engine's own words (NODE_FAIL, NodeDown), `engine` its name for people."""
@@ -105,7 +112,7 @@ class TaskEnded(Record):
 
 @event
 @dataclass
-class Loading(Record):
+class Loading(Event):
     KIND: ClassVar[str] = "loading"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
@@ -115,7 +122,7 @@ class Loading(Record):
 
 @event
 @dataclass
-class Loaded(Record):
+class Loaded(Event):
     KIND: ClassVar[str] = "loaded"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
@@ -130,7 +137,7 @@ class Loaded(Record):
 
 @event
 @dataclass
-class Progress(Record):
+class Progress(Event):
     """Cumulative counters of the shard (finished samples include those of earlier launches).
     `total_tokens`: the tokens of every row of the shard that will be extracted (whole shard, done
     or not), sent once the worker has read the rows' lengths; ETAs and throughput compare in
@@ -169,7 +176,7 @@ class Progress(Record):
 
 @event
 @dataclass
-class SampleSkipped(Record):
+class SampleSkipped(Event):
     KIND: ClassVar[str] = "sample_skipped"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
@@ -179,7 +186,7 @@ class SampleSkipped(Record):
 
 @event
 @dataclass
-class WarningEvent(Record):
+class WarningEvent(Event):
     KIND: ClassVar[str] = "warning"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
@@ -196,7 +203,7 @@ class Done(Progress):
 
 @event
 @dataclass
-class Failed(Record):
+class Failed(Event):
     KIND: ClassVar[str] = "failed"
     t: float = field(default_factory=now)
     launch: Optional[int] = None
@@ -208,7 +215,7 @@ class Failed(Record):
 
 @event
 @dataclass
-class Sentinel(Record):
+class Sentinel(Event):
     """A [job]'s log line matched its `done` or `fail` regex (written by the runner)."""
     KIND: ClassVar[str] = "sentinel"
     t: float = field(default_factory=now)
@@ -219,7 +226,7 @@ class Sentinel(Record):
 
 @event
 @dataclass
-class StopRequested(Record):
+class StopRequested(Event):
     """An intent, written by `hostctl act` (or an engine's `cancel`) before the first signal: the
     launch ends as this says, however it dies. `why`: user (k, :stop: never restarted by itself) |
     run (D, fleet down: the same, for the whole run) | restart (a restart's stop; `then` = "launch":
@@ -251,7 +258,7 @@ USER_STOPS = ("user", "run")
 
 @event
 @dataclass
-class Reopened(Record):
+class Reopened(Event):
     """`fleet verify --repair` dropped samples of this shard: a DONE shard has work again."""
     KIND: ClassVar[str] = "reopened"
     t: float = field(default_factory=now)
@@ -262,7 +269,7 @@ class Reopened(Record):
 
 @event
 @dataclass
-class Checked(Record):
+class Checked(Event):
     """The shard's reference checks so far (worker/reference.py): rows re-computed alone through
     the model's plain forward and compared with what was written; per saved layer (`layer_ids`) the
     worst cosine and relative error; `failed`: why the newest one failed (the shard stops)."""
@@ -280,7 +287,7 @@ class Checked(Record):
 
 @event
 @dataclass
-class Shipping(Record):
+class Shipping(Event):
     """Where the shard's finished files stand against the run's destination (worker/ship.py), sent
     every few seconds while any are moving or waiting. `shipped_*`: its files the destination holds
     (checksum matched, gone from the local disk), over every launch; `local_bytes`/`pending_files`:
@@ -303,7 +310,7 @@ class Shipping(Record):
 
 @event
 @dataclass
-class Leased(Record):
+class Leased(Event):
     """The shard holds rows [start, stop) of its host's pool (worker/leases.py): its planned
     range (`how` "plan"), a dead slot's lease taken over ("dead", `from_shard`), the second half
     of a live one's remainder ("stolen"), rows of a lost host ("adopted", `from_host`) or the rest
@@ -323,7 +330,7 @@ class Leased(Record):
 
 @event
 @dataclass
-class LeaseMoved(Record):
+class LeaseMoved(Event):
     """Rows [start, stop) this shard held went to `to_shard` (`rows` of them unfinished): taken over
     because this shard's process is gone (`why` "dead", written by the taker into this shard's
     record), or given up on a steal (`why` "stolen", written by this shard). `total`, `done`,
@@ -345,7 +352,7 @@ class LeaseMoved(Record):
 
 @event
 @dataclass
-class Relocated(Record):
+class Relocated(Event):
     """Rows [start, stop) moved from the host `from_host` — lost for `[supervise] host_lost_after`,
     or reachable with every shard FATAL or stopped while holding rows (`why` "idle"), or no longer
     in fleet.toml — to the host `to_host` (fleet/relocate.py, through `worker.relocate`). Written on the
@@ -368,7 +375,7 @@ class Relocated(Record):
 
 @event
 @dataclass
-class Exited(Record):
+class Exited(Event):
     """The launch ended: `code` (negative: killed by that signal; None: unknown), `stopped` (the
     runner was told to stop it), `vanished` (written by the agent: the runner died too)."""
     KIND: ClassVar[str] = "exited"
@@ -380,14 +387,13 @@ class Exited(Record):
     vanished: bool = False
 
 
-Event = Record        # any of the above
 
 
 # Events after which a launch has made progress (the judge's last progress time moves on them).
 PROGRESS_EVENTS = (Launch, Loaded, Progress)
 
 
-def parse_event(d: Any) -> Optional[Record]:
+def parse_event(d: Any) -> Optional[Event]:
     """A typed event from a JSON object, or None for anything that is not one (a line written by
     a newer worker, a hand edit): the record must never crash the reader."""
     if not isinstance(d, dict):

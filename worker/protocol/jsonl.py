@@ -9,7 +9,7 @@ import json
 import os
 from typing import Iterator
 
-from .events import parse_event
+from .events import Event, parse_event
 from .records import Record
 
 
@@ -100,6 +100,6 @@ def iter_jsonl(path: str) -> Iterator[dict]:
     yield from JsonlTail(path).read()
 
 
-def read_events(path: str) -> list[Record]:
+def read_events(path: str) -> list[Event]:
     """Every typed event of a shard's record, in order."""
     return [e for e in map(parse_event, iter_jsonl(path)) if e is not None]

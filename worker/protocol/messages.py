@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 
-from .events import parse_event
+from .events import Event, parse_event
 from .layout import PROTOCOL_VERSION
 from .records import MESSAGE_TYPES, Record, ReplyError, message, now
 from .replies import GpuStat, Plan, SupervisorClaim
@@ -47,7 +47,7 @@ class EventMessage(Message):
     """One event of a shard's record, typed (None: a line that is no event this side knows)."""
     KIND: ClassVar[str] = "event"
     shard: int = 0
-    event: Optional[Record] = None
+    event: Optional[Event] = None
 
     @classmethod
     def from_dict(cls, d: dict):
