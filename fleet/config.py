@@ -13,9 +13,10 @@ import os
 import re
 import string
 import sys
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from worker.formats import FORMATS, LOSS_MASKS, FormatError, check_dtype
 from worker.layers import LayerError, check_spec
@@ -31,6 +32,13 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 PLACEHOLDERS = {"python", "shard", "num_shards", "gpu", "gpus", "host", "output", "run", "model", "data",
                 "shard_dir", "start", "end"}
 ROW_PLACEHOLDERS = {"start", "end"}       # a [job] taking these gets its rows in leases (worker/ranged.py)
+
+# worker.formats' FORMATS and LOSS_MASKS as types, spelled out (a type checker takes no Literal of a
+# tuple); checked equal here, so neither can change alone.
+Format = Literal["speculators", "specforge-eagle3", "specforge-dflash", "eagle"]
+LossMask = Literal["assistant", "assistant-content", "all"]
+if get_args(Format) != FORMATS or get_args(LossMask) != LOSS_MASKS:     # pragma: no cover
+    raise ImportError("fleet.config's Format or LossMask differs from worker.formats' FORMATS or LOSS_MASKS")
 
 
 class ConfigError(Exception):
@@ -76,11 +84,11 @@ class RunSpec(Strict):
     # One folder, or several on a host's disks (one per NVMe): the first holds the run's records
     # and a link for every sample; the samples' bytes are spread over all of them in turn.
     output: Union[str, list[str]]
-    format: Literal[FORMATS] = "speculators"       # which trainer's files the workers write
+    format: Format = "speculators"                # which trainer's files the workers write
     layers: Union[str, list[int], None] = None      # a preset, "from:<draft config.json>", a list; None: the format's
     last_layer_norm: Literal["pre", "post"] | None = None
     target_last_hidden_states: bool = False         # specforge-dflash: add DSpark's final state
-    loss_mask: Literal[LOSS_MASKS] = "assistant"
+    loss_mask: LossMask = "assistant"
     dtype: Literal["bf16", "fp8"] = "bf16"          # hidden states as stored (fp8: format speculators)
     max_tokens_per_batch: int = Field(16384, gt=0)
     max_length: int | None = Field(None, gt=0)
@@ -464,15 +472,16 @@ class RaySpec(TaskEngineSpec):
         return {"address": self.address, "namespace": self.namespace, "dashboard": self.dashboard}
 
 
-NOTIFY_EVENTS = ("PENDING", "STARTING", "LOADING", "RUNNING", "LATE", "DONE", "STALLED", "FAILED", "BACKOFF",
-                 "FATAL", "STOPPED", "UNKNOWN", "alert", "finished")
+NotifyEvent = Literal["PENDING", "STARTING", "LOADING", "RUNNING", "LATE", "DONE", "STALLED", "FAILED", "BACKOFF",
+                      "FATAL", "STOPPED", "UNKNOWN", "alert", "finished"]
+NOTIFY_EVENTS = get_args(NotifyEvent)
 
 
 class NotifySpec(Strict):
     """A command the supervisor runs (split like [job] commands, never by a shell) on chosen
     transitions, with the event as JSON on its stdin (fleet/notify.py)."""
     command: str
-    on: list[Literal[NOTIFY_EVENTS]] = ["FAILED", "FATAL", "alert", "finished"]
+    on: list[NotifyEvent] = ["FAILED", "FATAL", "alert", "finished"]
     alert_after: float = 120.0          # throughput under alert_ratio this long before "alert"
     timeout: float = 30.0
 
@@ -639,11 +648,12 @@ def _section_name(loc: tuple) -> str:
     return f"[{'.'.join(str(x) for x in loc)}]"
 
 
-_MODELS = {"run": RunSpec, "expected": ExpectedSpec, "supervise": SuperviseSpec, "job": JobSpec,
-           "hosts": HostSpec, "slurm": SlurmSpec, "ray": RaySpec, "notify": NotifySpec, "": FleetSpec}
+_MODELS: dict[str, type[BaseModel]] = {
+    "run": RunSpec, "expected": ExpectedSpec, "supervise": SuperviseSpec, "job": JobSpec, "hosts": HostSpec,
+    "slurm": SlurmSpec, "ray": RaySpec, "notify": NotifySpec, "": FleetSpec}
 
 
-def _format_error(err: dict, lines: dict[tuple, int], path: str) -> str:
+def _format_error(err: ErrorDetails, lines: dict[tuple, int], path: str) -> str:
     loc = tuple(err["loc"])
     clean = tuple(x for x in loc if isinstance(x, int) or x in lines or not x.startswith(("literal", "list")))
     line = _locate(lines, clean)

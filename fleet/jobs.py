@@ -54,12 +54,14 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
     `{start}`/`{end}`, which the runner fills in for each chunk; any other [job] keeps its shard)."""
     run = config.run
     python = config.python(host)
+    output = config.output_dir(host)
+    model = config.host_path(host, run.model) if run.model else ""
+    data = config.host_path(host, run.data) if run.data else ""
+    state_dir = shard_dir(config, host, place.shard)
     values = {"python": python, "shard": place.shard, "num_shards": num_shards, "gpu": place.gpu,
               "gpus": ",".join(map(str, place.all_gpus)),
-              "host": host.name, "run": run.name, "output": config.output_dir(host),
-              "model": config.host_path(host, run.model) if run.model else "",
-              "data": config.host_path(host, run.data) if run.data else "",
-              "shard_dir": shard_dir(config, host, place.shard)}
+              "host": host.name, "run": run.name, "output": output, "model": model, "data": data,
+              "shard_dir": state_dir}
     env = {**place.gpu_env(), "PYTHONUNBUFFERED": "1", **run.env}
     job = config.spec.job
     if job is not None:
@@ -72,16 +74,17 @@ def shard_command(config: Config, host: HostSpec, place: Placement, num_shards: 
     if "PYTHONPATH" in env:          # the user's own paths, after the deployed worker (not instead)
         from .bundle import code_dir
         env["PYTHONPATH"] = f"{code_dir(config, host)}:{env['PYTHONPATH']}"
-    argv = [python, "-m", "worker.extract", "--model", values["model"], "--data", values["data"],
-            "--out", values["output"], *[a for f in config.output_dirs(host)[1:] for a in ("--spill", f)],
-            "--state", values["shard_dir"],
+    argv = [python, "-m", "worker.extract", "--model", model, "--data", data,
+            "--out", output, *[a for f in config.output_dirs(host)[1:] for a in ("--spill", f)],
+            "--state", state_dir,
             "--shard-index", str(place.shard), "--num-shards", str(num_shards),
             *(["--pool", ",".join(map(str, sorted(pool)))] if len(pool) > 1 else []),
             "--max-tokens-per-batch", str(run.max_tokens_per_batch), "--too-long", run.too_long]
     if len(place.all_gpus) > 1:
         argv += ["--gpus-per-shard", str(len(place.all_gpus))]
-    if run.destination is not None:            # keep_local is the host's: each shard keeps its share
-        argv += ["--destination", config.destination(host)]
+    destination = config.destination(host)     # (None when run.destination is)
+    if destination is not None:                # keep_local is the host's: each shard keeps its share
+        argv += ["--destination", destination]
         if run.keep_local is not None:
             argv += ["--keep-local", str(run.keep_local // max(1, len(pool)))]
     argv += output_args(run) + ["--plan", os.path.join(config.run_dir(host), "plan.json"),

@@ -29,7 +29,7 @@ from enum import Enum
 from worker import protocol
 
 from .figures import progress_age
-from .record import Outcome, Phase, ShardRecord, awaiting_engine, outcome
+from .record import Attempt, Outcome, Phase, ShardRecord, awaiting_engine, outcome
 from .state import MEASURED, State
 
 RATE_WINDOW_S = 30.0
@@ -129,7 +129,7 @@ def _judged(record: ShardRecord, alive: bool | None, host_now: float, policy: Po
         return Verdict(State.QUEUED, why, attempts=attempts)
     if alive is False:                     # dead, its end not yet in the record (the agent adds it)
         return Verdict(State.FAILED, "process vanished without an exit status", attempts=attempts)
-    return _live(record, acting, host_now, policy, attempts, idle_s)
+    return _live(record, a, acting, host_now, policy, attempts, idle_s)
 
 
 def _unlaunched(record: ShardRecord, alive: bool | None) -> Verdict:
@@ -140,26 +140,29 @@ def _unlaunched(record: ShardRecord, alive: bool | None) -> Verdict:
     return Verdict(State.PENDING, action=Action.LAUNCH)
 
 
-def _ended(record: ShardRecord, a, acting: bool | None, host_now: float, policy: Policy,
+def _ended(record: ShardRecord, a: Attempt, acting: bool | None, host_now: float, policy: Policy,
            attempts: int) -> Verdict:
     """The newest attempt has ended: DONE, STOPPED, a restart under way, or a failure's backoff."""
+    end = a.end
+    assert end is not None                 # (a.ended)
     kind, why = outcome(a, record.needs_done_sentinel)
     if kind == Outcome.DONE:
         return Verdict(State.PENDING, record.reopened, Action.LAUNCH) if record.reopened else Verdict(State.DONE)
+    assert why is not None                 # every outcome but DONE says why (record.outcome)
     if a.stop is not None and a.stop.restart:
-        return _restarting(a.stop, a.end.t, acting, host_now, attempts)
+        return _restarting(a.stop, end.t, acting, host_now, attempts)
     if kind == Outcome.STOPPED:
         return Verdict(State.STOPPED, why, attempts=attempts)
-    if awaiting_engine(a) and host_now < a.end.t + ENGINE_WORD_WAIT_S:
+    if awaiting_engine(a) and host_now < end.t + ENGINE_WORD_WAIT_S:
         return Verdict(State.FAILED, why, attempts=attempts)    # the agent records it in a moment
-    return _failed(why, a.end.t, attempts, host_now, policy, a.failure_fatal)
+    return _failed(why, end.t, attempts, host_now, policy, a.failure_fatal)
 
 
-def _live(record: ShardRecord, acting: bool | None, host_now: float, policy: Policy, attempts: int,
+def _live(record: ShardRecord, a: Attempt, acting: bool | None, host_now: float, policy: Policy, attempts: int,
           idle_s: float | None) -> Verdict:
-    """The newest attempt's process lives: its phase, a stop under way, a failure seen, a stall,
-    or silence past a few of its usual intervals (LATE: nothing is done about it yet)."""
-    a = record.attempt
+    """The newest attempt (`a`, record.attempt) has a process that lives: its phase, a stop under
+    way, a failure seen, a stall, or silence past a few of its usual intervals (LATE: nothing is
+    done about it yet)."""
     phase = a.phase
     if policy.custom_job and phase == Phase.STARTING and a.pid is not None:
         phase = Phase.RUNNING

@@ -14,6 +14,7 @@ disagrees, or no host answering at all.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from worker.identity import differences
@@ -63,9 +64,9 @@ async def prepare(links: dict[str, HostLink], config: Config, engine: Launcher, 
         plan = await settle_plan(links, config, engine, results, say, live, replan, unreached=sorted(unreachable))
     except PlanError as e:
         raise SetupRefused(str(e)) from None
-    for name, e in unreachable.items():
+    for name, why in unreachable.items():
         links[name].unprepared = True
-        say(f"{name}: unreachable ({str(e).removeprefix(name + ': ')}): supervising the others; its shards are "
+        say(f"{name}: unreachable ({str(why).removeprefix(name + ': ')}): supervising the others; its shards are "
             f"UNKNOWN until it answers (deployed and preflighted then)" + _lost_words(config))
     return plan
 
@@ -147,8 +148,8 @@ def unreached_gpus(config: Config, existing: Plan | None, unreached: list[str]) 
     for name in unreached:
         if name in held:
             out[name] = held[name]
-        elif specs[name].gpus != "all":
-            out[name] = list(specs[name].gpus)
+        elif (listed := specs[name].gpus) != "all":
+            out[name] = list(listed)
         else:
             raise PlanError(f"a new run's plan needs {name}'s GPUs and {name} is unreachable: list them in "
                             f"fleet.toml (gpus = [0, 1, ...]) to start without it, or start when it answers")
@@ -157,7 +158,7 @@ def unreached_gpus(config: Config, existing: Plan | None, unreached: list[str]) 
 
 async def settle_plan(links: dict[str, HostLink], config: Config, engine: Launcher, results: list[deploy.Preflight],
                       say: Say, live: Callable[[], Awaitable[list[str]]], replan: bool = False,
-                      unreached: list[str] = ()) -> Plan:
+                      unreached: Sequence[str] = ()) -> Plan:
     """The run's plan after deploy: the one the hosts hold if fleet.toml still agrees with it,
     else a refusal (PlanError) naming the differences — or, with `replan` and nothing live, a
     new one. Every host that answered gets the plan that is used; a host the plan has that

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -47,12 +48,12 @@ def reference_of(r: ShardRecord) -> ReferenceStatus | None:
 
 def reference_sum(parts: list[ReferenceStatus | None]) -> ReferenceStatus | None:
     """Several shards' checks as one (the run's): rows summed, the worst of each layer."""
-    parts = [p for p in parts if p is not None]
-    if not parts:
+    seen = [p for p in parts if p is not None]
+    if not seen:
         return None
-    out = ReferenceStatus(rows=sum(p.rows for p in parts), masks=sum(p.masks for p in parts), layer_ids=parts[0].layer_ids,
-                          failed=next((p.failed for p in parts if p.failed), None))
-    for p in parts:
+    out = ReferenceStatus(rows=sum(p.rows for p in seen), masks=sum(p.masks for p in seen), layer_ids=seen[0].layer_ids,
+                          failed=next((p.failed for p in seen if p.failed), None))
+    for p in seen:
         if p.worst_cosine and p.layer_ids == out.layer_ids:
             out.worst_cosine = [min(a, b) for a, b in zip(out.worst_cosine, p.worst_cosine)] if out.worst_cosine \
                 else list(p.worst_cosine)
@@ -78,18 +79,18 @@ def shipping_of(r: ShardRecord, host_now: float) -> ShippingStatus | None:
 
 def shipping_sum(parts: list[ShippingStatus | None]) -> ShippingStatus | None:
     """Several shards' shipping as one (a host's, the run's)."""
-    parts = [p for p in parts if p is not None]
-    if not parts:
+    seen = [p for p in parts if p is not None]
+    if not seen:
         return None
-    rates = [p.rate_bps for p in parts if p.rate_bps is not None]
-    return ShippingStatus(destination=parts[0].destination,
-                          shipped_files=sum(p.shipped_files for p in parts),
-                          shipped_bytes=sum(p.shipped_bytes for p in parts),
-                          pending_files=sum(p.pending_files for p in parts),
-                          pending_bytes=sum(p.pending_bytes for p in parts),
-                          rate_bps=sum(rates) if rates else None, waiting=any(p.waiting for p in parts),
-                          error=next((p.error for p in parts if p.error), None),
-                          finished=all(p.finished for p in parts))
+    rates = [p.rate_bps for p in seen if p.rate_bps is not None]
+    return ShippingStatus(destination=seen[0].destination,
+                          shipped_files=sum(p.shipped_files for p in seen),
+                          shipped_bytes=sum(p.shipped_bytes for p in seen),
+                          pending_files=sum(p.pending_files for p in seen),
+                          pending_bytes=sum(p.pending_bytes for p in seen),
+                          rate_bps=sum(rates) if rates else None, waiting=any(p.waiting for p in seen),
+                          error=next((p.error for p in seen if p.error), None),
+                          finished=all(p.finished for p in seen))
 
 
 @dataclass
@@ -180,7 +181,8 @@ def last_shard_eta(rows: list[ShardStatus], views: list[ShardView],
                  tokens_per_s=sum(x.tokens_per_s for _, x in measured) / n,
                  bytes_per_s=sum(x.bytes_per_s for _, x in measured) / n)
     rate_of = {id(v): x for v, x in measured}
-    ends, pools = [], {}
+    ends: list[float] = []
+    pools: dict[str, list[tuple[ShardRecord, Rates]]] = {}
     for row, v in zip(rows, views):
         if row.state in (State.DONE, State.FATAL, State.STOPPED) or not row.holds_rows:
             continue                       # (a lost host's shard whose rows went to others: theirs now)
@@ -191,8 +193,12 @@ def last_shard_eta(rows: list[ShardStatus], views: list[ShardView],
         if end is None:
             return None
         ends.append(end)
-    ends += [pool_end(p) for p in pools.values()]
-    return None if None in ends else max(ends, default=None)
+    for p in pools.values():
+        end = pool_end(p)
+        if end is None:
+            return None
+        ends.append(end)
+    return max(ends, default=None)
 
 
 def pool_end(shards: list[tuple[ShardRecord, Rates]]) -> float | None:
@@ -201,7 +207,7 @@ def pool_end(shards: list[tuple[ShardRecord, Rates]]) -> float | None:
     after a steal, until both have sized their rows again, the thief's total still lacks the
     rows that the holder's still counts, and the two cancel."""
     if all(r.total_tokens is not None for r, _ in shards):
-        left = sum(r.total_tokens - r.tokens for r, _ in shards)
+        left = sum(r.total_tokens - r.tokens for r, _ in shards if r.total_tokens is not None)
         speed = sum(x.tokens_per_s for _, x in shards)
     else:
         left = sum(r.total - r.done - r.skipped for r, _ in shards)
@@ -334,8 +340,9 @@ def against_expected(expected, views: list[ShardView], gpus_expected: int, sps: 
     if not per_gpu and timed:             # no figure given: on a CPU, what its workers timed at load
         per_gpu, unit = sum(timed) / len(timed), "tokens"
     rate = per_gpu * gpus_expected if per_gpu and gpus_expected else None
-    sized = [v.record for v in views if v.record.total_tokens is not None and v.record.total]
-    per_sample = (sum(r.total_tokens for r in sized) / sum(r.total for r in sized)) if sized else None
+    sized = [(v.record.total_tokens, v.record.total) for v in views
+             if v.record.total_tokens is not None and v.record.total]
+    per_sample = (sum(t for t, _ in sized) / sum(n for _, n in sized)) if sized else None
     tokens = rate if unit == "tokens" else (rate * per_sample if rate and per_sample else None)
     ratio, ratio_unit = None, None
     if tokens:
@@ -351,7 +358,7 @@ def run_eta(views: list[ShardView], rows: list[ShardStatus], measured: list, fin
     open_ = [v.record for v, row in zip(views, rows) if row.state != State.DONE]
     total = run_rows([v.record for v in views])
     if open_ and all(r.total_tokens is not None for r in open_):
-        unit, remaining = "tokens", sum(max(r.total_tokens - r.tokens, 0) for r in open_)
+        unit, remaining = "tokens", sum(max(r.total_tokens - r.tokens, 0) for r in open_ if r.total_tokens is not None)
     else:
         unit = "samples"
         remaining = max(total - sum(v.record.done + v.record.skipped for v in views), 0)
@@ -371,7 +378,7 @@ def elapsed_s(views: list[ShardView], hosts: dict[str, Host], settled: bool, now
 
 
 def host_rows(hosts: dict[str, Host], views: list[ShardView], measured: list, hours: float | None,
-              now: float, rows: list[ShardStatus] = ()) -> tuple[list[HostStatus], float | None]:
+              now: float, rows: Sequence[ShardStatus] = ()) -> tuple[list[HostStatus], float | None]:
     """Each host as status shows it, and the soonest time a host's disk fills at its current rate."""
     host_tps: dict[str, float] = {}
     for v, x in measured:
@@ -411,9 +418,10 @@ def money(hosts: dict[str, Host], hours: float | None, settled: bool,
     """What the priced hosts cost an hour, over the run's elapsed time, and at this rate to the end."""
     priced = [h.usd_per_hour for h in hosts.values() if h.usd_per_hour is not None]
     rate = sum(priced) if priced else None
-    spent = rate * hours if rate is not None and hours is not None else None
-    projected = None
-    if spent is not None:
+    spent: float | None = None
+    projected: float | None = None
+    if rate is not None and hours is not None:
+        spent = rate * hours
         projected = spent if settled else (spent + rate * eta / 3600 if eta is not None else None)
     return rate, spent, projected
 
@@ -440,8 +448,8 @@ def run_rows(records: list[ShardRecord]) -> int:
     """The run's rows, each once wherever it moved: the plan's ranges when every shard has its own
     (a shard that took rows from another counts them in its total, and so did the other until it
     was told), else the shards' totals."""
-    planned = [r.planned for r in records]
-    if records and all(p is not None for p in planned):
+    planned = [r.planned for r in records if r.planned is not None]
+    if records and len(planned) == len(records):
         return sum(stop - start for start, stop in planned)
     return sum(r.total for r in records)
 

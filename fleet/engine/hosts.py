@@ -27,7 +27,7 @@ class HostLauncher(Engine):
         """One shard per `gpus_per_shard` GPUs of a host (in its GPU order), numbered in
         fleet.toml's host order; GPUs left over (fewer than gpus_per_shard) run nothing."""
         k = self.config.run.gpus_per_shard
-        out = []
+        out: list[Placement] = []
         for host in self.config.hosts:
             gpus = gpus_by_host[host.name]
             for i in range(0, len(gpus) - k + 1, k):

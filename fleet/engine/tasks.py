@@ -66,7 +66,9 @@ class TaskLauncher(Engine):
         """A shard shows its task, and its node (and the first GPU the engine gave it) once it started."""
         a = shard.record.attempt
         view.task = task_status(shard.record, shard.task)
-        node = (a.node or (view.task.node if view.task else None)) if a is not None else None
+        if a is None:
+            return view
+        node = a.node or (view.task.node if view.task else None)
         if node:
             view.node, view.gpu = node, (a.gpus[0] if a.gpus else view.gpu)
             view.gpus = tuple(a.gpus) if a.gpus else view.gpus
@@ -77,8 +79,10 @@ class TaskLauncher(Engine):
         tasks = []
         for s in store.shards.values():
             a = s.record.attempt
-            live = task_status(s.record, s.task) if a is not None else None
-            node = (a.node or (live.node if live else None)) if a is not None else None
+            if a is None:
+                continue
+            live = task_status(s.record, s.task)
+            node = a.node or (live.node if live else None)
             if node:
                 reporting = s.alive and not a.ended and s.gpus is not None and s.gpus.launch == a.n
                 tasks.append((node, s.gpus if reporting else None))
@@ -180,7 +184,7 @@ class TaskLauncher(Engine):
             detail = (f"as job {result.job}" if state == "submitted" and result.job
                       else result.error or (None if state else "submission failed"))
             out[p.shard] = protocol.ActResult(
-                shard=p.shard, status={"held": "running"}.get(state, state or "error"), detail=detail)
+                shard=p.shard, status={"held": "running"}.get(state, state) if state else "error", detail=detail)
         return out
 
     def agent_args(self) -> list[str]:
