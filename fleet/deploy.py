@@ -183,8 +183,9 @@ async def deploy_host(t: Transport, config: Config, host: HostSpec, engine: Pref
         args += ["--data", data]
     if config.spec.job is None:
         args.append("--builtin")
-    if config.run.destination is not None:
-        args += ["--destination", config.destination(host)]
+    destination = config.destination(host)     # (None when [run] destination is)
+    if destination is not None:
+        args += ["--destination", destination]
     report = await run_worker_module(t, config, host, "preflight", *args, reply=protocol.PreflightReport,
                                      timeout=300, env=run.env)     # the destination with the shards' env
     result.report = report
@@ -219,13 +220,13 @@ def format_preflight(results: list[Preflight], failures: dict[str, HostError],
     for host, e in failures.items():
         label = "REFUSED: " if isinstance(e, HostUnusable) else "UNREACHABLE: "
         rows.append((host, "-", "-", "-", "-", "-", "-", label + str(e).removeprefix(f"{host}: ")))
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]) - 1)]
     indent = sum(widths) + 2 * len(widths)
     room = max((width or 10**6) - indent, 24)
     lines = []
-    for r in rows:
-        head = "  ".join(str(c).ljust(w) for c, w in zip(r[:-1], widths)) + "  "
-        verdict = textwrap.wrap(str(r[-1]), room, break_on_hyphens=False) or [""]
-        lines.append(head + verdict[0])
-        lines += [" " * indent + more for more in verdict[1:]]
+    for row in rows:
+        head = "  ".join(str(c).ljust(w) for c, w in zip(row[:-1], widths)) + "  "
+        wrapped = textwrap.wrap(str(row[-1]), room, break_on_hyphens=False) or [""]
+        lines.append(head + wrapped[0])
+        lines += [" " * indent + more for more in wrapped[1:]]
     return "\n".join(lines)

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 from . import claim, protocol
 from .engine import load as load_engine
@@ -138,10 +139,10 @@ class TaskWatch:
         self.began = -1e18                 # monotonic time the last answered query began
         self.last_try = -1e18
         self.error: str | None = None
-        self.sent_error: tuple | None = None
+        self.sent_error: tuple[str | None] | None = None
         self.urgent = False
         self._thread: threading.Thread | None = None
-        self._answer: tuple | None = None
+        self._answer: tuple[float, dict[str, View] | None, str | None] | None = None
 
     def _ask(self, jobs: list[str], began: float) -> None:
         try:
@@ -151,7 +152,7 @@ class TaskWatch:
         except Exception as e:                 # never lose the thread's answer to a surprise
             self._answer = (began, None, f"{type(e).__name__}: {e}")
 
-    def poll(self, jobs: list[str], force: bool, beat=None) -> bool:
+    def poll(self, jobs: list[str], force: bool, beat: Callable[[], None] | None = None) -> bool:
         """Start a query if one is due (`force`: now, and wait for it, calling `beat` each second);
         True when an answer came in (views are then fresh for what was read before `began`)."""
         now = time.monotonic()
@@ -170,6 +171,7 @@ class TaskWatch:
         if self._thread.is_alive():
             return False
         self._thread = None
+        assert self._answer is not None        # _ask answers before its thread ends
         began, views, error = self._answer
         self.error = error
         if views is None:
@@ -228,10 +230,11 @@ class Agent:
         """The record first, then the engine: a task's end is only concluded from a query that
         began after its task was read, and its record is read again before anything is written."""
         watch = self.tasks
+        assert watch is not None               # (called only with an engine: poll_shards)
         events = {k: f.read() for k, f in self.shards.items()}
         self._close_final_checks(protocol.now())
-        wanted = [f for f in self.shards.values() if f.state.job and (not f.ended or not f.final_checked)]
-        answered = watch.poll([f.state.job for f in wanted], force=replay, beat=self._beat)
+        wanted = [f.state.job for f in self.shards.values() if f.state.job and (not f.ended or not f.final_checked)]
+        answered = watch.poll(wanted, force=replay, beat=self._beat)
         if replay or (watch.error,) != watch.sent_error:
             watch.sent_error = (watch.error,)
             self.send(protocol.EnginePoll(error=watch.error, engine=watch.engine.label))
@@ -279,7 +282,7 @@ class Agent:
             f.alive = alive
             self.send(protocol.Liveness(shard=k, alive=alive, pid=read_pid(f.dir) if alive else None))
         key = (state.n, view) if alive and view is not None else None
-        if key is not None and (replay or key != f.sent_view):
+        if alive and view is not None and (replay or key != f.sent_view):     # (when key is not None)
             self.send(protocol.TaskState(shard=k, launch=state.n, job=view.job, phase=view.phase,
                                          state=view.state, reason=view.reason, node=view.node))
         f.sent_view = key

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from . import protocol, ranged
 from .files import write_atomic
@@ -280,7 +281,7 @@ def _forward_stops(stopping: list[int], children: list[subprocess.Popen]) -> Non
         signal.signal(s, forward)
 
 
-_prctl = None                      # inside an engine's task: libc's prctl (the shard dies with its runner)
+_prctl: Callable[..., int] | None = None   # inside an engine's task: libc's prctl (the shard dies with its runner)
 
 
 def _die_with_parent() -> None:
@@ -288,6 +289,7 @@ def _die_with_parent() -> None:
     can lose its runner with no chance to end the shard (a lost node, the engine's kill); the shard's
     process must not write on alone, unseen. Nothing is imported here: between fork and exec an
     import can wait forever on a lock another thread of the runner held at the fork."""
+    assert _prctl is not None             # (_start runs this only once it is set)
     _prctl(1, signal.SIGKILL)
 
 
@@ -712,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         command = command[1:]
     sentinels = SentinelSpec.from_dict(json.loads(args.sentinels)) if getattr(args, "sentinels", None) else None
     rows = protocol.RowShare.from_dict(json.loads(args.rows)) if getattr(args, "rows", None) else None
+    result: dict | protocol.Reply
     if args.cmd == "launch":
         if not command:
             ap.error("launch needs a command after --")

@@ -143,7 +143,8 @@ class Ray(Engine):
                               "(pip install 'ray[default]')") from None
         if not ray.is_initialized():
             try:
-                ray.init(address=self.address, namespace=self.namespace, logging_level="ERROR",
+                # (ray types logging_level int, but takes a level's name too: its own default is "info")
+                ray.init(address=self.address, namespace=self.namespace, logging_level="ERROR",  # type: ignore[arg-type]
                          log_to_driver=False, configure_logging=False)
             except Exception as e:
                 raise EngineError(f"Ray cluster at {self.address} does not answer: "
@@ -160,8 +161,8 @@ class Ray(Engine):
         except Exception as e:
             raise EngineError(f"Ray's state API did not answer: {str(e).strip().splitlines()[0][:200]}") from None
         newest: dict[str, dict] = {}
-        for a in actors:
-            a = a if isinstance(a, dict) else a.__dict__
+        for actor in actors:                # ActorState as typed; a dict from some Ray versions
+            a: dict = actor if isinstance(actor, dict) else actor.__dict__
             name = a.get("name")
             if name in jobs and (name not in newest or newest[name].get("state") == "DEAD"):
                 newest[name] = a                # a name Ray reuses: the live one

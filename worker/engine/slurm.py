@@ -25,6 +25,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 
 from .. import protocol
 from ..files import write_atomic
@@ -209,7 +210,7 @@ def _scancel(jobs: list[str], extra: list[str] | None = None) -> str | None:
 
 # --- inside a task -------------------------------------------------------------------------------
 
-def allocated_gpus(env: dict | None = None) -> list[int] | None:
+def allocated_gpus(env: Mapping[str, str] | None = None) -> list[int] | None:
     """The node's GPU indices Slurm gave this task (SLURM_STEP_GPUS / SLURM_JOB_GPUS), else those
     CUDA_VISIBLE_DEVICES names by number; None when nothing says."""
     env = os.environ if env is None else env
