@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from worker import protocol
 
@@ -28,12 +28,11 @@ from .schema import FleetSnapshot
 from .snapshot import ShardView, all_replayed, build_snapshot
 from .state import State
 from .transport import HostError, HostUnusable, RunClaimed
+from .verdicts import Judged, holds, reads, silence
 
 
 EXTRAPOLATE_S = 10.0      # a shard's idle time is carried past its host's last word by at most this
-VERDICT_FRESH_S = 1.0     # a verdict is judged again once this old (what changes with time alone: a
-                          # stall, LATE, a backoff's end), and at once when what it is judged from changes
-VERSIONS = itertools.count(1)    # a shard's version: unique across shards, old and replayed anew
+VERSIONS = itertools.count(1)    # a record's version: unique across shards, old and replayed anew
 
 
 @dataclass
@@ -53,19 +52,15 @@ class Shard:
     task: protocol.TaskState | None = None      # what its engine says now of its newest launch's task
     gpus: protocol.TaskGpus | None = None        # the GPUs that task reported
     damage: protocol.RecordDamage | None = None  # what of its record could not be read
-    version: int = field(default_factory=lambda: next(VERSIONS))   # new whenever what it is judged from changes
+    record_version: int = field(default_factory=lambda: next(VERSIONS))   # new with each event folded
 
     @property
     def id(self) -> int:
         return self.placement.shard
 
-    def changed(self) -> None:
-        """What its verdict is judged from changed: a verdict judged before is judged again."""
-        self.version = next(VERSIONS)
-
-    def fold(self, ev: protocol.Record, live: bool) -> None:
+    def fold(self, ev: protocol.Event, live: bool) -> None:
         """One event of its record (`live`: followed as it happened, not replayed)."""
-        self.changed()
+        self.record_version = next(VERSIONS)
         self.record.apply(ev)
         if isinstance(ev, protocol.Launch):
             self.launch_failures.clear()
@@ -74,10 +69,8 @@ class Shard:
             self.idle_s, self.idle_at = 0.0, time.monotonic()
 
     def liveness(self, msg: protocol.Liveness) -> None:
-        """Its host's word on its process, every telemetry interval: a new version only when the
-        process's life changed (its idle time is a clock, judged again with time: VERDICT_FRESH_S)."""
-        if (msg.alive, msg.pid, msg.acting) != (self.alive, self.pid, self.acting):
-            self.changed()
+        """Its host's word on its process, every telemetry interval (what the judge reads of it,
+        alive and acting, is compared where its verdict is kept: fleet.verdicts)."""
         self.alive, self.pid, self.acting = msg.alive, msg.pid, msg.acting
         self.idle_s, self.idle_at = msg.idle_s, time.monotonic()
 
@@ -102,7 +95,6 @@ class Shard:
         self.busy_since = None
 
     def launch_failed(self, failure: LaunchFailure) -> None:
-        self.changed()
         self.busy_since = None
         self.launch_failures.append(failure)
 
@@ -111,15 +103,6 @@ class Shard:
         return Shard(self.placement, ShardRecord(needs_done_sentinel=needs_done_sentinel),
                      launch_failures=self.launch_failures, busy_since=self.busy_since,
                      busy_mark=self.busy_mark)
-
-
-@dataclass(frozen=True)
-class Judged:
-    """A verdict and what it was judged from: the shard's version, its host's down reason, when."""
-    version: int
-    down: str | None
-    now: float
-    verdict: Verdict
 
 
 @dataclass(frozen=True)
@@ -273,59 +256,74 @@ class Store:
     def apply(self, host_name: str, msg: protocol.Message, discover: bool = False,
               now: float | None = None) -> protocol.Record | None:
         """One message of a host's agent; the event it carried, once folded. Raises HostError
-        where it says the host cannot be used."""
+        where it says the host cannot be used. Each kind of message has its fold (`_FOLDS`); one
+        nothing folds (a beat) only says the host is there."""
         host = self.hosts[host_name]
         sent = None if isinstance(msg, protocol.TaskGpus) else getattr(msg, "t", None)   # (its reading's time)
         host.heard(sent, time.time() if now is None else now)
-        if isinstance(msg, protocol.Hello):
-            if msg.protocol != protocol.PROTOCOL_VERSION:
-                raise HostError(f"{host_name}: host runs worker protocol {msg.protocol}, this fleet "
-                                f"speaks {protocol.PROTOCOL_VERSION}: redeploy (fleet up)")
-            if (why := self.another_machine(host_name, msg.host_id)) is not None:
-                raise HostUnusable(f"{host_name}: {why}")
-            if not discover:
-                self.replay_starts(host_name)
-        elif isinstance(msg, protocol.EventMessage):
-            ev = msg.event
-            if isinstance(ev, protocol.Relocated):
-                self.moves.seen(ev)
-            shard = self.shards.get(msg.shard)
-            if shard is None and ev is not None and discover:
-                shard = self.discover(host_name, msg.shard, ev)
-            if shard is not None and ev is not None:
-                shard.fold(ev, live=host.replayed)
-                return ev
-        elif isinstance(msg, protocol.Liveness):
-            if (shard := self.shards.get(msg.shard)) is not None:
-                shard.liveness(msg)
-        elif isinstance(msg, protocol.Idle):
-            at = time.monotonic()
-            for k, idle_s in zip(msg.shards, msg.idle_s):
-                if (shard := self.shards.get(k)) is not None:     # (Shard.idle: only while alive)
-                    shard.idle_s, shard.idle_at = idle_s, at
-        elif isinstance(msg, protocol.RecordDamage):
-            if (shard := self.shards.get(msg.shard)) is not None:
-                shard.damage = msg
-        elif isinstance(msg, protocol.TaskState):
-            if (shard := self.shards.get(msg.shard)) is not None:
-                shard.changed()
-                shard.task = msg
-        elif isinstance(msg, protocol.TaskGpus):
-            if (shard := self.shards.get(msg.shard)) is not None:
-                shard.gpus = msg
-        elif isinstance(msg, protocol.EnginePoll):
-            host.engine_said(msg)
-        elif isinstance(msg, protocol.GpuReading):
-            host.read_gpus(msg)
-        elif isinstance(msg, protocol.DiskReading):
-            host.read_disk(msg)
-        elif isinstance(msg, protocol.Replayed):
-            host.replay_done()
-        elif isinstance(msg, protocol.AgentError):
-            raise HostError(f"{host_name}: agent failed: {msg.message}")
-        elif isinstance(msg, protocol.Claimed):
-            raise RunClaimed(f"{host_name}: the run is supervised by another supervisor", msg.holder)
-        return None
+        fold = _fold_of(type(msg))
+        return fold(self, host_name, msg, discover) if fold is not None else None
+
+    def _hello(self, at: str, msg: protocol.Hello, discover: bool) -> None:
+        if msg.protocol != protocol.PROTOCOL_VERSION:
+            raise HostError(f"{at}: host runs worker protocol {msg.protocol}, this fleet "
+                            f"speaks {protocol.PROTOCOL_VERSION}: redeploy (fleet up)")
+        if (why := self.another_machine(at, msg.host_id)) is not None:
+            raise HostUnusable(f"{at}: {why}")
+        if not discover:
+            self.replay_starts(at)
+
+    def _event(self, at: str, msg: protocol.EventMessage, discover: bool) -> protocol.Record | None:
+        ev = msg.event
+        if isinstance(ev, protocol.Relocated):
+            self.moves.seen(ev)
+        shard = self.shards.get(msg.shard)
+        if shard is None and ev is not None and discover:
+            shard = self.discover(at, msg.shard, ev)
+        if shard is None or ev is None:
+            return None
+        shard.fold(ev, live=self.hosts[at].replayed)
+        return ev
+
+    def _liveness(self, at: str, msg: protocol.Liveness, discover: bool) -> None:
+        if (shard := self.shards.get(msg.shard)) is not None:
+            shard.liveness(msg)
+
+    def _idle(self, at: str, msg: protocol.Idle, discover: bool) -> None:
+        now = time.monotonic()
+        for k, idle_s in zip(msg.shards, msg.idle_s):
+            if (shard := self.shards.get(k)) is not None:     # (Shard.idle: only while alive)
+                shard.idle_s, shard.idle_at = idle_s, now
+
+    def _damage(self, at: str, msg: protocol.RecordDamage, discover: bool) -> None:
+        if (shard := self.shards.get(msg.shard)) is not None:
+            shard.damage = msg
+
+    def _task(self, at: str, msg: protocol.TaskState, discover: bool) -> None:
+        if (shard := self.shards.get(msg.shard)) is not None:
+            shard.task = msg
+
+    def _task_gpus(self, at: str, msg: protocol.TaskGpus, discover: bool) -> None:
+        if (shard := self.shards.get(msg.shard)) is not None:
+            shard.gpus = msg
+
+    def _engine_poll(self, at: str, msg: protocol.EnginePoll, discover: bool) -> None:
+        self.hosts[at].engine_said(msg)
+
+    def _gpus(self, at: str, msg: protocol.GpuReading, discover: bool) -> None:
+        self.hosts[at].read_gpus(msg)
+
+    def _disk(self, at: str, msg: protocol.DiskReading, discover: bool) -> None:
+        self.hosts[at].read_disk(msg)
+
+    def _replayed(self, at: str, msg: protocol.Replayed, discover: bool) -> None:
+        self.hosts[at].replay_done()
+
+    def _agent_error(self, at: str, msg: protocol.AgentError, discover: bool) -> None:
+        raise HostError(f"{at}: agent failed: {msg.message}")
+
+    def _claimed(self, at: str, msg: protocol.Claimed, discover: bool) -> None:
+        raise RunClaimed(f"{at}: the run is supervised by another supervisor", msg.holder)
 
     def resolve(self, ref: str) -> int:
         """'3' or 'host:gpu' -> shard id (KeyError with a message otherwise)."""
@@ -360,19 +358,24 @@ class Store:
 
     def verdict(self, shard: Shard, now: float | None = None) -> Verdict:
         """The judge's verdict on the shard at `now` (default: now), judged once for every reader —
-        the decide pass, the snapshot, a refusal — while what it is judged from is unchanged and it
-        is under VERDICT_FRESH_S old (at 64 hosts x 8 shards, judging every shard for each of them,
-        4 passes and a picture a second, was a tenth of the supervisor's CPU)."""
+        the decide pass, the snapshot, a refusal — and again only when what the judge reads of it
+        changed or time moved it past a threshold (fleet/verdicts.py): a GPU or disk reading, a
+        beat or the passing of time alone does not judge a shard again."""
         now = time.time() if now is None else now
         host = self.hosts[shard.placement.host]
         down = host.down_reason
+        host_now = host.host_now(now)
+        idle = shard.idle()
+        basis = reads(shard.record_version, shard.alive, shard.acting, shard.task, len(shard.launch_failures), down)
         taken = self.judged.get(shard.id)
-        if taken is not None and taken.version == shard.version and taken.down == down and \
-                0.0 <= now - taken.now < VERDICT_FRESH_S:
+        if taken is not None and taken.reads == basis and \
+                taken.holds.covers(host_now, lambda: silence(shard.record, host_now, idle)):
             return taken.verdict
-        v = judge(shard.record, shard.alive, host.host_now(now), self.policy,
-                  tuple(shard.launch_failures), shard.task, shard.acting, shard.idle(), down)
-        self.judged[shard.id] = Judged(shard.version, down, now, v)
+        v = judge(shard.record, shard.alive, host_now, self.policy, tuple(shard.launch_failures), shard.task,
+                  shard.acting, idle, down)
+        said = v if down is None else Verdict(v.recorded or v.state)    # UNKNOWN: its state alone counts
+        self.judged[shard.id] = Judged(basis, holds(shard.record, said, host_now, self.policy, shard.acting,
+                                                    idle, state_only=down is not None), v)
         return v
 
     def transitions(self, verdicts: dict[int, Verdict], now: float) -> list[Transition]:
@@ -402,3 +405,16 @@ class Store:
             s.id, p.host, p.gpu, s.record, verdict, s.alive, s.pid, self.policy.max_restarts,
             gpus=p.all_gpus, idle_s=s.idle(), moved_to=self.moves.moved_to(p.host, s.record.leased_t),
             damage=s.damage))
+
+
+_FOLDS: dict[type, Callable[..., protocol.Record | None]] = {
+    protocol.Hello: Store._hello, protocol.EventMessage: Store._event, protocol.Liveness: Store._liveness,
+    protocol.Idle: Store._idle, protocol.RecordDamage: Store._damage, protocol.TaskState: Store._task,
+    protocol.TaskGpus: Store._task_gpus, protocol.EnginePoll: Store._engine_poll, protocol.GpuReading: Store._gpus,
+    protocol.DiskReading: Store._disk, protocol.Replayed: Store._replayed, protocol.AgentError: Store._agent_error,
+    protocol.Claimed: Store._claimed}
+
+
+def _fold_of(kind: type) -> Callable[..., protocol.Record | None] | None:
+    """The fold of a kind of message (a subclass folds as its message does); None: nothing to fold."""
+    return next((_FOLDS[c] for c in kind.__mro__ if c in _FOLDS), None)
