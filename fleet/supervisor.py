@@ -128,7 +128,9 @@ class Supervisor:
         return plan
 
     async def _preflight_late(self, link: HostLink) -> None:
-        await setup.preflight_late(link, self.config, self.launcher, self.store.plan, self.on_log, self.allow_partial)
+        plan = self.store.plan
+        assert plan is not None, "a late host is preflighted only once setup settled the run's plan"
+        await setup.preflight_late(link, self.config, self.launcher, plan, self.on_log, self.allow_partial)
 
     def _claimed(self, e: RunClaimed) -> None:
         if self.claimed is None:
