@@ -380,12 +380,15 @@ class Store:
 
     def transitions(self, verdicts: dict[int, Verdict], now: float) -> list[Transition]:
         """The shards whose shown state changed, or that failed again, since the last call (each
-        change is returned once). A shard of a host still replaying has no state to show yet."""
+        change is returned once). A shard of a host still replaying has no state to show yet, nor
+        one of a host we are catching up with: judged on what we knew before we fell behind (a
+        stopped or starved supervisor), its verdict is provisional — its shards' silence then is
+        ours — and is published once its lines are read up to now."""
         current = []
         for k, v in verdicts.items():
             s = self.shards[k]
             host = self.hosts[s.placement.host]
-            if host.replayed or host.reachable is False:
+            if (host.replayed and not host.catching_up) or host.reachable is False:
                 current.append((k, v.state, s.record.failures))
         return changes(self.shown, current, now)
 

@@ -67,3 +67,25 @@ def test_a_stopped_and_starved_supervisor_decides_nothing_false(tmp_path):
         assert [e["by"] for e in events if e["event"] == "launch"] == ["manual"], (k, text)   # launched once
         assert [e.get("code") for e in events if e["event"] == "exited"] == [0]
     assert text.count("-> DONE") == 4
+
+
+def test_a_supervisor_stopped_past_stall_timeout_after_the_last_line_says_no_stall(tmp_path):
+    """The jobs' last line is older than stall_timeout when the supervisor goes on (they ended early
+    in its stop): what it judges before it has read its backlog is not published — no STALLED line,
+    no restart — and the run ends DONE as it really did."""
+    config = job_toml(tmp_path, {str(k): [[["ticks", 5, 1.0], ["print", "extract-only mode"]]] for k in range(2)},
+                      gpus=(0, 1), stall="10s")
+    proc, lines = run_headless(config)
+    try:
+        wait_for(lambda: sum("-> RUNNING" in l for l in lines) >= 2, 120, what="both shards RUNNING")
+        supervisor = supervisor_info(config).pid
+        os.kill(supervisor, signal.SIGSTOP)
+        time.sleep(25.0)                               # the jobs end ~5 s in: their last line 20 s old
+        os.kill(supervisor, signal.SIGCONT)
+        assert proc.wait(120) == 0, "\n".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "\n".join(lines)
+    assert not [l for l in lines if any(f in l for f in FALSE)], text
+    assert text.count("-> DONE") == 2, text
