@@ -378,7 +378,7 @@ async def test_a_run_is_not_finished_while_rows_are_on_their_way_to_a_host(tmp_p
     try:
         assert sup.snapshot().totals.finished
         order = Order("adopt", "local", ((100, 200),), "gone", "local")
-        sup.store.moves.ask(order, time.time())                 # as Supervisor.relocate does
+        sup.store.moves.ask(order, time.time())                 # as fleet.moving.RowMover.move does
         snap = sup.snapshot()
         assert [s.state for s in snap.shards] == [State.DONE, State.DONE] and not snap.totals.finished
         sup.store.moves.withdraw(order)                          # refused, or recorded before
