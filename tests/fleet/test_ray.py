@@ -14,13 +14,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import jsonschema
 import pytest
 
 from tests.conftest import wait_for
 from tests.fleet.conftest import fleet, fleet_popen, stop_supervisor
+from tests.fleet.test_slurm import events, of       # the same run folder's layout (tmp_path/shared, run t)
 from worker import protocol
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -91,12 +91,6 @@ poll_interval = "1s"
     return str(path)
 
 
-def events(tmp_path, shard: int) -> list[protocol.Record]:
-    return protocol.read_events(str(tmp_path / "shared" / "fleet" / "t" / "shards" / str(shard) / "events.jsonl"))
-
-
-def of(kind, evs: list) -> list:
-    return [e for e in evs if isinstance(e, kind)]
 
 
 def node_of(tmp_path, shard: int) -> str | None:
@@ -206,14 +200,7 @@ def test_r_x_and_D_in_the_live_view_restart_and_stop_ray_actors(tmp_path, ray_cl
     tmux = Tmux("fleet-ray")
     tmux.start(f"cd {REPO} && {sys.executable} -m fleet.cli up -c {config}; sleep 60", 120, 30)
 
-    def wait_screen(pred, what, timeout=180):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = tmux.screen()
-            if pred(text):
-                return text
-            time.sleep(0.3)
-        raise AssertionError(f"timed out waiting for {what}; screen:\n{tmux.screen()}")
+    wait_screen = tmux.wait
     keys = lambda *k: tmux("send-keys", "-t", tmux.session, *k, check=True)    # noqa: E731
     launches = lambda k: [e for e in of(protocol.Launch, events(tmp_path, k))]  # noqa: E731
     try:

@@ -245,6 +245,16 @@ class Tmux:
     def stop(self) -> None:
         self("kill-server", capture_output=True)
 
+    def wait(self, pred, what: str, timeout: float = 180) -> str:
+        """The screen once `pred(screen)` holds; fails naming `what` (and showing the screen) after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.screen()
+            if pred(text):
+                return text
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}; screen:\n{self.screen()}")
+
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by scripts/test.sh")
 def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
@@ -252,16 +262,8 @@ def test_tmux_smoke_real_terminal_at_80x24(tmp_path, dense_model, long_data):
     tmux = Tmux("fleet-smoke")
     tmux.start(f"sleep 1; cd {REPO} && {sys.executable} -m fleet.cli up -c {config}; echo QUIT-ONE; "
                f"{sys.executable} -m fleet.cli up -c {config}; sleep 60", 80, 24)
-    screen = tmux.screen
 
-    def wait_screen(pred, what, timeout=180):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = screen()
-            if pred(text):
-                return text
-            time.sleep(0.3)
-        raise AssertionError(f"timed out waiting for {what}; screen:\n{screen()}")
+    wait_screen = tmux.wait
     size = tmux("display", "-p", "-t", tmux.session, "#{window_width}x#{window_height}",
                 capture_output=True, text=True).stdout.strip()
     try:
@@ -307,13 +309,7 @@ def test_keys_in_a_burst_enter_on_a_stop_and_a_hung_worker_at_80x24(tmp_path):
     tmux.start(f"cd {REPO} && {sys.executable} -m fleet up -c {config}; sleep 60", 80, 24)
 
     def wait_screen(pred, what, timeout=120):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = tmux.screen()
-            if pred(text):
-                return text
-            time.sleep(0.3)
-        raise AssertionError(f"timed out waiting for {what}; screen:\n{tmux.screen()}")
+        return tmux.wait(pred, what, timeout)
     keys = lambda *k: tmux("send-keys", "-t", tmux.session, *k, check=True)    # noqa: E731
     try:
         wait_screen(lambda t: t.count("▶ RUNNING") >= 2 and "local:1" in t, "two running shards")
