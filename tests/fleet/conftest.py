@@ -167,11 +167,14 @@ def up_headless(config: str) -> tuple[subprocess.Popen, list[str]]:
 def lose_host(tmp_path, procs: dict, name: str, shards) -> None:
     """The box `name` is gone: its shards' processes killed with it, its sshd cut."""
     from tests.sshd_server import cut
+    from worker.hostctl import shard_processes
     folder = tmp_path / f"root-{name}" / "t" / "shards"
     for k in shards:
-        for pid_file in ("runner.pid", "pid"):
+        # By the environment every process of the shard inherits, never by a pid file: a pid read
+        # from a file may have been reused, by then, by any process of the machine (a test worker).
+        for pid in shard_processes(str(folder / str(k))):
             try:
-                os.kill(int(open(folder / str(k) / pid_file).read().split()[0]), signal.SIGKILL)
-            except (OSError, ValueError):
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
                 pass
     cut(procs[name])
