@@ -269,13 +269,18 @@ def unshared(ray, nodes: list[dict], folders: list[tuple[str, str]]) -> list[str
 
     def sees(paths: list[str]) -> list[bool]:
         return [os.path.exists(p) for p in paths]
+    answers: dict[str, list[bool]] = {}
     try:
         probe = ray.remote(num_cpus=0)(sees)
         refs = {node_name(n): probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
             n["NodeID"], soft=False)).remote(markers) for n in nodes}
-        answers = {node: ray.get(ref, timeout=120) for node, ref in refs.items()}
-    except Exception as e:
-        return [f"could not ask every Ray node whether it sees the run's folders: {first_sentence(str(e))}"]
+        for node, ref in refs.items():
+            try:
+                answers[node] = ray.get(ref, timeout=120)
+            except Exception as e:
+                if "doesn't exist any more" in str(e):     # a node lost since it was listed: no actor goes there
+                    continue
+                return [f"could not ask Ray node {node} whether it sees the run's folders: {first_sentence(str(e))}"]
     finally:
         for m in markers:
             try:
