@@ -31,6 +31,7 @@ from .base import Engine
 
 class TaskLauncher(Engine):
     pinned = False
+    label: ClassVar[str] = ""             # the engine's name for people ("Slurm NODE_FAIL on ...")
     shares_rows: ClassVar[bool] = False   # a run's tasks share their rows (a ledger every node sees)
 
     @property
@@ -103,8 +104,6 @@ class TaskLauncher(Engine):
             reply=protocol.EngineCheck, timeout=180)
         report.checks = report.checks + report.engine.checks
         return f"{self.label} allocates the GPUs"
-
-    label: ClassVar[str] = ""
 
     def engine_request(self) -> dict:
         """What the engine's `start` reads of a submission beside the tasks (its own options)."""

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.fleet.conftest import fleet, fleet_popen, stop_supervisor
-from tests.fleet.test_slurm import events, of       # the same run folder's layout (tmp_path/shared, run t)
+from tests.fleet.test_slurm import events, of, run_and_job       # the same run folder's layout (tmp_path/shared, run t)
 from worker import protocol
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,26 +45,12 @@ def ray_cluster(request):
         cluster.stop()
 
 
-SCRIPTED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "scripted_job.py")
-
-
 def ray_toml(tmp_path, cluster, *, model: str | None = None, data: str | None = None, shards: int,
              script: dict | None = None) -> str:
     """A [ray] run on `cluster` whose root and output are under tmp_path/shared; `script`: a [job]
     of tests/jobs/scripted_job.py instead of the built-in worker."""
     shared = tmp_path / "shared"
-    run, job = "", ""
-    if model:
-        run = f'model = {json.dumps(model)}\ndata = {json.dumps(data)}\nlayers = "speculators"\n'
-    if script is not None:
-        (tmp_path / "script.json").write_text(json.dumps(script))
-        job = f"""
-[job]
-command = "{{python}} {SCRIPTED} {tmp_path / 'script.json'} {{shard}}"
-done = "ALL DONE"
-fail = "FAIL|ERROR"
-progress = "processed (?P<done>\\\\d+)/(?P<total>\\\\d+)"
-"""
+    run, job = run_and_job(tmp_path, model, data, script)
     text = f"""
 [run]
 name = "t"

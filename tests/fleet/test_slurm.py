@@ -31,12 +31,10 @@ ROWS_JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 SCRIPTED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "scripted_job.py")
 
 
-def slurm_toml(tmp_path, *, script: dict | None = None, model: str | None = None, data: str | None = None,
-               shards: int = 2, login: str = "local", ssh=None, expected: str = "", job: str = "") -> str:
-    """A [slurm] run whose root and output are under tmp_path/shared (the "shared filesystem");
-    `job`: a [job] section of the test's own."""
-    shared = tmp_path / "shared"
-    run = ""
+def run_and_job(tmp_path, model: str | None, data: str | None, script: dict | None) -> tuple[str, str]:
+    """[run]'s model lines (the built-in worker) and a [job] section running tests/jobs/scripted_job.py
+    on `script` (written beside fleet.toml), for an engine's fleet.toml; "" for what is not asked."""
+    run, job = "", ""
     if model:
         run = f'model = {json.dumps(model)}\ndata = {json.dumps(data)}\nlayers = "speculators"\n'
     if script is not None:
@@ -48,6 +46,16 @@ done = "ALL DONE"
 fail = "FAIL|ERROR"
 progress = "processed (?P<done>\\\\d+)/(?P<total>\\\\d+)"
 """
+    return run, job
+
+
+def slurm_toml(tmp_path, *, script: dict | None = None, model: str | None = None, data: str | None = None,
+               shards: int = 2, login: str = "local", ssh=None, expected: str = "", job: str = "") -> str:
+    """A [slurm] run whose root and output are under tmp_path/shared (the "shared filesystem");
+    `job`: a [job] section of the test's own."""
+    shared = tmp_path / "shared"
+    run, scripted = run_and_job(tmp_path, model, data, script)
+    job = scripted or job
     login_lines = ""
     if ssh is not None:
         login_lines = (f"port = {ssh.port}\nidentity_file = {json.dumps(ssh.client_key)}\n"
