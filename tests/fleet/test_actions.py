@@ -10,6 +10,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -256,3 +257,32 @@ async def test_a_record_truncated_under_a_live_shard_never_launches_it_twice(tmp
         await sup.close()
         await Supervisor(load_config(config)).stop_all(timeout=1)
     await nothing_left(tmp_path, 0)
+
+
+
+def test_a_stop_of_a_shard_long_ended_never_signals_the_process_its_stale_pid_files_name(tmp_path):
+    """A pid file outlives its process; its number, reused, may belong to any process of the host. A
+    stop of an ended shard whose pid and runner files name a stranger — a process leading a group of
+    its own, with a child in it, as a test worker does — signals neither, and says it was not running."""
+    run_dir = str(tmp_path / "fleet" / "job")
+    d = protocol.shard_dir(run_dir, 0)
+    hostctl.launch(d, protocol.LaunchSpec(argv=[sys.executable, "-c", "pass"]), by="user")
+    deadline = time.monotonic() + 30
+    while hostctl.is_running(d) or hostctl.shard_processes(d):
+        assert time.monotonic() < deadline, "the one-line shard never ended"
+        time.sleep(0.05)
+    stranger = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
+                                 "subprocess.Popen(['sleep', '600']); time.sleep(600)"], start_new_session=True)
+    try:
+        for name in (protocol.PID_FILE, hostctl.RUNNER_PID_FILE):
+            with open(os.path.join(d, name), "w") as f:
+                f.write(f"{stranger.pid}\n")
+        assert hostctl.kill_shard(d, grace=0.5) == "not running"
+        result = hostctl.act(run_dir, protocol.ShardAction(shard=0, kind="stop", why="user", grace=0.5))
+        assert result.status == "not running", result
+        time.sleep(1)
+        os.killpg(stranger.pid, 0)                 # its group is still there: raises if it was killed
+        assert stranger.poll() is None, "the stranger named by a stale pid file was killed"
+    finally:
+        os.killpg(stranger.pid, 9)
+        stranger.wait()
