@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from worker import protocol
+
+from .bound import Point, Wait, recent, whole
 from worker.text import exit_words as describe_exit
 
 HISTORY_POINTS = 600               # progress points kept per attempt (bounded memory)
@@ -66,6 +68,16 @@ class Attempt:
     worked: bool = False                  # this launch has finished a sample (warm-up is over)
     batches_from: float | None = None     # when its first batch began (the worker's `batches_from`)
     shipping_note: str | None = None      # why it waits on shipping, or shipping's failure (retried)
+    waits: deque = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))  # bound.Point, as told
+
+    @property
+    def recent_wait(self) -> Wait:
+        """Its last minute of batches: how long its GPU waited, and for what (fleet/bound.py)."""
+        return recent(self.waits)
+
+    @property
+    def whole_wait(self) -> Wait:
+        return whole(self.batches_from, self.waits)
 
     @property
     def ended(self) -> bool:
@@ -205,6 +217,12 @@ class ShardRecord:
     leased_t: float | None = None         # when it last took a lease (newer than a relocation: holds rows)
     shipping: protocol.Shipping | None = None   # its files against the destination, as last told
     checked: protocol.Checked | None = None     # its reference checks so far (worker/reference.py)
+    past_wait: Wait = field(default_factory=Wait)   # the GPU's waits over the batches of earlier launches
+
+    @property
+    def whole_wait(self) -> Wait:
+        """The GPU's waits over every batch of every launch (fleet/bound.py)."""
+        return self.past_wait + (self.attempt.whole_wait if self.attempt is not None else Wait())
 
     def apply(self, ev: protocol.Event) -> None:
         """Fold one event of the shard's record, in file order."""
@@ -304,6 +322,9 @@ class ShardRecord:
         else:
             a.phase = Phase.RUNNING
         a.last_progress_t = ev.t
+        if ev.writer_wait_s is not None:
+            waited: Point = (ev.t, ev.writer_wait_s, ev.ship_wait_s or 0.0)
+            a.waits.append(waited)
         counted = ev.counted_t if ev.counted_t is not None and ev.counted_t <= ev.t else ev.t
         point = (ev.t, self.done + self.skipped, self.tokens, self.bytes, self.sq_tokens, counted)
         before = a.history[-1] if a.history else None
@@ -389,6 +410,7 @@ class ShardRecord:
         self.auto_attempts = self.auto_attempts + 1 if ev.by == "auto" else 0
         if self.first_launch_t is None:
             self.first_launch_t = ev.t
+        self.past_wait = self.whole_wait
         self.attempt = Attempt(n=ev.launch, t=ev.t, by=ev.by, gpu=ev.gpu, last_progress_t=ev.t,
                                launcher=ev.launcher, base_done=self.done + self.skipped)
         self.reopened = None

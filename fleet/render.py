@@ -33,6 +33,8 @@ def finished_parts(snap: FleetSnapshot) -> list[str]:
                      else shipping_text(t.shipping))
     if t.avg_tokens_per_s_per_gpu:
         parts.append(f"avg {t.avg_tokens_per_s_per_gpu:,.0f} tok/s/GPU")
+    if t.bound is not None:
+        parts.append(t.bound.text)
     if t.bytes_written is not None:
         parts.append(bytes_text(t.bytes_written))
     if t.usd_spent is not None:
@@ -79,7 +81,8 @@ def format_status(snap: FleetSnapshot) -> str:
                  + f"{number(t.samples_per_s)} samples/s"
                  + (f" ({t.ratio:.0%} of expected in {t.ratio_unit})" if t.ratio is not None else "")
                  + (f", {run_eta_text(t)}" if not t.settled else ", nothing running")
-                 + (f", written {bytes_text(t.bytes_written)}" if t.bytes_written is not None else "") + cost]
+                 + (f", written {bytes_text(t.bytes_written)}" if t.bytes_written is not None else "") + cost
+                 + (f"; {t.bound.text}" if t.bound is not None else "")]
         if t.shipping is not None:
             lines.append(f"output: {shipping_text(t.shipping)}")
     if t.by_state:
@@ -91,7 +94,8 @@ def format_status(snap: FleetSnapshot) -> str:
         tele = "no GPU telemetry" if not h.gpus else ", ".join(
             f"gpu{g.index} {gib(g.mem_used)}/{gib(g.mem_total)} GiB" for g in h.gpus)
         lines.append(f"host {h.name}: {tele}; disk free {bytes_text(h.disk.free if h.disk else None)}"
-                     + (f"; {shipping_text(h.shipping)}" if h.shipping else ""))
+                     + (f"; {shipping_text(h.shipping)}" if h.shipping else "")
+                     + (f"; {h.bound.text}" if h.bound is not None else ""))
     if not snap.shards:
         lines.append("shards: unknown (no reachable host holds the run's plan or records)")
         return "\n".join(lines)

@@ -85,6 +85,22 @@ class ShippingStatus(BaseModel):
     finished: bool = Field(False, description="every file is at the destination (the shards are DONE)")
 
 
+class Bound(BaseModel):
+    """What sets the pace (fleet/bound.py): the GPUs themselves, or the disk or the upload they
+    wait for, from the workers' own counts of their waits."""
+    by: Literal["gpu", "disk", "upload"] = Field(description="gpu: the GPUs waited under 5% of the time; "
+                                                 "disk: they waited on the writer writing; upload: on "
+                                                 "the writer waiting for shipping (keep_local full)")
+    gpu_waited: float = Field(description="the share of the GPUs' batch time they waited for the writer (0-1)")
+    seconds: float = Field(description="the GPU-seconds it is over: each running shard's last minute while "
+                                       "the run goes, every batch once it is finished")
+
+    @property
+    def text(self) -> str:
+        """'bound by disk: GPUs waited 23%' (or 'bound by GPU: GPUs waited 1%')."""
+        return f"bound by {'GPU' if self.by == 'gpu' else self.by}: GPUs waited {self.gpu_waited:.0%}"
+
+
 class HostStatus(BaseModel):
     name: str
     address: str
@@ -113,6 +129,9 @@ class HostStatus(BaseModel):
                                                  "(it was stopped or starved): nothing is decided for its "
                                                  "shards until they are read up to now")
     behind_s: Optional[float] = Field(None, description="how old the newest line read was, while catching up")
+    bound: Optional[Bound] = Field(None, description="what sets its pace now: its GPUs, or the disk or upload "
+                                                     "they wait for; null while too little is known (or for "
+                                                     "a [job])")
 
 
 class TaskStatus(BaseModel):
@@ -304,6 +323,9 @@ class Totals(RunMoney, RunAverages, RunEta, RunRates, RunCounts):   # (fields in
     shipping: Optional[ShippingStatus] = Field(None, description="the run's output against the "
                                                                  "destination, summed; null without one")
     reference: Optional[ReferenceStatus] = Field(None, description="the shards' reference checks, summed")
+    bound: Optional[Bound] = Field(None, description="what sets the run's pace: over each running shard's "
+                                                     "last minute while it goes, over every batch once it is "
+                                                     "settled; null while too little is known (or for a [job])")
 
 
 class FleetSnapshot(BaseModel):

@@ -224,6 +224,7 @@ class Service:
         os.chmod(home.socket, 0o600)
         home.write_info(self.info)
         self.log(f"supervising run {config.run.name} ({config.path}) as pid {os.getpid()}; socket {home.socket}")
+        code: int | None = None
         try:
             code = await self._supervise()
         finally:
@@ -238,7 +239,8 @@ class Service:
                 self.metrics_server.shutdown()
                 self.metrics_server.server_close()
             await sup.close()
-            self.log(f"stopped supervising (exit {code}); the workers keep running")
+            self.log(f"stopped supervising ({f'exit {code}' if code is not None else 'on the error below'}); "
+                     "the workers keep running")
             log_file.close()
         return code
 

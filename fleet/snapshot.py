@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 from worker import protocol
 
+from .bound import Wait, verdict
 from .figures import pace, pace_eta, progress_age
 from .hosts import Host
 from .judge import Rates, Verdict, rates
 from .record import ShardRecord
-from .schema import (AlertLevel, FleetSnapshot, Gpu, GpuTotals, HostStatus, ReferenceStatus, RunAverages, RunCounts,
-                     RunEta, RunMoney, RunRates, ShardStatus, ShippingStatus, TaskStatus, Totals)
+from .schema import (AlertLevel, Bound, FleetSnapshot, Gpu, GpuTotals, HostStatus, ReferenceStatus, RunAverages,
+                     RunCounts, RunEta, RunMoney, RunRates, ShardStatus, ShippingStatus, TaskStatus, Totals)
 from .state import FAULTY, MEASURED, SETTLED, State
 from .units import bytes_text
 
@@ -377,8 +378,22 @@ def elapsed_s(views: list[ShardView], hosts: dict[str, Host], settled: bool, now
     return max(end - min(starts), 0.0)
 
 
+def bounds(views: list[ShardView], settled: bool) -> tuple[dict[str, Bound | None], Bound | None]:
+    """Each host's bound and the run's (fleet/bound.py): over the last minute of each running shard
+    while the run goes, over every batch of every launch once it is settled."""
+    waits: dict[str, list[Wait]] = {}
+    for v in views:
+        a = v.record.attempt
+        if settled:
+            waits.setdefault(v.host, []).append(v.record.whole_wait)
+        elif a is not None and not a.ended:
+            waits.setdefault(v.host, []).append(a.recent_wait)
+    return {h: verdict(ws) for h, ws in waits.items()}, verdict(w for ws in waits.values() for w in ws)
+
+
 def host_rows(hosts: dict[str, Host], views: list[ShardView], measured: list, hours: float | None,
-              now: float, rows: Sequence[ShardStatus] = ()) -> tuple[list[HostStatus], float | None]:
+              now: float, rows: Sequence[ShardStatus] = (),
+              bound_of: dict[str, Bound | None] | None = None) -> tuple[list[HostStatus], float | None]:
     """Each host as status shows it, and the soonest time a host's disk fills at its current rate."""
     host_tps: dict[str, float] = {}
     for v, x in measured:
@@ -409,7 +424,8 @@ def host_rows(hosts: dict[str, Host], views: list[ShardView], measured: list, ho
             else None,
             shipping=shipping_sum(shipping.get(h.name, [])),
             catching_up=bool(h.reachable and h.catching_up),
-            behind_s=_finite(h.behind_s, 0) if h.reachable and h.catching_up else None))
+            behind_s=_finite(h.behind_s, 0) if h.reachable and h.catching_up else None,
+            bound=(bound_of or {}).get(h.name)))
     return out, disk_eta
 
 
@@ -510,7 +526,8 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
     eta_unit, eta = run_eta(views, rows, measured, finished)
     elapsed = elapsed_s(views, hosts, settled, now)
     hours = elapsed / 3600 if elapsed is not None else None
-    hosts_out, disk_eta = host_rows(hosts, views, measured, hours, now, rows)
+    bound_of, run_bound = bounds(views, settled)
+    hosts_out, disk_eta = host_rows(hosts, views, measured, hours, now, rows, bound_of)
     n = counts(views, rows)
     parts = (n, throughput(expected, views, measured, n.gpus_expected),
              eta_fields(rows, eta, eta_unit if views else None, settled),
@@ -523,7 +540,7 @@ def build_snapshot(run: str, views: list[ShardView], hosts: dict[str, Host], now
                       rows_relocated=relocated[0], rows_redone=relocated[1],
                       replayed=all_replayed(hosts.values()), settled=settled,
                       shipping=shipping_sum([row.shipping for row in rows]),
-                      reference=reference_sum([row.reference for row in rows])))
+                      reference=reference_sum([row.reference for row in rows]), bound=run_bound))
 
 
 def status_exit_code(snap: FleetSnapshot) -> int:

@@ -252,7 +252,8 @@ class Stats:
     sq_tokens: int = 0                   # sum of each written row's tokens squared (attention's work)
     bytes: int = 0
     skipped: int = 0
-    writer_wait_s: float = 0.0
+    writer_wait_s: float = 0.0           # the forward waited for a free host buffer (the writer behind)
+    ship_wait_s: float = 0.0             # the writer waited for room under keep_local (shipping behind)
     host_buffer_bytes: int = 0           # the writer's host buffers: its bound on host memory
     counted_t: float | None = None       # when the rows last written were counted (wall clock)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -261,6 +262,7 @@ class Stats:
         with self.lock:
             return {"done": self.done, "tokens": self.tokens, "sq_tokens": self.sq_tokens, "bytes": self.bytes,
                     "skipped": self.skipped, "writer_wait_s": round(self.writer_wait_s, 3),
+                    "ship_wait_s": round(self.ship_wait_s, 3),
                     "host_buffer_bytes": self.host_buffer_bytes,
                     **({"counted_t": round(self.counted_t, 3)} if self.counted_t is not None else {})}
 
@@ -445,7 +447,10 @@ class BackgroundWriter:
                 job.ready.synchronize()
             n, H = job.hidden.shape[2:]
             if self.shipper is not None:      # keep_local: wait for room before the disk grows
+                t0 = time.perf_counter()
                 self.shipper.room(sum(file_bytes_at_most(job, row, s.length) for row, s in enumerate(job.samples)))
+                with self.stats.lock:
+                    self.stats.ship_wait_s += time.perf_counter() - t0
             futures: list[tuple[Any, Future[dict] | str]] = []      # a row's write, or why it is skipped
             for row, sample in enumerate(job.samples):
                 if not bool(job.finite[row]):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from rich.style import Style
 
+from ..bound import WAIT_FLOOR
 from ..state import State
 
 GLYPH = {
@@ -66,6 +67,11 @@ def memory_level(fraction: float) -> str:
 def util_level(percent: float) -> str:
     """Utilisation: for extraction an idle GPU is the problem, a busy one is the goal."""
     return GOOD if percent >= 75 else WARN if percent >= 25 else BAD
+
+
+def wait_level(share: float) -> str:
+    """The share of the time the GPUs waited for the disk or the upload (fleet/bound.py)."""
+    return GOOD if share < WAIT_FLOOR else WARN if share < 0.25 else BAD
 
 
 def temp_level(celsius: float) -> str:

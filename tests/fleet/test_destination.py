@@ -58,6 +58,7 @@ def test_two_hosts_ship_to_one_store_within_keep_local_and_speculators_reads_it_
                                  rf"a GPU, its upload to s3://bucket/run measured .*/s: the uplink, not the GPU, "
                                  rf"sets the pace", up.stderr), up.stderr
             assert "shards DONE" in up.stdout and "at s3://bucket/run" in up.stdout
+            assert re.search(r"bound by (GPU|disk|upload): GPUs waited \d+%", up.stdout)   # what set the pace
             snap = json.loads(fleet("status", "--json", "-c", config).stdout)
             sh = snap["totals"]["shipping"]
             assert sh["finished"] and sh["shipped_files"] == ROWS and sh["pending_files"] == 0
@@ -71,6 +72,14 @@ def test_two_hosts_ship_to_one_store_within_keep_local_and_speculators_reads_it_
                           open(tmp_path / f"root-{name}" / "t" / "shards" / str("ab".index(name)) / "events.jsonl")]
                 local = [e["local_bytes"] for e in events if e["event"] == "shipping"]
                 assert local and max(local) <= KEEP
+                # What bound the host, as status says it, against the worker's own last counts: its
+                # GPU is the bound exactly when it waited for the writer under 5% of its batch time
+                # (here the writer waits for shipping, and its host buffers may or may not absorb it).
+                done = [e for e in events if e["event"] == "done"][-1]
+                waited = done["writer_wait_s"] / (done["t"] - done["batches_from"])
+                bound = snap["hosts"]["ab".index(name)]["bound"]
+                assert bound is not None and (bound["by"] == "gpu") == (waited < 0.05), (bound, done)
+                assert done["ship_wait_s"] > 0                          # the writer did wait for room
                 out = tmp_path / f"out-{name}"
                 assert not [n for n in os.listdir(out) if n.startswith("hs_")]     # all shipped
             v = fleet("verify", "-c", config, timeout=300)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -144,6 +145,12 @@ async def test_live_tui_kill_stop_restart_filter_then_reattach_to_the_finish(tmp
             gpus = app.main.query_one(GpuPane)
             assert gpus.has_class("-oneline") and gpus.outer_size.height == 1
             assert "no GPU telemetry" in str(app.main.query_one("#gpus-title").render())
+            # ... and what bounds the host, once its workers have counted seconds of batches.
+            await until(pilot, lambda: app.snap.hosts[0].bound is not None, what="the host's bound")
+            await until(pilot, lambda: "bound by " in str(app.main.query_one("#gpus-title").render()),
+                        what="the bound in the GPU pane")
+            assert re.search(r"local: no GPU telemetry, bound by (GPU|disk): GPUs waited \d+%",
+                             str(app.main.query_one("#gpus-title").render()))
             await until(pilot, lambda: len(app.main.query_one("#log", LogView).lines) > 2, what="log lines")
 
             # SIGKILL: FATAL (max_restarts 0), told by a toast and the bell while watching.

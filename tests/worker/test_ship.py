@@ -153,6 +153,26 @@ def test_a_shard_ships_to_s3_within_keep_local_and_the_store_holds_every_file_wh
     last = shipping[-1]
     assert last["finished"] and last["shipped_files"] == ROWS and last["pending_files"] == 0
     assert events[-1]["event"] == "done"
+    # What bounds it: the writer counted its waits for room; the shipping events said when each
+    # began and ended (an independent clock of the same waits); the supervisor's own record and
+    # fleet/bound.py read the counts as bound by the upload.
+    said, began = 0.0, None
+    for e in shipping:
+        if e.get("waiting", "").startswith("waiting for shipping"):
+            began = e["t"] if began is None else began
+        elif began is not None:
+            said, began = said + e["t"] - began, None
+    counted = events[-1]["ship_wait_s"]
+    assert 0.5 * said - 1 <= counted <= 2 * said + 1, (counted, said)
+    from fleet.bound import verdict
+    from fleet.record import ShardRecord
+    from worker import protocol as wire
+    record = ShardRecord()
+    record.apply(wire.Launch(t=events[0]["t"], launch=1))
+    for ev in wire.read_events(os.path.join(state, "events.jsonl")):
+        record.apply(ev)
+    bound = verdict([record.whole_wait])
+    assert bound is not None and bound.by == "upload", (bound, record.whole_wait)
     # the store's copy reads as the local files would have: tokens as recorded, every file opens
     from worker.verify import check_destination
     env = store.env()

@@ -168,7 +168,8 @@ class Progress(Event):
     batches_from: Optional[float] = None   # when this launch's first batch began (loading and reading done)
     counted_t: Optional[float] = None      # when the counters last moved (the write they report)
     bytes: Optional[int] = None
-    writer_wait_s: Optional[float] = None
+    writer_wait_s: Optional[float] = None   # this launch's seconds the forward waited for a host buffer
+    ship_wait_s: Optional[float] = None     # of the writer's, the seconds it waited for keep_local room
     host_buffer_bytes: Optional[int] = None
     gpu_mem_bytes: Optional[int] = None
     gpu_peak_bytes: Optional[int] = None

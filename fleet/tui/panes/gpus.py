@@ -21,7 +21,7 @@ from textual.widgets import Static
 from ...schema import FleetSnapshot, HostStatus
 from ...units import gib, usd
 from ..style import (bar, level_style, memory_level, power_level, spark, temp_level,
-                     util_level)
+                     util_level, wait_level)
 from .lines import Column, LineTable, Rest, show_text
 
 HISTORY = 60                   # utilisation readings kept per GPU (about 90 s at the 1.5 s redraw)
@@ -35,6 +35,7 @@ COLUMNS = [
     Column("temp", "temp", 4, 3, "right"),
     Column("power", "power", 6, 4, "right"),
     Column("cost", "$/h  spent", 13, 5, "right"),
+    Column("bound", "bound by", 11, 4),
     Column("age", "reading", 8, 7),
 ]
 
@@ -51,6 +52,16 @@ def meter(fraction: float | None, width: int, label: str, level: str, no_color: 
     if fraction is None:
         return (("—", None),)
     return ((bar(fraction, width), level_style(level, no_color) or None), (" " + label, None))
+
+
+def bound_cell(h: HostStatus, no_color: bool) -> tuple | str:
+    """'GPU', or what its GPUs wait for and for how much of the time: 'disk 23%', 'upload 41%'."""
+    b = h.bound
+    if b is None:
+        return ""
+    if b.by == "gpu":
+        return "GPU"
+    return _styled(f"{b.by} {b.gpu_waited:.0%}", wait_level(b.gpu_waited), no_color)
 
 
 def cost_cell(h: HostStatus) -> str:
@@ -120,10 +131,11 @@ class GpuTable(LineTable):
                                                 "bold" if no_color else "#e070e0"),
                                                (f"{seen} · {h.error or 'no answer'}", None))))
         if h.reachable is None:
-            return (f"{arrow} {h.name}", (("connecting…", "italic"),), "", "", "", "", cost_cell(h), "")
+            return (f"{arrow} {h.name}", (("connecting…", "italic"),), "", "", "", "", cost_cell(h), "", "")
         t = h.gpu_totals
         if t is None:
-            return (f"{arrow} {h.name}", (("no GPU telemetry", "italic"),), "", "", "", "", cost_cell(h), "")
+            return (f"{arrow} {h.name}", (("no GPU telemetry", "italic"),), "", "", "", "", cost_cell(h),
+                    bound_cell(h, no_color), "")
         frac = t.mem_used / t.mem_total if t.mem_total else None
         keys = [f"g:{h.name}:{g.index}" for g in h.gpus or [] if not g.lost]
         hist = [sum(x) / len(x) for x in zip(*(self.history.get(key, ()) for key in keys))]
@@ -134,12 +146,12 @@ class GpuTable(LineTable):
                 spark(hist, 10, 100),
                 _styled(_num(t.temp_max, "°"), temp_level(t.temp_max), no_color) if t.temp_max is not None else "—",
                 f"{t.power_w / 1000:.1f}kW" if t.power_w >= 1000 else _num(t.power_w, "W"),
-                cost_cell(h), self.age(h) if not t.lost else (("GPU lost", "bold red"),))
+                cost_cell(h), bound_cell(h, no_color), self.age(h) if not t.lost else (("GPU lost", "bold red"),))
 
     def gpu_cells(self, h: HostStatus, g, hist, no_color: bool) -> tuple:
         name = f"  {g.index} {(g.name or '').removeprefix('NVIDIA ')}"
         if g.lost:
-            return (name, (("GPU is lost", "bold" if no_color else "bold red"),), "", "", "", "", "", self.age(h))
+            return (name, (("GPU is lost", "bold" if no_color else "bold red"),), "", "", "", "", "", "", self.age(h))
         frac = g.mem_used / g.mem_total if g.mem_used is not None and g.mem_total else None
         return (name,
                 meter(frac, 6, f"{gib(g.mem_used)}/{gib(g.mem_total)}", memory_level(frac or 0), no_color),
@@ -149,7 +161,7 @@ class GpuTable(LineTable):
                 _styled(_num(g.temp, "°"), temp_level(g.temp), no_color) if g.temp is not None else "—",
                 _styled(_num(g.power_w, "W"), power_level(g.power_w, g.power_limit_w), no_color)
                 if g.power_w is not None else "—",
-                "", self.age(h))
+                "", "", self.age(h))
 
     @staticmethod
     def age(h: HostStatus):
@@ -188,7 +200,8 @@ def telemetry_line(snap: FleetSnapshot) -> str | None:
     for h in snap.hosts:
         state = ("unreachable" if h.reachable is False else "connecting…" if h.reachable is None
                  else "no GPU telemetry")
-        parts.append(f"{h.name}: {state}" + (f" ({cost_cell(h)})" if h.usd_per_hour is not None else ""))
+        parts.append(f"{h.name}: {state}" + (f", {h.bound.text}" if h.bound is not None else "")
+                     + (f" ({cost_cell(h)})" if h.usd_per_hour is not None else ""))
     return "GPUs  " + " · ".join(parts)
 
 
