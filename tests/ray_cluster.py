@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ class RayCluster:
     dashboard_port: int
     nodes: list[str] = field(default_factory=list)
     next_worker_port: int = 21000
+    temp_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="ray-"))   # its session files
 
     @property
     def address(self) -> str:
@@ -116,21 +118,31 @@ class RayCluster:
 
     def stop(self) -> None:
         subprocess.run([ray_bin(), "stop", "--force"], capture_output=True, env=ENV, timeout=120)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def start_ray(head_gpus: int = 2, head_cpus: int = 2) -> RayCluster:
-    """A head node named `head` with `head_gpus` logical GPUs, its dashboard (the state API) on."""
-    cluster = RayCluster(free_port(), free_port())
-    subprocess.run([ray_bin(), "stop", "--force"], capture_output=True, env=ENV, timeout=120)
-    try:
-        cluster._start("--head", f"--port={cluster.port}", "--node-ip-address=127.0.0.1", "--node-name=head",
-                       f"--num-gpus={head_gpus}", f"--num-cpus={head_cpus}", "--include-dashboard=true",
-                       "--dashboard-host=127.0.0.1", f"--dashboard-port={cluster.dashboard_port}",
-                       f"--ray-client-server-port={free_port()}", f"--node-manager-port={free_port()}",
-                       f"--object-manager-port={free_port()}")
-        cluster.nodes.append("head")
-        cluster.wait_nodes()
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+def start_ray(head_gpus: int = 2, head_cpus: int = 2, tries: int = 2) -> RayCluster:
+    """A head node named `head` with `head_gpus` logical GPUs, its dashboard (the state API) on. Its
+    session files in a temp folder of its own (not the machine's /tmp/ray). A head whose start fails
+    (its dashboard, slow to come up on a loaded machine, reported as gone) is stopped and started
+    once more; the second failure is the test's."""
+    for attempt in range(tries):
+        cluster = RayCluster(free_port(), free_port())
+        subprocess.run([ray_bin(), "stop", "--force"], capture_output=True, env=ENV, timeout=120)
+        try:
+            cluster._start("--head", f"--port={cluster.port}", "--node-ip-address=127.0.0.1", "--node-name=head",
+                           f"--num-gpus={head_gpus}", f"--num-cpus={head_cpus}", "--include-dashboard=true",
+                           "--dashboard-host=127.0.0.1", f"--dashboard-port={cluster.dashboard_port}",
+                           f"--ray-client-server-port={free_port()}", f"--node-manager-port={free_port()}",
+                           f"--object-manager-port={free_port()}", f"--temp-dir={cluster.temp_dir}")
+            cluster.nodes.append("head")
+            cluster.wait_nodes()
+            return cluster
+        except RayClusterError:
+            cluster.stop()
+            if attempt == tries - 1:
+                raise
+        except BaseException:
+            cluster.stop()
+            raise
+    raise RayClusterError("unreachable")

@@ -22,6 +22,7 @@ from tests.conftest import wait_for
 from tests.fleet.conftest import fleet, fleet_popen, stop_supervisor
 from tests.fleet.test_slurm import events, of, run_and_job       # the same run folder's layout (tmp_path/shared, run t)
 from worker import protocol
+from worker.hostctl import shard_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,9 +47,9 @@ def ray_cluster(request):
 
 
 def ray_toml(tmp_path, cluster, *, model: str | None = None, data: str | None = None, shards: int,
-             script: dict | None = None) -> str:
+             script: dict | None = None, env: dict[str, str] | None = None) -> str:
     """A [ray] run on `cluster` whose root and output are under tmp_path/shared; `script`: a [job]
-    of tests/jobs/scripted_job.py instead of the built-in worker."""
+    of tests/jobs/scripted_job.py instead of the built-in worker; `env`: more of [run] env."""
     shared = tmp_path / "shared"
     run, job = run_and_job(tmp_path, model, data, script)
     text = f"""
@@ -57,7 +58,7 @@ name = "t"
 {run}output = {json.dumps(str(shared / 'out'))}
 max_tokens_per_batch = 512
 device = "cpu"
-env = {{ OMP_NUM_THREADS = "1" }}
+env = {{ {", ".join(f"{k} = {json.dumps(v)}" for k, v in {"OMP_NUM_THREADS": "1", **(env or {})}.items())} }}
 
 [supervise]
 stall_timeout = "120s"
@@ -100,7 +101,11 @@ def test_a_lost_node_and_a_killed_actor_under_a_supervisor_that_joins_later(tmp_
     from worker.demo import make_token_dataset
     ray_cluster.add_node("n2", gpus=1)
     data = make_token_dataset(str(tmp_path / "d.jsonl"), ROWS, vocab_size=500, mean_tokens=40, seed=5)
-    config = ray_toml(tmp_path, ray_cluster, model=dense_model, data=data, shards=2)
+    # Every batch a fifth of a second slower (tests/faults/inject, on the GPU Ray gives each actor):
+    # a shard takes seconds, not one, so n2's is caught part-way on any machine.
+    inject = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "faults", "inject")
+    config = ray_toml(tmp_path, ray_cluster, model=dense_model, data=data, shards=2,
+                      env={"PYTHONPATH": inject, "FLEET_INJECT_SLOW_GPU": "0:0.2"})
     up = fleet_popen("up", "--headless", "-c", config)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(up.stdout), daemon=True)
@@ -112,7 +117,14 @@ def test_a_lost_node_and_a_killed_actor_under_a_supervisor_that_joins_later(tmp_
         on_n2 = [k for k, n in nodes.items() if n.startswith("n2-")]
         on_head = [k for k, n in nodes.items() if n.startswith("head-")]
         assert len(on_n2) == 1 and len(on_head) == 1, nodes
-        wait_for(lambda: all(written(tmp_path, k) >= 10 for k in range(2)), 240, 0.5, what="both shards writing")
+        # n2's shard frozen as soon as it writes (its processes, found by the environment they
+        # inherit), so it is cut off part-way however fast this machine is and whenever the head's
+        # starts; the node's loss kills them (SIGKILL reaches a stopped process).
+        wait_for(lambda: all(written(tmp_path, k) >= 10 for k in on_n2), 240, 0.2, what="n2's shard writing")
+        for k in on_n2:
+            for pid in shard_processes(str(tmp_path / "shared" / "fleet" / "t" / "shards" / str(k))):
+                os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: all(written(tmp_path, k) >= 10 for k in on_head), 240, 0.5, what="the head's shard writing")
         # The supervisor goes; the run goes on without it.
         up.send_signal(signal.SIGINT)
         up.wait(60)
