@@ -35,6 +35,9 @@ export PATH="$(dirname "$PY"):$PATH"
 # only their reader modules are imported, and those need nothing beyond the test extra.
 "$PY" -m pip install -q --disable-pip-version-check --no-deps \
     specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0
-# Two test processes (pytest-xdist): most tests wait on real subprocesses and servers, so two share 2
-# cores well; --dist loadgroup keeps the Slurm tests on one process with one cluster.
-exec "$PY" -m pytest -q -n 2 --dist loadgroup --durations=30 "$@"
+# Three test processes (pytest-xdist): most tests wait on real subprocesses and servers, so three
+# keep 2 cores busy; --dist loadgroup keeps the Slurm tests on one process with one cluster, and the
+# Ray tests on one with one cluster at a time. A test process that dies ends the run at once, naming
+# the test (--max-worker-restart=0): loadgroup never hands a dead process's tests to its
+# replacement, and the run would hang to CI's limit.
+exec "$PY" -m pytest -q -n 3 --dist loadgroup --max-worker-restart=0 --durations=30 "$@"

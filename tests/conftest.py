@@ -113,6 +113,7 @@ def _slow_reason(item) -> str | None:
     return SLOW_MODULES.get(path) or SLOW_TESTS.get(f"{path}::{item.originalname}")
 
 
+@pytest.hookimpl(tryfirst=True)       # before xdist's, which names each item's group from these marks
 def pytest_collection_modifyitems(config, items):
     modules = {}
     for item in items:
@@ -141,6 +142,18 @@ def supervisors(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FLEET_STATE_DIR", str(root))
     yield root
     stop_supervisors(root)
+
+
+@pytest.fixture(autouse=True)
+def no_ray_driver():
+    """No test leaves its process a driver of a Ray cluster: Ray ends a driver whose cluster has gone
+    (a minute after the cluster's stop, with _exit), which took down whichever xdist worker ran the
+    test, in another test, and hung `--dist loadgroup` for good. Ask Ray from a subprocess."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail("this test made the test process a Ray driver (ray.init): ask Ray from a subprocess")
 
 
 def supervisor_pids(root) -> list[int]:

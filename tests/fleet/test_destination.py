@@ -58,8 +58,10 @@ def test_two_hosts_ship_to_one_store_within_keep_local_and_speculators_reads_it_
                                  rf"a GPU, its upload to s3://bucket/run measured .*/s: the uplink, not the GPU, "
                                  rf"sets the pace", up.stderr), up.stderr
             assert "shards DONE" in up.stdout and "at s3://bucket/run" in up.stdout
-            assert re.search(r"bound by (GPU|disk|upload): GPUs waited \d+%", up.stdout)   # what set the pace
             snap = json.loads(fleet("status", "--json", "-c", config).stdout)
+            if snap["totals"]["bound"] is not None:                     # (5 s of batches or more)
+                assert snap["totals"]["bound"]["by"] in up.stdout.replace("GPU", "gpu")   # the finished line
+                assert re.search(r"bound by (GPU|disk|upload): GPUs waited \d+%", up.stdout), up.stdout
             sh = snap["totals"]["shipping"]
             assert sh["finished"] and sh["shipped_files"] == ROWS and sh["pending_files"] == 0
             assert sorted(h["shipping"]["shipped_files"] for h in snap["hosts"]) == [ROWS // 2, ROWS // 2]
@@ -76,9 +78,11 @@ def test_two_hosts_ship_to_one_store_within_keep_local_and_speculators_reads_it_
                 # GPU is the bound exactly when it waited for the writer under 5% of its batch time
                 # (here the writer waits for shipping, and its host buffers may or may not absorb it).
                 done = [e for e in events if e["event"] == "done"][-1]
-                waited = done["writer_wait_s"] / (done["t"] - done["batches_from"])
+                batches = done["t"] - done["batches_from"]
                 bound = snap["hosts"]["ab".index(name)]["bound"]
-                assert bound is not None and (bound["by"] == "gpu") == (waited < 0.05), (bound, done)
+                assert (bound is None) == (batches < 5), (bound, done)   # (under 5 s of batches: unsaid)
+                if bound is not None:
+                    assert (bound["by"] == "gpu") == (done["writer_wait_s"] / batches < 0.05), (bound, done)
                 assert done["ship_wait_s"] > 0                          # the writer did wait for room
                 out = tmp_path / f"out-{name}"
                 assert not [n for n in os.listdir(out) if n.startswith("hs_")]     # all shipped

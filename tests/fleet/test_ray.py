@@ -18,7 +18,7 @@ import threading
 import jsonschema
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import REPO, wait_for
 from tests.fleet.conftest import fleet, fleet_popen, stop_supervisor
 from tests.fleet.test_slurm import events, of, run_and_job       # the same run folder's layout (tmp_path/shared, run t)
 from worker import protocol
@@ -83,6 +83,19 @@ poll_interval = "1s"
 def node_of(tmp_path, shard: int) -> str | None:
     started = [e for e in of(protocol.Started, events(tmp_path, shard)) if e.node]
     return started[-1].node if started else None
+
+
+def all_ended_in_rays_word(cluster, jobs: list[str]) -> bool:
+    """Whether Ray says every one of `jobs` has ended (worker.engine.ray's own view of them), asked
+    from a process of its own: a test process that called ray.init() would be a driver of the
+    cluster, and Ray ends a driver whose cluster is gone (_exit, a minute after the cluster's stop,
+    in whatever test this xdist worker runs by then)."""
+    code = ("import json, sys; from worker.engine.ray import Ray; "
+            "views = Ray({'address': sys.argv[1]}).views_of(json.loads(sys.argv[2])); "
+            "print(json.dumps(all(v.terminal for v in views.values())))")
+    r = subprocess.run([sys.executable, "-c", code, cluster.address, json.dumps(jobs)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    return r.returncode == 0 and r.stdout.strip().splitlines()[-1:] == ["true"]
 
 
 def written(tmp_path, shard: int) -> int:
@@ -224,10 +237,8 @@ def test_r_x_and_D_in_the_live_view_restart_and_stop_ray_actors(tmp_path, ray_cl
         wait_screen(lambda t: "Stop the WHOLE run" in t, "the run's stop question")
         keys("D")                                                      # the run's own key confirms it
         wait_screen(lambda t: t.count("■ STOPPED") >= 2, "every shard stopped")
-        from worker.engine.ray import Ray
         jobs = [e.job for k in (0, 1) for e in of(protocol.Submitted, events(tmp_path, k))]
-        ray = Ray({"address": ray_cluster.address})
-        wait_for(lambda: all(v.terminal for v in ray.views_of(jobs).values()), 60, 0.5,
+        wait_for(lambda: all_ended_in_rays_word(ray_cluster, jobs), 60, 0.5,
                  what="every actor gone in Ray's word (none left holding a GPU)")
     finally:
         tmux.stop()
