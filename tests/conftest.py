@@ -44,6 +44,7 @@ SLOW_FIXTURES = {
     "runs": "the worker run in every format on the tiny model (minutes, shared by a session)",
     "fp8_run": "a worker run in fp8 and speculators' train loop on it",
 }
+SHARED_RUNS = ("runs", "compile_runs", "fp8_run")   # session/module fixtures that are whole worker runs
 SLOW_MODULES = {
     "tests/fleet/test_actions.py": "every stop and restart with real runners over many cycles",
     "tests/faults/test_clock.py": "a wall clock stepped under real shards, watched for twice the stall timeout",
@@ -127,6 +128,11 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("ray"):
             # One Ray cluster at a time on the machine (`ray stop` ends every one): one worker.
             item.add_marker(pytest.mark.xdist_group("ray"))
+        for fixture in SHARED_RUNS:
+            # Built once a process: the tests that read it go to one process, which builds it once
+            # (on three processes it was built three times, a minute and a half of CPU each).
+            if fixture in item.fixturenames:
+                item.add_marker(pytest.mark.xdist_group(fixture))
     stale = [t for t in SLOW_TESTS if (m := modules.get(t.split("::")[0])) is not None
              and not hasattr(m, t.split("::")[1])]
     if stale:              # a renamed test would leave the list silently: say so

@@ -182,9 +182,10 @@ def test_a_key_in_the_ssh_agent_needs_no_identity_file(tmp_path, home, sshd):
     sock = str(tmp_path / "agent.sock")
     agent = subprocess.Popen(["ssh-agent", "-D", "-a", sock], stdout=subprocess.DEVNULL)
     try:
-        wait_for(lambda: os.path.exists(sock), 10, what="ssh-agent socket")
-        subprocess.run(["ssh-add", "-q", str(home / ".ssh" / "id_gpubox")], env={**os.environ, "SSH_AUTH_SOCK": sock},
-                       check=True, capture_output=True)
+        # (the socket file is there a moment before the agent listens on it: ssh-add is tried until it takes)
+        add = ["ssh-add", "-q", str(home / ".ssh" / "id_gpubox")]
+        wait_for(lambda: subprocess.run(add, env={**os.environ, "SSH_AUTH_SOCK": sock}, capture_output=True)
+                 .returncode == 0, 30, 0.2, what="the key added to the ssh-agent")
         os.remove(home / ".ssh" / "id_gpubox")
         write_ssh_config(home, host_entry("gpubox", sshd.port, f"IdentityAgent {sock}", key=False))
         code, host = host_status(alias_toml(tmp_path, sshd, "gpubox", gpus=(0,)))

@@ -626,10 +626,13 @@ async def test_every_width_keeps_the_state_its_reason_the_countdown_and_the_aler
     app = FleetApp(fleet(), interval=3600)
     async with app.run_test(size=(width, 24)) as pilot:
         await drawn(pilot, app)
+        # (a loaded machine may draw the top bar before the shards' rows: their screen is waited for)
+        shard5 = lambda: [r for r in screen_text(app)[3:] if re.search(r"\b5 .*↻ BACKOFF", r)]  # noqa: E731
+        await until(pilot, shard5, what="shard 5's row")
         rows = screen_text(app)
         assert all(len(r) <= width for r in rows)
         assert "% of expected" in rows[1], rows[:3]
-        backoff = next(r for r in rows[3:] if re.search(r"\b5 .*↻ BACKOFF", r))     # shard 5's row
+        backoff = shard5()[0]
         assert re.search(r"↻ BACKOFF \d+s", backoff) and "killed by" in backoff, backoff
 
 
