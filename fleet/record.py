@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from worker import protocol
+from worker.text import exit_words as describe_exit
 
 from .bound import Point, Wait, recent, whole
-from worker.text import exit_words as describe_exit
 
 HISTORY_POINTS = 600               # progress points kept per attempt (bounded memory)
 

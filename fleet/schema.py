@@ -96,9 +96,14 @@ class Bound(BaseModel):
                                        "the run goes, every batch once it is finished")
 
     @property
+    def label(self) -> str:
+        """The bound as people read it: GPU, disk or upload."""
+        return "GPU" if self.by == "gpu" else self.by
+
+    @property
     def text(self) -> str:
         """'bound by disk: GPUs waited 23%' (or 'bound by GPU: GPUs waited 1%')."""
-        return f"bound by {'GPU' if self.by == 'gpu' else self.by}: GPUs waited {self.gpu_waited:.0%}"
+        return f"bound by {self.label}: GPUs waited {self.gpu_waited:.0%}"
 
 
 class HostStatus(BaseModel):

@@ -392,8 +392,8 @@ def bounds(views: list[ShardView], settled: bool) -> tuple[dict[str, Bound | Non
 
 
 def host_rows(hosts: dict[str, Host], views: list[ShardView], measured: list, hours: float | None,
-              now: float, rows: Sequence[ShardStatus] = (),
-              bound_of: dict[str, Bound | None] | None = None) -> tuple[list[HostStatus], float | None]:
+              now: float, rows: Sequence[ShardStatus],
+              bound_of: dict[str, Bound | None]) -> tuple[list[HostStatus], float | None]:
     """Each host as status shows it, and the soonest time a host's disk fills at its current rate."""
     host_tps: dict[str, float] = {}
     for v, x in measured:
@@ -425,7 +425,7 @@ def host_rows(hosts: dict[str, Host], views: list[ShardView], measured: list, ho
             shipping=shipping_sum(shipping.get(h.name, [])),
             catching_up=bool(h.reachable and h.catching_up),
             behind_s=_finite(h.behind_s, 0) if h.reachable and h.catching_up else None,
-            bound=(bound_of or {}).get(h.name)))
+            bound=bound_of.get(h.name)))
     return out, disk_eta
 
 

@@ -497,14 +497,15 @@ def shard_processes(shard_dir: str) -> list[int]:
     return found
 
 
-def _own(shard_dir: str, pid: int | None) -> int | None:
-    """`pid` (read from the shard's files) while it is still one of the shard's processes, else None:
-    a pid file outlives its process, and its number, reused, may be any process on the host — a
-    stale one signalled would stop a stranger's whole process group (it did: a test process, killed
-    by a stop of a shard long ended). Without /proc the recorded pid is trusted."""
-    if pid is None or not os.path.isdir("/proc"):
-        return pid
-    return pid if pid in shard_processes(shard_dir) else None
+def _own(shard_dir: str, *pids: int | None) -> list[int | None]:
+    """Each of `pids` (read from the shard's files) while it is still one of the shard's processes,
+    else None: a pid file outlives its process, and its number, reused, may be any process on the
+    host — a stale one signalled would stop a stranger's whole process group (it did: a test
+    process, killed by a stop of a shard long ended). Without /proc the recorded pids are trusted."""
+    if not os.path.isdir("/proc"):
+        return list(pids)
+    mine = set(shard_processes(shard_dir))            # (one scan of /proc for all of them)
+    return [pid if pid in mine else None for pid in pids]
 
 
 def _gone(shard_dir: str, pgid: int | None) -> bool:
@@ -526,7 +527,7 @@ def kill_shard(shard_dir: str, grace: float) -> str:
     records), until the lock is free and the group is gone. 'stopped' (it ended within the grace),
     'killed', or 'not running'."""
     p = _paths(shard_dir)
-    pid, runner = _own(shard_dir, read_pid(shard_dir)), _own(shard_dir, _read_int(p["runner"]))
+    pid, runner = _own(shard_dir, read_pid(shard_dir), _read_int(p["runner"]))
     pgid = _pgid(pid)
     if not is_running(shard_dir) and not _group_alive(pgid):
         return "not running"
@@ -534,7 +535,7 @@ def kill_shard(shard_dir: str, grace: float) -> str:
         _signal_group(runner, signal.SIGTERM)      # not started yet: the runner forwards it
     if _wait_gone(shard_dir, pgid, grace):
         return "stopped"
-    pgid = pgid or _pgid(_own(shard_dir, read_pid(shard_dir)))
+    pgid = pgid or _pgid(_own(shard_dir, read_pid(shard_dir))[0])
     for _ in range(20):
         if pgid is not None:
             try:

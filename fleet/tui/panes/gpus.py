@@ -60,8 +60,8 @@ def bound_cell(h: HostStatus, no_color: bool) -> tuple | str:
     if b is None:
         return ""
     if b.by == "gpu":
-        return "GPU"
-    return _styled(f"{b.by} {b.gpu_waited:.0%}", wait_level(b.gpu_waited), no_color)
+        return b.label
+    return _styled(f"{b.label} {b.gpu_waited:.0%}", wait_level(b.gpu_waited), no_color)
 
 
 def cost_cell(h: HostStatus) -> str:
