@@ -22,7 +22,9 @@ def test_layers_spread_over_devices_in_order_and_the_files_are_identical(tmp_pat
     model = load_model(dense_model, ["cpu", "cpu"], torch.float32)
     assert len(model.devices) == 2 and len(find_decoder(model).layers) == 8
     outs = {}
-    for name, extra in (("one", ()), ("two", ("--devices", "cpu,cpu")), ("groups", ("--micro-batches", "3"))):
+    fp32 = ("--model-dtype", "fp32")      # row groups compared where rounding is not the CPU's bf16's
+    for name, extra in (("one", ()), ("two", ("--devices", "cpu,cpu")),
+                        ("one32", fp32), ("groups32", (*fp32, "--micro-batches", "3"))):
         out = str(tmp_path / name)
         r = run_worker("--model", dense_model, "--data", token_data, "--out", out, *extra)
         assert r.returncode == 0, r.stderr
@@ -32,9 +34,12 @@ def test_layers_spread_over_devices_in_order_and_the_files_are_identical(tmp_pat
     for path in files:
         a = load_file(path)["hidden_states"]
         assert torch.equal(a, load_file(path.replace(outs["one"], outs["two"]))["hidden_states"]), path
-        # other row groups are other matmul shapes: the same values up to rounding, not bit for bit
-        c = load_file(path.replace(outs["one"], outs["groups"]))["hidden_states"].float()
-        assert float((c - a.float()).norm() / a.float().norm()) < 1e-2, path
+        # other row groups are other matmul shapes: the same values up to rounding, not bit for bit.
+        # Computed in fp32 the two differ only where the stored bf16 rounds the other way (a bf16
+        # model's own rounding differs by the CPU: CI's drifted 1.1% over 8 random layers)
+        b = load_file(path.replace(outs["one"], outs["one32"]))["hidden_states"].float()
+        c = load_file(path.replace(outs["one"], outs["groups32"]))["hidden_states"].float()
+        assert float((c - b).norm() / b.norm()) < 1e-3, path
 
 
 def test_preflight_says_what_to_change_when_the_weights_do_not_fit(dense_model):
