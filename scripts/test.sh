@@ -24,6 +24,10 @@ fi
 # second (the ones waiting do not hold it): older than a minute, it is stale.
 lock="${PYENV_ROOT:-$HOME/.pyenv}/shims/.pyenv-shim"
 [ -f "$lock" ] && find "$lock" -mmin +1 -delete
+# The suite starts ~2,000 Python processes (workers, agents, the CLI, each over a fresh deployed copy):
+# with bytecode written once (__pycache__, ignored by git and by deploy), each imports fleet's and
+# the worker's modules without compiling them again (0.1-0.2 s a process on this machine).
+unset PYTHONDONTWRITEBYTECODE
 # The interpreter itself, not a version manager's shim (pyenv's runs a rehash after every pip install).
 PY="$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)')"
 export PATH="$(dirname "$PY"):$PATH"

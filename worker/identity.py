@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from .datafiles import DatasetFilesError, dataset_files, jsonl_row_count
 from .protocol import WorkIdentity
@@ -48,37 +49,68 @@ SHAPE_KEYS = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
 
 
 def model_shape(model: str) -> ModelShape | None:
-    """The text model's shape, read through transformers' own config class (so every architecture
-    it loads, GPT-2's n_embd / n_layer / n_positions included, works), without loading weights;
-    the raw config.json with the common aliases where transformers is absent."""
+    """The text model's shape without loading weights. config.json as written where it declares
+    the shape itself (most models: their config class reads the same values, and preflight need not
+    import transformers and torch for them, about 2 s a host); otherwise through transformers' own
+    config class (GPT-2's n_embd / n_layer / n_positions, a class's default for what the file leaves
+    out); the raw file with the common aliases where transformers is absent."""
     if not os.path.isfile(os.path.join(model, "config.json")):
         return None
+    top = _raw_config(model)
+    text = top.get("text_config", top) if top is not None else None
+    text = text if isinstance(text, dict) else None
+    if top is not None and text is not None and _declares_its_shape(top, text):
+        return _shape({name: text[keys[0]] for name, keys in SHAPE_KEYS.items()})
+    cfg = _transformers_config(model)
+    if cfg is not None:
+        text_cfg = getattr(cfg, "text_config", None) or cfg
+        values = {name: getattr(text_cfg, keys[0], None) for name, keys in SHAPE_KEYS.items()}
+        if values["max_positions"] is None:
+            values["max_positions"] = getattr(text_cfg, "n_positions", None)
+        return _shape(values)
+    if text is None:
+        return None
+    return _shape({name: next((text[k] for k in keys if text.get(k) is not None), None)
+                   for name, keys in SHAPE_KEYS.items()})
+
+
+def _declares_its_shape(top: dict, text: dict) -> bool:
+    """All three under transformers' names, in the file's text_config or, for a causal LM with no
+    sub-config at all, at the top (a multimodal class builds a default text model for a file that
+    leaves its text_config out; a quantization_config is left to transformers too)."""
+    if not all(text.get(keys[0]) is not None for keys in SHAPE_KEYS.values()):
+        return False
+    if isinstance(top.get("text_config"), dict):
+        return True
+    architectures = top.get("architectures")
+    return (not any(k.endswith("_config") for k in top) and isinstance(architectures, list)
+            and bool(architectures) and all(str(a).endswith("ForCausalLM") for a in architectures))
+
+
+def _raw_config(model: str) -> dict | None:
+    """config.json as a dict, or None where it is unreadable."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _transformers_config(model: str) -> Any:
+    """transformers' config object for `model`, or None (no transformers, an unknown model_type,
+    a malformed file)."""
     try:
         from transformers import AutoConfig
     except ImportError:
-        cfg = None
-    else:
-        try:
-            cfg = AutoConfig.from_pretrained(model)
-        except Exception:               # an unknown model_type, a malformed file: read it raw
-            cfg = None
-    if cfg is not None:
-        text = getattr(cfg, "text_config", None) or cfg
-        values = {name: getattr(text, name, None) for name in ("hidden_size", "num_hidden_layers",
-                                                               "max_position_embeddings")}
-        values = dict(zip(SHAPE_KEYS, values.values()))
-        if values["max_positions"] is None:
-            values["max_positions"] = getattr(text, "n_positions", None)
-    else:
-        try:
-            with open(os.path.join(model, "config.json")) as f:
-                raw = json.load(f)
-        except (OSError, ValueError):
-            return None
-        raw = raw.get("text_config", raw) if isinstance(raw, dict) else {}
-        raw = raw if isinstance(raw, dict) else {}
-        values = {name: next((raw[k] for k in keys if raw.get(k) is not None), None)
-                  for name, keys in SHAPE_KEYS.items()}
+        return None
+    try:
+        return AutoConfig.from_pretrained(model)
+    except Exception:
+        return None
+
+
+def _shape(values: dict) -> ModelShape | None:
     hidden, layers, positions = values["hidden_size"], values["num_layers"], values["max_positions"]
     if hidden is None or layers is None:
         return None

@@ -15,6 +15,7 @@ a Parquet / saved dataset).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -34,6 +35,9 @@ from .probe import disk_space, write_rate
 from .text import bytes_text
 
 MIN_PYTHON = (3, 9)
+# Where a GPU driver shows itself (NVIDIA's; ROCm's, which torch.cuda also speaks): a host with none
+# has no CUDA device to count.
+GPU_DRIVER = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd")
 
 
 CHARS_PER_TOKEN = 3.5                # raw chats: the estimate where rows are not tokenized
@@ -336,9 +340,12 @@ def _worker_packages(report: protocol.PreflightReport) -> list[protocol.Check]:
     if missing:
         return [_error(f"missing Python packages for the worker: {', '.join(missing)} "
                        f"(pip install 'fleet[worker]' on the host)")]
-    import torch
-    report.torch = torch.__version__
-    report.cuda_devices = torch.cuda.device_count()
+    report.torch = importlib.metadata.version("torch")
+    if any(os.path.exists(p) for p in GPU_DRIVER):       # no driver, no CUDA device: torch's import
+        import torch                                        # (1-2 s) would only say 0
+        report.cuda_devices = torch.cuda.device_count()
+    else:
+        report.cuda_devices = 0
     return []
 
 

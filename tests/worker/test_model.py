@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from worker.identity import ModelShape
 from worker.layers import LayerError, resolve_layers
 from worker.model import Capture, ModelError, find_decoder, load_model, missing_fast_kernels
 
@@ -176,3 +181,43 @@ def test_loading_says_how_far_the_reading_of_the_weights_has_got(models, tmp_pat
              load_file(os.path.join(model, n)).items()}
     name, weight = next((k, v) for k, v in saved.items() if k.endswith("layers.0.mlp.up_proj.weight"))
     assert torch.equal(dict(ours.named_parameters())[name.removeprefix("model.")].float(), weight.float())
+
+
+# (model_type, its architecture): causal LMs, GPT-2's own names, and a multimodal class that
+# builds a default text model where the file leaves its text_config out
+SHAPE_CASES = [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"),
+               ("mixtral", "MixtralForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"),
+               ("qwen3_5_text", "Qwen3_5ForCausalLM"), ("gpt2", "GPT2LMHeadModel"),
+               ("qwen3_5", "Qwen3_5ForConditionalGeneration")]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(SHAPE_CASES), sizes=st.tuples(st.integers(1, 64), st.integers(1, 96), st.integers(64, 9000)),
+       declared=st.one_of(st.just((True, True, True)), st.tuples(st.booleans(), st.booleans(), st.booleans())),
+       gpt2_names=st.booleans(),
+       nested=st.booleans(), named=st.booleans(), quantized=st.booleans())
+def test_a_models_shape_read_from_its_file_is_the_one_transformers_gives(tmp_path_factory, case, sizes, declared,
+                                                                          gpt2_names, nested, named, quantized):
+    """model_shape reads config.json itself where the file declares the shape (no transformers,
+    no torch: preflight's 2 s); whichever way it reads, the answer is transformers' own config's."""
+    from transformers import AutoConfig
+    from worker.identity import model_shape
+    model_type, architecture = case
+    names = ("n_embd", "n_layer", "n_positions") if model_type == "gpt2" and gpt2_names else \
+        ("hidden_size", "num_hidden_layers", "max_position_embeddings")
+    hidden, layers, positions = sizes[0] * 64, sizes[1], sizes[2]
+    text = {name: value for name, value, on in zip(names, (hidden, layers, positions), declared) if on}
+    config: dict = {"model_type": model_type}
+    if nested and model_type == "qwen3_5":
+        config["text_config"] = {"model_type": "qwen3_5_text", **text}
+    else:
+        config.update(text)
+    if named:
+        config["architectures"] = [architecture]
+    if quantized:
+        config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    folder = tmp_path_factory.mktemp("shape")
+    (folder / "config.json").write_text(json.dumps(config))
+    theirs = AutoConfig.from_pretrained(str(folder)).get_text_config()
+    expected = ModelShape(theirs.hidden_size, theirs.num_hidden_layers, getattr(theirs, "max_position_embeddings", None))
+    assert model_shape(str(folder)) == expected, config
