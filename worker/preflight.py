@@ -340,9 +340,13 @@ def _worker_packages(report: protocol.PreflightReport) -> list[protocol.Check]:
     if missing:
         return [_error(f"missing Python packages for the worker: {', '.join(missing)} "
                        f"(pip install 'fleet[worker]' on the host)")]
-    report.torch = importlib.metadata.version("torch")
-    if any(os.path.exists(p) for p in GPU_DRIVER):       # no driver, no CUDA device: torch's import
-        import torch                                        # (1-2 s) would only say 0
+    try:
+        report.torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:         # importable without its metadata (a source tree)
+        report.torch = None
+    if report.torch is None or any(os.path.exists(p) for p in GPU_DRIVER):   # no driver, no CUDA device:
+        import torch                                                           # its import (1-2 s) would say 0
+        report.torch = torch.__version__
         report.cuda_devices = torch.cuda.device_count()
     else:
         report.cuda_devices = 0
