@@ -56,7 +56,7 @@ def model_shape(model: str) -> ModelShape | None:
     out); the raw file with the common aliases where transformers is absent."""
     if not os.path.isfile(os.path.join(model, "config.json")):
         return None
-    top = _raw_config(model)
+    top = model_config(model)
     text = top.get("text_config", top) if top is not None else None
     text = text if isinstance(text, dict) else None
     if top is not None and text is not None and _declares_its_shape(top, text):
@@ -87,8 +87,8 @@ def _declares_its_shape(top: dict, text: dict) -> bool:
             and bool(architectures) and all(str(a).endswith("ForCausalLM") for a in architectures))
 
 
-def _raw_config(model: str) -> dict | None:
-    """config.json as a dict, or None where it is unreadable."""
+def model_config(model: str) -> dict | None:
+    """The model folder's config.json as a dict, or None where it is missing or unreadable."""
     try:
         with open(os.path.join(model, "config.json")) as f:
             raw = json.load(f)

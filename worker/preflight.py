@@ -27,7 +27,7 @@ from . import protocol
 from .files import OWNER_PATH, folder_owner, manifest_records, relation, run_outputs_near
 from .formats import FormatError, Layout, check_dtype, check_plan
 from .gpu import GpuReader
-from .identity import (IdentityError, model_shape, output_identity, output_mismatch,
+from .identity import (IdentityError, model_config, model_shape, output_identity, output_mismatch,
                        work_identity)
 from .layers import LayerError, LayerPlan, resolve_layers
 from .plan import read_plan
@@ -249,11 +249,11 @@ def fit_problem(model: str, shape, gpus: list[protocol.GpuStat], k: int, budget:
 def hybrid_kernels(model: str) -> str | None:
     """A hybrid (Gated DeltaNet) model on a GPU host without flash-linear-attention runs
     transformers' reference kernels: what that costs, and the one command that fixes it."""
+    if (config := model_config(model)) is None:       # (reported elsewhere)
+        return None
     try:
-        with open(os.path.join(model, "config.json")) as f:
-            config = json.load(f)
         from .model import HYBRID_MODEL_TYPES
-    except Exception:                       # no config (reported elsewhere), no torch
+    except Exception:                       # no torch
         return None
     kind = (config.get("text_config") or {}).get("model_type") or config.get("model_type")
     if kind not in HYBRID_MODEL_TYPES or importlib.util.find_spec("fla") is not None:

@@ -21,6 +21,7 @@ from tests.faults.test_worker_faults import small_tmpfs  # noqa: F401  (fixture)
 from tests.fleet.conftest import fleet
 from tests.fleet.test_judge import launch, view
 from worker import protocol as p
+from worker.files import manifest_records
 from worker.verify import verify
 
 
@@ -73,7 +74,6 @@ def test_the_disk_full_forecast_uses_the_bytes_per_token_written():
 def manifest_bytes(out: str) -> int:
     """Through the worker's own reader: a disk that filled mid-append leaves a torn last line, which
     the worker passes over (its row is redone) — a plain json.loads of every line failed CI on it."""
-    from worker.files import manifest_records
     return sum(rec.get("bytes", 0) for rec in manifest_records(out))
 
 

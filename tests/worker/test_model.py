@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from worker.identity import ModelShape
+from worker.identity import ModelShape, model_shape
 from worker.layers import LayerError, resolve_layers
 from worker.model import Capture, ModelError, find_decoder, load_model, missing_fast_kernels
 
@@ -201,7 +201,6 @@ def test_a_models_shape_read_from_its_file_is_the_one_transformers_gives(tmp_pat
     """model_shape reads config.json itself where the file declares the shape (no transformers,
     no torch: preflight's 2 s); whichever way it reads, the answer is transformers' own config's."""
     from transformers import AutoConfig
-    from worker.identity import model_shape
     model_type, architecture = case
     names = ("n_embd", "n_layer", "n_positions") if model_type == "gpt2" and gpt2_names else \
         ("hidden_size", "num_hidden_layers", "max_position_embeddings")
